@@ -1,0 +1,25 @@
+"""grpo_lab: notebook-first GRPO for language models.
+
+    from grpo_lab import GRPOConfig, GRPOSession
+
+The heavy modules (torch, transformers) load on first use of a public name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "GRPOConfig": "grpo_lab.config",
+    "GRPOSession": "grpo_lab.session",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'grpo_lab' has no attribute {name!r}")

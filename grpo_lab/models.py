@@ -1,0 +1,70 @@
+"""Load the policy, its tokenizer and (when needed) a frozen reference model.
+
+A model may be given as a local path or hub id (loaded with ``model_init_kwargs``) or as an
+already-built ``PreTrainedModel``. Tokenizers are set to pad on the left, as generation requires,
+and fall back to the EOS token for padding when they have no pad token (as TRL does).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_model_reference(name: str) -> None:
+    """Raise a clear error, before any hub lookup, for a model that cannot be found.
+
+    A name that is not an existing path must look like a hub id (``org/name``), and the hub must be
+    reachable (``HF_HUB_OFFLINE`` unset).
+    """
+    if Path(name).expanduser().exists():
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}
+    if offline or not _HUB_ID.fullmatch(name):
+        where = "HF_HUB_OFFLINE is set, so the hub is not searched" if offline else "it is not a hub id either"
+        raise FileNotFoundError(
+            f"Model {name!r} does not exist as a local path ({where}). Give a directory written by "
+            "save_pretrained (it holds config.json), a hub model id, or a PreTrainedModel instance."
+        )
+
+
+def load_tokenizer(name_or_path: str, **kwargs):
+    """The tokenizer for ``name_or_path``, padding on the left, with a pad token."""
+    check_model_reference(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer):
+    """Make a user-supplied tokenizer usable for generation: a pad token and left padding."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                "The tokenizer has neither a pad token nor an EOS token. Set tokenizer.pad_token "
+                "(and tokenizer.eos_token) before building the session."
+            )
+        warnings.warn("The tokenizer has no pad token; using its EOS token for padding, as TRL does.", stacklevel=3)
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.padding_side != "left":
+        tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedModel:
+    """A causal LM from a path / hub id (with ``model_init_kwargs``) or the model itself."""
+    if isinstance(model, PreTrainedModel):
+        return model
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}."
+        )
+    name = str(model)
+    check_model_reference(name)
+    return AutoModelForCausalLM.from_pretrained(name, **(model_init_kwargs or {}))

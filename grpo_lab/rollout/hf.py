@@ -1,0 +1,97 @@
+"""Generation with transformers' ``model.generate``: the default rollout backend.
+
+Prompts are tokenized with left padding (so every prompt ends where generation starts), sampled
+with the configured sampling parameters, cut after the first EOS, and returned as padded tensors
+with a completion mask and a truncated flag (no EOS within ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from grpo_lab.ops.masks import completion_mask_from_ids
+
+
+@dataclass
+class GeneratedBatch:
+    """Token tensors of one generation call. B completions, P prompt tokens, T completion tokens."""
+
+    prompt_ids_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    completion_ids_BT: torch.Tensor
+    completion_mask_BT: torch.Tensor
+    is_truncated_B: torch.Tensor
+
+
+def sampling_config(
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    generation_kwargs: dict | None = None,
+) -> GenerationConfig:
+    """A ``GenerationConfig`` from TRL-named sampling fields; ``generation_kwargs`` override them."""
+    settings = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        repetition_penalty=repetition_penalty,
+    )
+    if do_sample:
+        settings.update(temperature=temperature, top_p=top_p, top_k=top_k or None, min_p=min_p)
+    else:
+        settings.update(temperature=None, top_p=None, top_k=None)
+    settings.update(generation_kwargs or {})
+    return GenerationConfig(**settings)
+
+
+def tokenize_prompts(tokenizer, prompt_texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    if tokenizer.padding_side != "left":
+        raise ValueError(
+            f"The tokenizer pads on the {tokenizer.padding_side!r}; generation needs left padding so that "
+            "every prompt ends where its completion starts. Set tokenizer.padding_side = 'left'."
+        )
+    encoded = tokenizer(prompt_texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+
+
+def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        raise ValueError(
+            f"Prompts of {prompt_length} tokens plus max_completion_length={max_new_tokens} exceed the "
+            f"model's context of {limit} tokens. Shorten or filter the prompts, or lower "
+            "max_completion_length."
+        )
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig) -> GeneratedBatch:
+    """Sample one completion per prompt text (repeat a prompt to get several)."""
+    device = next(model.parameters()).device
+    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
+    check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        sequences = model.generate(
+            input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config
+        )
+    finally:
+        model.train(was_training)
+    completion_ids_BT = sequences[:, prompt_ids_BP.shape[1]:]
+    completion_mask_BT, is_truncated_B = completion_mask_from_ids(
+        completion_ids_BT, eos_token_id=generation_config.eos_token_id
+    )
+    # After the first EOS, generate() appends whatever it pads with; make those positions pad tokens.
+    completion_ids_BT = completion_ids_BT.masked_fill(completion_mask_BT == 0, tokenizer.pad_token_id)
+    return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, is_truncated_B)
