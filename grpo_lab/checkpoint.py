@@ -1,0 +1,100 @@
+"""Save and restore everything a run needs to continue exactly: weights (or adapter), optimizer,
+scheduler, random states, sampler position, counters and the caller's own state.
+
+Writes are atomic: files go to a temporary sibling directory that replaces the target only once
+complete, so a crash mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def atomic_directory_write(target: Path, write) -> Path:
+    """Call ``write(tmp_dir)``, then move ``tmp_dir`` to ``target`` in one rename."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        (tmp / "COMPLETE").write_text("ok\n")
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def save_engine(engine, directory: Path, extra: dict) -> None:
+    """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is."""
+    model = engine.unwrapped_model
+    model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
+    engine.tokenizer.save_pretrained(directory / MODEL_DIR)
+    engine.config.to_yaml(directory / "config.yaml")
+    state = {
+        "optimizer": engine.optimizer.state_dict(),
+        "scheduler": engine.scheduler.state_dict(),
+        "rng": rng_state(),
+        "sampler": engine.sampler.state_dict(),
+        "global_step": engine.global_step,
+        "num_input_tokens_seen": engine.num_input_tokens_seen,
+        "ref_model": engine.ref_model.state_dict() if engine.ref_model is not None else None,
+        "extra": extra,
+    }
+    torch.save(state, directory / STATE_FILE)
+    (directory / "summary.json").write_text(
+        json.dumps({"global_step": engine.global_step, "is_peft": engine.is_peft}, indent=2) + "\n"
+    )
+
+
+def check_complete(directory: Path) -> Path:
+    directory = Path(directory)
+    if not (directory / "COMPLETE").exists() or not (directory / STATE_FILE).exists():
+        raise FileNotFoundError(
+            f"{directory} is not a complete grpo_lab checkpoint (no COMPLETE marker or {STATE_FILE}). "
+            "Give a directory written by save()."
+        )
+    return directory
+
+
+def load_state(directory: Path) -> dict:
+    return torch.load(check_complete(directory) / STATE_FILE, weights_only=False)
+
+
+def restore_engine(engine, state: dict) -> None:
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.scheduler.load_state_dict(state["scheduler"])
+    engine.sampler.load_state_dict(state["sampler"])
+    engine.global_step = state["global_step"]
+    engine.num_input_tokens_seen = state["num_input_tokens_seen"]
+    if state["ref_model"] is not None and engine.ref_model is not None:
+        engine.ref_model.load_state_dict(state["ref_model"])
+    set_rng_state(state["rng"])

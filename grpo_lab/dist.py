@@ -1,0 +1,53 @@
+"""The one place that talks to accelerate and torch.distributed.
+
+Everything else calls these helpers, so the engine reads the same on one process and on many:
+``gather`` concatenates a tensor from every process in rank order, ``mean``/``total`` reduce a
+scalar, ``local_slice`` says which part of a global batch this process owns.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+
+def make_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
+    """An Accelerator for ``precision`` in {"bf16", "fp16", "fp32"}; gradient accumulation is done by
+    the engine itself, so the accelerator's own accumulation stays at 1."""
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
+    return Accelerator(mixed_precision=mixed, cpu=use_cpu)
+
+
+def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``tensor`` (same shape on every process) along dim 0 across processes."""
+    if accelerator.num_processes == 1:
+        return tensor
+    return accelerator.gather(tensor.contiguous())
+
+
+def gather_list(accelerator: Accelerator, items: list) -> list:
+    """Concatenate Python lists across processes in rank order."""
+    if accelerator.num_processes == 1:
+        return list(items)
+    return gather_object(list(items))
+
+
+def total(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:
+    """Sum of a scalar tensor over processes."""
+    return gather(accelerator, value.reshape(1)).sum()
+
+
+def mean(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:
+    """Mean of a scalar tensor over processes."""
+    return gather(accelerator, value.reshape(1).float()).mean()
+
+
+def local_slice(accelerator: Accelerator, global_size: int) -> slice:
+    """The contiguous part of a global batch of ``global_size`` rows owned by this process."""
+    if global_size % accelerator.num_processes:
+        raise ValueError(
+            f"A global batch of {global_size} cannot be split evenly over {accelerator.num_processes} processes."
+        )
+    size = global_size // accelerator.num_processes
+    return slice(accelerator.process_index * size, (accelerator.process_index + 1) * size)

@@ -1,0 +1,445 @@
+"""THE trainer core: one method per GRPO stage over an ``accelerate.Accelerator``.
+
+``GRPOSession`` (stepping in a notebook) and ``GRPOTrainer`` (a script under ``accelerate launch``)
+both drive this class, stage by stage, in the same order: ``generate`` -> ``score`` ->
+``advantages`` -> ``loss`` -> ``update``. The math lives in :mod:`grpo_lab.ops`; this module wires it
+to models, data, reward functions and processes.
+
+Batch bookkeeping follows TRL: one generation batch holds ``steps_per_generation`` micro-batches of
+``per_device_train_batch_size`` completions per process; an optimizer step consumes
+``gradient_accumulation_steps`` micro-batches; the batch is reused ``num_iterations`` times. Unlike
+TRL, ``steps_per_generation`` must be a multiple of ``gradient_accumulation_steps`` so that an
+optimizer step never straddles two generation batches (which keeps stage-by-stage stepping
+well defined), and micro-batches are taken in order rather than shuffled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
+
+from grpo_lab import dist, ops
+from grpo_lab.config import GRPOConfig
+from grpo_lab.models import load_causal_lm, load_tokenizer, prepare_tokenizer
+from grpo_lab.metrics import generation_metrics, loss_metrics
+from grpo_lab.rewards import prepare_reward_funcs, score_completions
+from grpo_lab.rollout.hf import generate as hf_generate
+from grpo_lab.rollout.hf import sampling_config
+from grpo_lab.rollout.prompts import render_prompts, wrap_completions
+from grpo_lab.sampler import PromptSampler
+from grpo_lab.types import Advantages, LossResult, Rollout, Scores
+
+_GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "luspo", "vespo"}
+
+
+def check_dataset(dataset, name: str) -> None:
+    if dataset is None:
+        raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts "
+            "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty: it needs at least one prompt.")
+
+
+class Engine:
+    """Model, optimizer, data and reward functions, with one method per GRPO stage."""
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        optimizers=(None, None),
+    ):
+        self.config = args if args is not None else GRPOConfig()
+        config = self.config
+        check_dataset(train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            check_dataset(eval_dataset, "eval_dataset")
+        self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
+        self.batching = config.resolve(self.accelerator.num_processes)
+        spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
+        if spg % ga:
+            raise ValueError(
+                f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps ({ga}) so "
+                "that each optimizer step uses micro-batches of a single generation batch. Set "
+                f"steps_per_generation to {ga * max(1, spg // ga)} or adjust generation_batch_size."
+            )
+        # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
+        set_seed(config.seed + self.accelerator.process_index)
+
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        if processing_class is None:
+            if not name:
+                raise ValueError("processing_class is required when the model has no name to load a tokenizer from.")
+            processing_class = load_tokenizer(name)
+        self.tokenizer = prepare_tokenizer(processing_class)
+        policy = load_causal_lm(model, config.model_init_kwargs)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            policy = get_peft_model(policy, peft_config)
+        self.is_peft = peft_config is not None or hasattr(policy, "disable_adapter") and hasattr(policy, "peft_config")
+        if config.disable_dropout:
+            for module in policy.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        if config.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            )
+            if self.is_peft:
+                policy.enable_input_require_grads()
+        self.ref_model = None
+        if config.beta > 0 and not self.is_peft:
+            self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(self.accelerator.device)
+
+        optimizer, scheduler = optimizers
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(
+                [p for p in policy.parameters() if p.requires_grad],
+                lr=config.learning_rate,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_epsilon,
+                weight_decay=config.weight_decay,
+            )
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.sampler = PromptSampler(
+            dataset_size=len(train_dataset),
+            prompts_per_batch=self.batching.generation_batch_size // config.num_generations,
+            seed=config.data_seed if config.data_seed is not None else config.seed,
+            shuffle=config.shuffle_dataset is not False,
+        )
+        self.steps_per_batch = config.num_iterations * spg // ga
+        if scheduler is None:
+            total = self.total_steps()
+            warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
+            scheduler = get_scheduler(
+                config.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},
+            )
+        self.scheduler = scheduler
+        funcs, classes, names = prepare_reward_funcs(
+            reward_funcs, reward_processing_classes, config.model_init_kwargs
+        )
+        self.reward_funcs, self.reward_processing_classes, self.reward_names = funcs, classes, names
+        for func in funcs:
+            if isinstance(func, PreTrainedModel):
+                func.to(self.accelerator.device)
+        self.global_step = 0
+        self.num_input_tokens_seen = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: ``max_steps``, or ``num_train_epochs`` worth of batches."""
+        if self.config.max_steps > 0:
+            return self.config.max_steps
+        batches_per_epoch = self.sampler.dataset_size // self.sampler.prompts_per_batch
+        return max(1, math.ceil(self.config.num_train_epochs * batches_per_epoch * self.steps_per_batch))
+
+    @property
+    def unwrapped_model(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def trainer_state(self) -> TrainerState:
+        """What reward functions receive as ``trainer_state`` (TRL passes transformers' TrainerState)."""
+        return TrainerState(
+            global_step=self.global_step, max_steps=self.total_steps(), epoch=self.sampler.epoch_progress
+        )
+
+    def needs_old_logprobs(self) -> bool:
+        """Old log-probs differ from the current ones only when a batch is reused across updates."""
+        return self.config.num_iterations > 1 or self.batching.steps_per_generation > self.config.gradient_accumulation_steps
+
+    def set_learning_rate(self, value: float) -> None:
+        """Apply a new base learning rate from now on, keeping the schedule's current factor."""
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            factor = group["lr"] / base if base else 1.0
+            group["lr"] = value * factor
+        self.scheduler.base_lrs = [value] * len(self.scheduler.base_lrs)
+
+    def sampling_config(self):
+        """The generation settings of the current config (read at each call: editable between steps)."""
+        config = self.config
+        return sampling_config(
+            self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
+            top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
+        )
+
+    # ------------------------------------------------------------------ log-probs
+    def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool):
+        """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``.
+
+        Logits are divided by the sampling temperature first, so the log-probs are those of the
+        distribution the completions were sampled from (as TRL does).
+        """
+        prompt_ids = rollout.prompt_ids_BP[index_B]
+        prompt_mask = rollout.prompt_mask_BP[index_B]
+        completion_ids = rollout.completion_ids_BT[index_B]
+        completion_mask = rollout.completion_mask_BT[index_B]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # same positions as generate()
+        num_completion_tokens = completion_ids.shape[1]
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            logits_to_keep=num_completion_tokens + 1,
+        ).logits
+        logits_BTV = logits[:, :-1, :].float() / self.config.temperature
+        logprobs_BT = ops.selective_log_softmax(logits_BTV, completion_ids)
+        entropies_BT = None
+        if with_entropy:
+            with torch.no_grad():
+                entropies_BT = ops.entropy_from_logits(logits_BTV)
+        return logprobs_BT, entropies_BT
+
+    @torch.no_grad()
+    def _batched_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        size = self.config.per_device_train_batch_size
+        parts = []
+        for start in range(0, len(rollout), size):
+            index_B = torch.arange(start, min(start + size, len(rollout)))
+            parts.append(self.sequence_logprobs(model, rollout, index_B, with_entropy=False)[0])
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ stages
+    def generate(self) -> Rollout:
+        """Draw the next generation batch of prompts and sample ``num_generations`` completions each."""
+        config = self.config
+        sampler_state = self.sampler.state_dict()
+        try:
+            indices = self.sampler.next_indices()
+            global_rows = [i for i in indices for _ in range(config.num_generations)]
+            group_B = [position // config.num_generations for position in range(len(global_rows))]
+            local = dist.local_slice(self.accelerator, len(global_rows))
+            rows = self.train_dataset.select(global_rows[local]).to_dict()
+            prompts = rows.pop("prompt")
+            texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs)
+            with self.accelerator.autocast():
+                batch = hf_generate(self.unwrapped_model, self.tokenizer, texts, self.sampling_config())
+        except BaseException:
+            self.sampler.load_state_dict(sampler_state)
+            raise
+        completion_texts = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
+        rollout = Rollout(
+            prompts=prompts,
+            completions=wrap_completions(prompts, completion_texts),
+            completion_texts=completion_texts,
+            columns=rows,
+            prompt_ids_BP=batch.prompt_ids_BP,
+            prompt_mask_BP=batch.prompt_mask_BP,
+            completion_ids_BT=batch.completion_ids_BT,
+            completion_mask_BT=batch.completion_mask_BT,
+            is_truncated_B=batch.is_truncated_B,
+            group_index_B=torch.tensor(group_B[local]),
+            step=self.global_step,
+        )
+        with self.accelerator.autocast():
+            if self.needs_old_logprobs():
+                rollout.old_logprobs_BT = self._batched_logprobs(self.model, rollout)
+            if config.beta > 0:
+                rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
+        tokens = batch.prompt_mask_BP.sum() + batch.completion_mask_BT.sum()
+        self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
+        return rollout
+
+    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._batched_logprobs(self.ref_model, rollout)
+        with self.unwrapped_model.disable_adapter():  # PEFT: the base model is the reference
+            return self._batched_logprobs(self.model, rollout)
+
+    def score(self, rollout: Rollout) -> Scores:
+        """Call every reward function on the completions (TRL's keyword-argument convention)."""
+        completion_ids = [
+            ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids_BT, rollout.completion_mask_BT)
+        ]
+        rewards_BF, logs = score_completions(
+            self.reward_funcs, self.reward_processing_classes, self.reward_names,
+            prompts=rollout.prompts, completions=rollout.completions, completion_ids=completion_ids,
+            columns=rollout.columns, trainer_state=self.trainer_state(),
+        )
+        return Scores(rollout, rewards_BF, list(self.reward_names), logs.extras, logs.metrics)
+
+    def advantages(self, scores: Scores) -> Advantages:
+        """Group-relative advantages from rewards gathered over every process."""
+        config = self.config
+        rewards_BF = dist.gather(self.accelerator, scores.rewards_BF.to(self.accelerator.device)).cpu()
+        weights = torch.tensor(config.reward_weights, dtype=torch.float32) if config.reward_weights else None
+        if weights is not None and len(weights) != rewards_BF.shape[1]:
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries but there are {rewards_BF.shape[1]} reward "
+                f"functions ({', '.join(scores.reward_names)}). Give one weight per function."
+            )
+        stats = ops.compute_advantages(
+            rewards_BF, num_generations=config.num_generations, reward_weights_F=weights,
+            scale_rewards=config.scale_rewards, multi_objective_aggregation=config.multi_objective_aggregation,
+        )
+        local = dist.local_slice(self.accelerator, rewards_BF.shape[0])
+        return Advantages(
+            scores=scores,
+            rewards_B=stats.rewards_B[local],
+            advantages_B=stats.advantages_B[local],
+            group_mean_B=stats.mean_grouped_B[local],
+            group_std_B=stats.std_B[local],
+            is_std_zero_B=stats.is_std_zero_B[local],
+            metrics=generation_metrics(
+                self.accelerator, scores, rewards_BF, stats, num_tokens=self.num_input_tokens_seen,
+                epoch=self.sampler.epoch_progress,
+            ),
+        )
+
+    def step_indices(self, batch_step: int) -> list[torch.Tensor]:
+        """Completion indices of each micro-batch that optimizer step ``batch_step`` of a batch uses."""
+        size = self.config.per_device_train_batch_size
+        ga, spg = self.config.gradient_accumulation_steps, self.batching.steps_per_generation
+        micro = [(batch_step * ga + i) % spg for i in range(ga)]
+        return [torch.arange(m * size, (m + 1) * size) for m in micro]
+
+    def loss(self, advantages: Advantages, batch_step: int = 0) -> LossResult:
+        """Forward and backward passes for optimizer step ``batch_step`` of the current batch.
+
+        Gradients are zeroed first, so calling this again (after changing settings) recomputes them.
+        """
+        config = self.config
+        rollout = advantages.scores.rollout
+        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = self.step_indices(batch_step)
+        step_index = torch.cat(micro_batches)
+        loss_mask_BT = rollout.completion_mask_BT.float()
+        if config.mask_truncated_completions:
+            loss_mask_BT = ops.truncation_mask(loss_mask_BT, rollout.is_truncated_B)
+        # dapo-style losses divide by the tokens of the whole optimizer step, counted over all processes;
+        # DDP averages gradients over processes, hence the division by their number.
+        global_tokens = dist.total(self.accelerator, loss_mask_BT[step_index].sum())
+        normalizer = (global_tokens / self.accelerator.num_processes).clamp(min=1.0)
+        epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+        parts, total_loss = [], 0.0
+        for k, index_B in enumerate(micro_batches):
+            sync = k == len(micro_batches) - 1
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                with self.accelerator.autocast():
+                    logprobs_BT, entropies_BT = self.sequence_logprobs(self.model, rollout, index_B, with_entropy=True)
+                mask_BT = loss_mask_BT[index_B]
+                entropy_mask_BT = None
+                if config.top_entropy_quantile < 1.0:
+                    entropy_mask_BT = ops.entropy_mask(entropies_BT, mask_BT, quantile=config.top_entropy_quantile)
+                out = ops.policy_loss(
+                    logprobs_BT,
+                    None if rollout.old_logprobs_BT is None else rollout.old_logprobs_BT[index_B],
+                    advantages.advantages_B[index_B],
+                    mask_BT,
+                    loss_type=config.loss_type,
+                    epsilon_low=config.epsilon,
+                    epsilon_high=epsilon_high,
+                    delta=config.delta,
+                    importance_sampling_level=config.importance_sampling_level,
+                    sapo_temperature_pos=config.sapo_temperature_pos,
+                    sapo_temperature_neg=config.sapo_temperature_neg,
+                    ref_logprobs_BT=None if rollout.ref_logprobs_BT is None else rollout.ref_logprobs_BT[index_B],
+                    beta=config.beta,
+                    use_bias_correction_kl=config.use_bias_correction_kl,
+                    entropy_mask_BT=entropy_mask_BT,
+                    max_completion_length=config.max_completion_length,
+                    num_items_in_batch=normalizer,
+                )
+                loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / len(micro_batches)
+                self.accelerator.backward(loss)
+            total_loss += float(loss.detach())
+            parts.append((index_B, logprobs_BT.detach(), entropies_BT, out, mask_BT))
+        return self._loss_result(advantages, step_index, parts, total_loss)
+
+    def _loss_result(self, advantages, step_index, parts, total_loss) -> LossResult:
+        config = self.config
+        epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+        cat = lambda i: torch.cat([p[i] for p in parts])  # noqa: E731
+        logprobs_BT, entropies_BT, mask_BT = cat(1), cat(2), cat(4)
+        ratio_BT = torch.cat([p[3].ratio_BT.detach().expand_as(p[1]) for p in parts])
+        kl_BT = torch.cat([p[3].kl_BT.detach() for p in parts]) if config.beta > 0 else None
+        clip = ops.clip_diagnostics(
+            ratio_BT, advantages.advantages_B[step_index], mask_BT,
+            epsilon_low=config.epsilon, epsilon_high=epsilon_high, loss_type=config.loss_type,
+        )
+        metrics = loss_metrics(self.accelerator, clip, entropies_BT, kl_BT, mask_BT, total_loss)
+        return LossResult(
+            advantages=advantages, loss=metrics["loss"], sample_index_B=step_index, logprobs_BT=logprobs_BT,
+            entropies_BT=entropies_BT, ratio_BT=ratio_BT, clipped_BT=clip.is_region_clipped_BT, metrics=metrics,
+        )
+
+    def update(self) -> dict[str, float]:
+        """Clip gradients, take the optimizer and scheduler step; skip it if the gradient is not finite."""
+        config = self.config
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(self.accelerator.clip_grad_norm_(parameters, max_norm))
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        if config.sync_ref_model and self.ref_model is not None and self.global_step % config.ref_model_sync_steps == 0:
+            self._mix_reference()
+        return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}
+
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        """Sample ``num_generations_eval`` completions per prompt of ``dataset`` (default: eval_dataset)
+        and report reward metrics, prefixed ``eval_`` as TRL does. The training random state is kept."""
+        dataset = self.eval_dataset if dataset is None else dataset
+        check_dataset(dataset, "eval_dataset")
+        config = self.config
+        repeats = config.num_generations_eval or config.num_generations
+        local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
+        rows = dataset.select(range(local.start, local.stop)).to_dict()
+        prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
+        columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
+        size = config.per_device_eval_batch_size * repeats
+        rewards, lengths = [], []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed + self.accelerator.process_index)
+            for start in range(0, len(prompts), size):
+                chunk = prompts[start:start + size]
+                texts = render_prompts(chunk, self.tokenizer, config.chat_template_kwargs)
+                with self.accelerator.autocast():
+                    batch = hf_generate(self.unwrapped_model, self.tokenizer, texts, self.sampling_config())
+                decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
+                ids = [i[m.bool()].tolist() for i, m in zip(batch.completion_ids_BT, batch.completion_mask_BT)]
+                rewards_BF, _ = score_completions(
+                    self.reward_funcs, self.reward_processing_classes, self.reward_names, prompts=chunk,
+                    completions=wrap_completions(chunk, decoded), completion_ids=ids,
+                    columns={k: v[start:start + size] for k, v in columns.items()},
+                    trainer_state=self.trainer_state(),
+                )
+                rewards.append(rewards_BF)
+                lengths.append(batch.completion_mask_BT.sum(1).float())
+        rewards_BF = dist.gather(self.accelerator, torch.cat(rewards).to(self.accelerator.device)).cpu()
+        lengths_B = dist.gather(self.accelerator, torch.cat(lengths).to(self.accelerator.device)).cpu()
+        weights = torch.tensor(config.reward_weights) if config.reward_weights else torch.ones(rewards_BF.shape[1])
+        metrics = {"eval_reward": float(torch.nansum(rewards_BF * weights, dim=1).mean())}
+        for i, name in enumerate(self.reward_names):
+            metrics[f"eval_rewards/{name}/mean"] = float(torch.nanmean(rewards_BF[:, i]))
+        metrics["eval_completions/mean_length"] = float(lengths_B.mean())
+        return metrics
+
+    @torch.no_grad()
+    def _mix_reference(self) -> None:
+        """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref (arXiv:2404.09656)."""
+        alpha = self.config.ref_model_mixup_alpha
+        for ref, policy in zip(self.ref_model.parameters(), self.unwrapped_model.parameters(), strict=True):
+            ref.mul_(1 - alpha).add_(policy.detach(), alpha=alpha)

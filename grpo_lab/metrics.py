@@ -1,0 +1,73 @@
+"""Step metrics under TRL's names, reduced over processes.
+
+Generation metrics describe the generation batch (all processes): ``reward``, ``reward_std`` (mean
+of the per-group standard deviations), ``rewards/<fn>/mean|std`` (None rewards excluded),
+``frac_reward_zero_std``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``
+(share truncated), ``completions/{mean,min,max}_terminated_length`` and ``num_tokens`` (prompt and
+completion tokens seen so far). Loss metrics describe one optimizer step: ``loss``, ``entropy``,
+``kl`` (when beta > 0) and the clip ratios ``clip_ratio/{low_mean,low_min,high_mean,high_max,
+region_mean}``; min/max are taken over processes, as TRL does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lab import dist
+
+
+def generation_metrics(accelerator, scores, rewards_BF, stats, *, num_tokens: int, epoch: float) -> dict[str, float]:
+    rollout = scores.rollout
+    lengths = dist.gather(accelerator, rollout.completion_lengths_B.to(accelerator.device)).float().cpu()
+    truncated = dist.gather(accelerator, rollout.is_truncated_B.to(accelerator.device)).bool().cpu()
+    terminated = lengths[~truncated]
+    metrics = {
+        "num_tokens": float(num_tokens),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+        "completions/mean_terminated_length": float(terminated.mean()) if len(terminated) else 0.0,
+        "completions/min_terminated_length": float(terminated.min()) if len(terminated) else 0.0,
+        "completions/max_terminated_length": float(terminated.max()) if len(terminated) else 0.0,
+    }
+    for i, name in enumerate(scores.reward_names):
+        column = rewards_BF[:, i]
+        present = column[~torch.isnan(column)]
+        metrics[f"rewards/{name}/mean"] = float(present.mean()) if len(present) else float("nan")
+        metrics[f"rewards/{name}/std"] = float(present.std()) if len(present) > 1 else 0.0
+    metrics["reward"] = float(torch.nanmean(stats.rewards_B))
+    metrics["reward_std"] = float(stats.std_B.mean())
+    metrics["frac_reward_zero_std"] = float(stats.is_std_zero_B.float().mean())
+    metrics["epoch"] = float(epoch)
+    for name, values in scores.metrics.items():
+        metrics[name] = float(torch.tensor(values).mean())
+    return metrics
+
+
+def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+
+
+def loss_metrics(accelerator, clip, entropies_BT, kl_BT, mask_BT, loss: float) -> dict[str, float]:
+    device = accelerator.device
+    mask_BT = mask_BT.float()
+
+    def across(value: torch.Tensor) -> torch.Tensor:
+        return dist.gather(accelerator, value.reshape(1).float().to(device)).cpu()
+
+    low = across(_masked_mean(clip.is_low_clipped_BT.float(), mask_BT))
+    high = across(_masked_mean(clip.is_high_clipped_BT.float(), mask_BT))
+    region = across(_masked_mean(clip.is_region_clipped_BT.float(), mask_BT))
+    metrics = {
+        "loss": float(across(torch.tensor(loss)).mean()),
+        "entropy": float(across(_masked_mean(entropies_BT, mask_BT)).mean()),
+        "clip_ratio/low_mean": float(low.mean()),
+        "clip_ratio/low_min": float(low.min()),
+        "clip_ratio/high_mean": float(high.mean()),
+        "clip_ratio/high_max": float(high.max()),
+        "clip_ratio/region_mean": float(region.mean()),
+    }
+    if kl_BT is not None:
+        metrics["kl"] = float(across(_masked_mean(kl_BT, mask_BT)).mean())
+    return metrics

@@ -1,0 +1,228 @@
+"""Run reward functions over a batch of completions, with TRL's calling convention.
+
+Every function receives keyword arguments ``prompts``, ``completions``, ``completion_ids``, every
+extra dataset column (one value per completion), ``trainer_state``, and two callbacks:
+``log_extra(name, values)`` adds a per-completion column to the logs, ``log_metric(name, value)``
+adds a scalar to the step's metrics. A function returns one number per completion, or None where
+it does not apply (stored as NaN and excluded from that function's statistics). ``async def``
+functions are awaited concurrently. A ``PreTrainedModel`` entry is a sequence-classification reward
+model scored on prompt + completion text with its own tokenizer.
+
+Departure from TRL: NaN or infinite rewards, wrong lengths and non-numbers raise at once with the
+offending function and sample named, instead of surfacing later as a NaN loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from numbers import Real
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from grpo_lab.rollout.prompts import is_conversational
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed or returned something unusable; the completions are kept."""
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions logged during one scoring call."""
+
+    extras: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+
+def reward_func_name(func) -> str:
+    if isinstance(func, PreTrainedModel):
+        return str(func.config._name_or_path).rstrip("/").split("/")[-1] or type(func).__name__
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None):
+    """Normalise ``reward_funcs`` to a list; load reward models given by path; pair tokenizers.
+
+    Returns ``(funcs, processing_classes, names)``.
+    """
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty: give at least one reward function or reward model.")
+    classes = reward_processing_classes
+    if classes is None or not isinstance(classes, (list, tuple)):
+        classes = [classes] * len(funcs) if len(funcs) == 1 or classes is None else None
+    if classes is None or len(classes) != len(funcs):
+        raise ValueError(
+            f"reward_processing_classes must have one entry per reward function ({len(funcs)}); "
+            "use None for plain functions."
+        )
+    loaded, tokenizers = [], []
+    for func, tokenizer in zip(funcs, classes, strict=True):
+        if isinstance(func, str):
+            func = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **(model_init_kwargs or {}))
+        if isinstance(func, PreTrainedModel):
+            func.eval().requires_grad_(False)
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path)
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            func.config.pad_token_id = tokenizer.pad_token_id
+        elif not callable(func):
+            raise TypeError(f"A reward function must be callable, a model path or a PreTrainedModel; got {func!r}.")
+        loaded.append(func)
+        tokenizers.append(tokenizer)
+    names = [reward_func_name(f) for f in loaded]
+    if len(set(names)) != len(names):
+        names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+    return loaded, tokenizers, names
+
+
+@torch.no_grad()
+def _score_with_model(model, tokenizer, prompts, completions) -> list[float]:
+    texts = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        if is_conversational(prompt):
+            texts.append(tokenizer.apply_chat_template(prompt + completion, tokenize=False))
+        else:
+            texts.append(prompt + completion)
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    encoded = {k: v.to(model.device) for k, v in encoded.items()}
+    return model(**encoded).logits[:, 0].float().tolist()
+
+
+def _run_coroutines(coroutines):
+    """Await coroutines concurrently, also from inside a running event loop (Jupyter)."""
+
+    async def gather():
+        return await asyncio.gather(*coroutines)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(value=asyncio.run(gather())))
+    thread.start()
+    thread.join()
+    return outcome["value"]
+
+
+def _sample_preview(kwargs: dict, index: int) -> str:
+    prompt = kwargs["prompts"][index]
+    completion = kwargs["completions"][index]
+    return f"sample {index}: prompt={str(prompt)[:200]!r}, completion={str(completion)[:200]!r}"
+
+
+def _find_failing_sample(func, kwargs: dict) -> str:
+    """Re-run ``func`` one sample at a time to show which input makes it raise."""
+    for index in range(len(kwargs["completions"])):
+        single = {k: (v[index:index + 1] if isinstance(v, list) else v) for k, v in kwargs.items()}
+        try:
+            result = func(**single)
+            if inspect.isawaitable(result):
+                _run_coroutines([result])
+        except Exception:
+            return _sample_preview(kwargs, index)
+    return "no single sample reproduces the error on its own"
+
+
+def _validate(name: str, values, kwargs: dict) -> list[float]:
+    expected = len(kwargs["completions"])
+    if not isinstance(values, (list, tuple)) and not (isinstance(values, torch.Tensor) and values.dim() == 1):
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {type(values).__name__}; it must return a list with one "
+            f"number (or None) per completion ({expected} here)."
+        )
+    values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    if len(values) != expected:
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(values)} values for {expected} completions; it must "
+            "return exactly one number (or None) per completion, in order."
+        )
+    checked = []
+    for index, value in enumerate(values):
+        if value is None:
+            checked.append(math.nan)
+            continue
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value!r} ({type(value).__name__}) for "
+                f"{_sample_preview(kwargs, index)}. Return a float, or None where the reward does not apply."
+            )
+        if not math.isfinite(value):
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {value} for {_sample_preview(kwargs, index)}. Rewards "
+                "must be finite; return None to skip a sample."
+            )
+        checked.append(float(value))
+    return checked
+
+
+def score_completions(
+    funcs: list,
+    processing_classes: list,
+    names: list[str],
+    *,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    trainer_state=None,
+) -> tuple[torch.Tensor, RewardLogs]:
+    """Rewards of shape (B, F), NaN where a function returned None, and what the functions logged."""
+    logs = RewardLogs()
+
+    def log_extra(column: str, values: list) -> None:
+        logs.extras[column] = list(values)
+
+    def log_metric(metric: str, value: float) -> None:
+        logs.metrics.setdefault(metric, []).append(float(value))
+
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    call_kwargs = dict(kwargs, trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
+    results: dict[int, object] = {}
+    pending: dict[int, object] = {}
+    for index, (func, tokenizer, name) in enumerate(zip(funcs, processing_classes, names, strict=True)):
+        try:
+            if isinstance(func, PreTrainedModel):
+                results[index] = _score_with_model(func, tokenizer, prompts, completions)
+                continue
+            outcome = func(**call_kwargs)
+            if inspect.isawaitable(outcome):
+                pending[index] = outcome
+            else:
+                results[index] = outcome
+        except Exception as error:
+            raise RewardFunctionError(
+                f"Reward function {name!r} raised {type(error).__name__}: {error}. Offending input: "
+                f"{_find_failing_sample(func, call_kwargs)}. The completions are kept: fix the function "
+                "and score again."
+            ) from error
+    if pending:
+        try:
+            for index, value in zip(pending, _run_coroutines(list(pending.values())), strict=True):
+                results[index] = value
+        except Exception as error:
+            raise RewardFunctionError(
+                f"An async reward function raised {type(error).__name__}: {error}. The completions are "
+                "kept: fix the function and score again."
+            ) from error
+    columns_F = [_validate(names[i], results[i], kwargs) for i in range(len(funcs))]
+    rewards_BF = torch.tensor(columns_F, dtype=torch.float32).T.contiguous()
+    all_none = torch.isnan(rewards_BF).all(dim=1)
+    if all_none.any():
+        first = int(all_none.nonzero()[0])
+        warnings.warn(
+            f"All reward functions returned None for {int(all_none.sum())} completion(s), e.g. "
+            f"{_sample_preview(kwargs, first)}. Such completions get no reward signal; check that at "
+            "least one reward function applies to every sample.",
+            stacklevel=2,
+        )
+    return rewards_BF, logs

@@ -1,0 +1,340 @@
+"""GRPOSession: step through GRPO one stage at a time, on the real trainer core.
+
+The session is a small state machine over :class:`grpo_lab.engine.Engine`::
+
+    generate -> score -> advantages -> loss -> update   (one optimizer step)
+
+``score()``, ``advantages()`` and ``loss()`` may be called again before ``update()`` (after editing
+reward functions or settings) without regenerating. When a generation batch feeds several optimizer
+steps (``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``), the stage
+after ``update()`` is ``loss()`` again until the batch is used up. Views subscribe with
+``session.on(callback)``; this module never imports widget code.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from grpo_lab.checkpoint import MODEL_DIR, atomic_directory_write, load_state, restore_engine, save_engine
+from grpo_lab.config import GRPOConfig
+from grpo_lab.engine import Engine
+from grpo_lab.models import load_tokenizer
+from grpo_lab.types import Advantages, LossResult, Rollout, Scores
+
+STAGES = ("generate", "score", "advantages", "loss", "update")
+
+
+class StageOrderError(RuntimeError):
+    """A stage was called before the stage it depends on."""
+
+
+class GRPOSession:
+    """Stateful, stage-by-stage GRPO. Same arguments as :class:`grpo_lab.GRPOTrainer`."""
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        optimizers=(None, None),
+    ):
+        self.engine = Engine(
+            model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+            peft_config=peft_config, optimizers=optimizers,
+        )
+        self.config = self.engine.config
+        self._applied_config = self.config.to_dict()
+        self.config_changes: list[dict] = []
+        self.rollout: Rollout | None = None
+        self.scores: Scores | None = None
+        self.advantages_result: Advantages | None = None
+        self.loss_result: LossResult | None = None
+        self.batch_step = 0
+        self._history: list[dict] = []
+        self._completion_log: list[pd.DataFrame] = []
+        self._listeners: list[Callable[[str, object], None]] = []
+        self._step_started: float | None = None
+        self._last_stage: str | None = None
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def model(self):
+        return self.engine.unwrapped_model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def reward_funcs(self) -> list:
+        return self.engine.reward_funcs
+
+    @reward_funcs.setter
+    def reward_funcs(self, funcs) -> None:
+        from grpo_lab.rewards import prepare_reward_funcs
+
+        self.engine.reward_funcs, self.engine.reward_processing_classes, self.engine.reward_names = (
+            prepare_reward_funcs(funcs, None, self.config.model_init_kwargs)
+        )
+
+    @property
+    def global_step(self) -> int:
+        return self.engine.global_step
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per optimizer step, TRL's metric names as columns."""
+        return pd.DataFrame(self._history)
+
+    @property
+    def completions_log(self) -> pd.DataFrame:
+        """Every scored completion of every step: step, prompt, completion, rewards, advantage."""
+        return pd.concat(self._completion_log, ignore_index=True) if self._completion_log else pd.DataFrame()
+
+    @property
+    def next_stage(self) -> str:
+        if self.rollout is None:
+            return "generate"
+        if self.scores is None:
+            return "score"
+        if self.advantages_result is None:
+            return "advantages"
+        if self.loss_result is None:
+            return "loss"
+        return "update"
+
+    def on(self, callback: Callable[[str, object], None]) -> Callable[[], None]:
+        """Call ``callback(stage, result)`` after every stage; returns a function that unsubscribes."""
+        self._listeners.append(callback)
+        return lambda: self._listeners.remove(callback)
+
+    def _emit(self, stage: str, result) -> None:
+        self._last_stage = stage
+        for listener in list(self._listeners):
+            listener(stage, result)
+
+    def _require(self, stage: str) -> None:
+        order = {name: i for i, name in enumerate(STAGES)}
+        missing = {"score": self.rollout, "advantages": self.scores, "loss": self.advantages_result}
+        if stage in missing and missing[stage] is None:
+            needed = STAGES[order[stage] - 1]
+            raise StageOrderError(
+                f"{stage}() needs the result of {needed}(); the next stage is {self.next_stage}(). "
+                f"Call session.{self.next_stage}() first (or session.step() to finish the iteration)."
+            )
+        if stage == "update" and self.loss_result is None:
+            again = " The previous update() already used the last gradients." if self._last_stage == "update" else ""
+            raise StageOrderError(
+                f"update() needs the gradients of loss().{again} The next stage is {self.next_stage}(): "
+                f"call session.{self.next_stage}() first."
+            )
+        if stage in {"score", "advantages"} and self.batch_step > 0:
+            raise StageOrderError(
+                f"{stage}() cannot be recomputed after this batch has been trained on "
+                f"({self.batch_step} optimizer step(s) used it). Call session.{self.next_stage}()."
+            )
+        if stage == "generate" and self.rollout is not None:
+            raise StageOrderError(
+                "generate() would discard the current batch, which still has "
+                f"{self.engine.steps_per_batch - self.batch_step} optimizer step(s) to feed. Call "
+                f"session.{self.next_stage}(), or session.discard_batch() to drop it."
+            )
+
+    def _sync_config(self) -> None:
+        """Validate edits to ``session.config`` and record the step at which each took effect."""
+        current = self.config.to_dict()
+        changed = {k: (self._applied_config.get(k), v) for k, v in current.items() if self._applied_config.get(k) != v}
+        if not changed:
+            return
+        self.config.validate()
+        for name, (old, new) in changed.items():
+            self.config_changes.append({"step": self.global_step, "field": name, "old": old, "new": new})
+            if name == "learning_rate":
+                self.engine.set_learning_rate(new)
+        self._applied_config = current
+
+    # ------------------------------------------------------------------ stages
+    def generate(self) -> Rollout:
+        """Sample ``num_generations`` completions for each prompt of the next generation batch."""
+        self._require("generate")
+        self._sync_config()
+        self._step_started = time.perf_counter()
+        self.rollout = self.engine.generate()
+        self._emit("generate", self.rollout)
+        return self.rollout
+
+    def score(self) -> Scores:
+        """Run the reward functions; may be called again after changing ``session.reward_funcs``."""
+        self._require("score")
+        self._sync_config()
+        self.scores = self.engine.score(self.rollout)
+        self.advantages_result = self.loss_result = None
+        self._emit("score", self.scores)
+        return self.scores
+
+    def advantages(self) -> Advantages:
+        """Group-relative advantages; may be recomputed after changing scale_rewards or weights."""
+        self._require("advantages")
+        self._sync_config()
+        self.advantages_result = self.engine.advantages(self.scores)
+        self.loss_result = None
+        self._emit("advantages", self.advantages_result)
+        return self.advantages_result
+
+    def loss(self) -> LossResult:
+        """Loss and gradients of the next optimizer step; may be recomputed before update()."""
+        self._require("loss")
+        self._sync_config()
+        self.loss_result = self.engine.loss(self.advantages_result, self.batch_step)
+        self._emit("loss", self.loss_result)
+        return self.loss_result
+
+    def update(self) -> dict[str, float]:
+        """Optimizer step; returns the step's metrics (also appended to ``history``)."""
+        self._require("update")
+        self._sync_config()
+        update = self.engine.update()
+        if update["update_skipped"]:
+            import warnings
+
+            warnings.warn(
+                f"Step {self.global_step}: the gradient is not finite (loss {self.loss_result.loss}); the "
+                "update was skipped and the weights are unchanged.",
+                stacklevel=2,
+            )
+        row = {"step": self.global_step, **self.advantages_result.metrics, **self.loss_result.metrics, **update}
+        if self._step_started is not None:
+            row["step_time"] = time.perf_counter() - self._step_started
+        self._history.append(row)
+        if self.batch_step == 0:
+            log = self.advantages_result.to_pandas()
+            log.insert(0, "step", self.global_step)
+            self._completion_log.append(log)
+        self.loss_result = None
+        self.batch_step += 1
+        if self.batch_step >= self.engine.steps_per_batch:
+            self.discard_batch()
+        self._step_started = time.perf_counter()
+        self._emit("update", row)
+        return row
+
+    def discard_batch(self) -> None:
+        """Drop the current generation batch; the next stage becomes generate()."""
+        self.rollout = self.scores = self.advantages_result = self.loss_result = None
+        self.batch_step = 0
+
+    def step(self) -> dict[str, float]:
+        """Run what is left of the current iteration, up to and including update()."""
+        while True:
+            stage = self.next_stage
+            result = getattr(self, stage)()
+            if stage == "update":
+                return result
+
+    def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
+        """Run ``n`` optimizer steps; Ctrl-C (or Stop) ends cleanly between stages, nothing lost."""
+        from grpo_lab.progress import progress_bar
+
+        rows = []
+        with progress_bar(n, enabled=progress) as bar:
+            try:
+                for _ in range(n):
+                    rows.append(self.step())
+                    bar.advance(rows[-1])
+            except KeyboardInterrupt:
+                bar.note(f"stopped after {len(rows)} step(s); next stage: {self.next_stage}()")
+        return pd.DataFrame(rows)
+
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        """Reward metrics of ``num_generations_eval`` completions per prompt of the eval set."""
+        return self.engine.evaluate(dataset)
+
+    def __repr__(self) -> str:
+        return (
+            f"GRPOSession(step={self.global_step}, next_stage={self.next_stage!r}, "
+            f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations})"
+        )
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path) -> Path:
+        """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
+        history, config and any half-finished stage results to ``path``, atomically."""
+        extra = {
+            "history": self._history,
+            "completion_log": [frame.to_dict("list") for frame in self._completion_log],
+            "config_changes": self.config_changes,
+            "applied_config": self._applied_config,
+            "batch_step": self.batch_step,
+            "last_stage": self._last_stage,
+            "pending": (self.rollout, self.scores, self.advantages_result),
+            "reward_funcs": _pickled(self.engine.reward_funcs),
+        }
+
+        def write(directory: Path) -> None:
+            save_engine(self.engine, directory, extra)
+            self.engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
+            if self.engine.eval_dataset is not None:
+                self.engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
+
+        return atomic_directory_write(Path(path), write)
+
+    @classmethod
+    def load(cls, path, *, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs) -> GRPOSession:
+        """Rebuild a saved session; it continues exactly as the original would have.
+
+        Datasets and (importable) reward functions come from the checkpoint unless given.
+        """
+        from datasets import load_from_disk
+
+        directory = Path(path)
+        state = load_state(directory)
+        extra = state["extra"]
+        if reward_funcs is None:
+            if extra["reward_funcs"] is None:
+                raise ValueError(
+                    f"The reward functions saved in {directory} could not be stored (not importable, e.g. "
+                    "a lambda); pass them again: GRPOSession.load(path, reward_funcs=[...])."
+                )
+            reward_funcs = pickle.loads(extra["reward_funcs"])
+        if train_dataset is None:
+            train_dataset = load_from_disk(str(directory / "train_dataset"))
+        if eval_dataset is None and (directory / "eval_dataset").exists():
+            eval_dataset = load_from_disk(str(directory / "eval_dataset"))
+        model_dir = directory / MODEL_DIR
+        if (model_dir / "adapter_config.json").exists():
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True)
+        else:
+            model = str(model_dir)
+        kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
+        session = cls(model, reward_funcs, args=GRPOConfig.from_yaml(directory / "config.yaml"),
+                      train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        restore_engine(session.engine, state)
+        session._history = extra["history"]
+        session._completion_log = [pd.DataFrame(frame) for frame in extra["completion_log"]]
+        session.config_changes = extra["config_changes"]
+        session._applied_config = extra["applied_config"]
+        session.batch_step = extra["batch_step"]
+        session._last_stage = extra["last_stage"]
+        session.rollout, session.scores, session.advantages_result = extra["pending"]
+        return session
+
+
+def _pickled(funcs) -> bytes | None:
+    """Reward functions pickled by reference when importable, else None (they must be passed again)."""
+    try:
+        return pickle.dumps(funcs)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None

@@ -1,0 +1,154 @@
+"""GRPOTrainer: the script loop over the same engine and state machine as GRPOSession.
+
+The trainer adds what a script run needs around the session's ``step()``: a progress bar, metrics
+appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard when ``report_to`` asks for it), a
+table of sample completions every ``logging_steps`` when ``log_completions`` is set, atomic
+checkpoints every ``save_steps`` with ``save_total_limit``, and exact resumption. Because it calls
+the very same ``GRPOSession.step()``, N trainer steps and N session steps from the same seed give
+identical metrics and weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from grpo_lab.config import GRPOConfig
+from grpo_lab.progress import progress_bar
+from grpo_lab.session import GRPOSession
+
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+class GRPOTrainer:
+    """Train with GRPO from a script; same arguments as :class:`grpo_lab.GRPOSession`."""
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        optimizers=(None, None),
+    ):
+        self._init_kwargs = dict(
+            reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            reward_processing_classes=reward_processing_classes,
+        )
+        self.session = GRPOSession(
+            model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+            peft_config=peft_config, optimizers=optimizers,
+        )
+        self.args = self.session.config
+        self.output_dir = Path(self.args.output_dir)
+
+    @property
+    def accelerator(self):
+        return self.session.engine.accelerator
+
+    @property
+    def model(self):
+        return self.session.model
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
+        """Run until ``max_steps`` (or ``num_train_epochs``); returns the last metrics row.
+
+        ``resume_from_checkpoint``: a checkpoint directory, or True for the newest one in
+        ``output_dir``.
+        """
+        if resume_from_checkpoint:
+            path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
+            self.session = GRPOSession.load(path, **self._init_kwargs)
+        total = self.session.engine.total_steps()
+        main = self.accelerator.is_main_process
+        writer = self._tensorboard() if main else None
+        row: dict = {}
+        with progress_bar(total - self.session.global_step, enabled=main and self.args.disable_tqdm is not True) as bar:
+            while self.session.global_step < total:
+                row = self.session.step()
+                bar.advance(row)
+                if main:
+                    self._log(row, writer)
+                if self.args.save_steps and row["step"] % int(self.args.save_steps) == 0:
+                    self.save_checkpoint()
+        if writer is not None:
+            writer.close()
+        return row
+
+    def _log(self, row: dict, writer) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if writer is not None:
+            for key, value in row.items():
+                if key != "step":
+                    writer.add_scalar(key, value, row["step"])
+        every = max(1, int(self.args.logging_steps))
+        if self.args.log_completions and row["step"] % every == 0:
+            self._print_completions(row["step"])
+
+    def _print_completions(self, step: int) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        log = self.session.completions_log
+        rows = log[log["step"] == log["step"].max()]
+        if self.args.num_completions_to_print:
+            rows = rows.head(self.args.num_completions_to_print)
+        table = Table(title=f"completions at step {step}")
+        reward_columns = [c for c in rows.columns if c.startswith("rewards/")]
+        for column in ["prompt", "completion", *reward_columns, "advantage"]:
+            table.add_column(column.removeprefix("rewards/"))
+        for _, r in rows.iterrows():
+            table.add_row(str(r["prompt"]), str(r["completion"]), *[f"{r[c]:.3g}" for c in reward_columns], f"{r['advantage']:.3g}")
+        Console().print(table)
+
+    def _tensorboard(self):
+        report_to = self.args.report_to
+        wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
+        if "tensorboard" not in wanted:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=self.args.logging_dir or str(self.output_dir / "runs"))
+
+    def save_checkpoint(self) -> Path:
+        """Write ``<output_dir>/checkpoint-<step>`` atomically; keep at most ``save_total_limit``."""
+        path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.session.global_step}"
+        if self.accelerator.is_main_process:
+            self.session.save(path)
+            self._rotate_checkpoints()
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def _checkpoints(self) -> list[Path]:
+        found = [p for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*") if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
+        return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+    def _latest_checkpoint(self) -> Path:
+        checkpoints = self._checkpoints()
+        if not checkpoints:
+            raise FileNotFoundError(f"No {CHECKPOINT_PREFIX}N directory in {self.output_dir} to resume from.")
+        return checkpoints[-1]
+
+    def _rotate_checkpoints(self) -> None:
+        limit = self.args.save_total_limit
+        if limit:
+            for old in self._checkpoints()[:-limit]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def save_model(self, path: str | None = None) -> Path:
+        """Save the model in Hugging Face format (the adapter alone for a PEFT model) and its tokenizer."""
+        target = Path(path or self.output_dir)
+        if self.accelerator.is_main_process:
+            self.session.model.save_pretrained(target)
+            self.session.tokenizer.save_pretrained(target)
+        self.accelerator.wait_for_everyone()
+        return target

@@ -1,0 +1,169 @@
+"""What each GRPO stage produces: dataclasses with shape-suffixed tensor fields.
+
+B completions in the (local) generation batch, G completions per prompt, P prompt tokens, T
+completion tokens, F reward functions. Every result renders as a table in a notebook
+(``_repr_html_``), prints a one-paragraph summary (``__repr__``) and converts to a pandas
+DataFrame with one row per completion (``to_pandas()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+_HTML_ROWS = 16
+
+
+class _Table:
+    """Shared display: a summary line plus the per-completion table."""
+
+    def to_pandas(self) -> pd.DataFrame:
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.summary()})"
+
+    def _repr_html_(self) -> str:
+        frame = self.to_pandas()
+        shown = frame.head(_HTML_ROWS)
+        more = f"<p>... {len(frame) - _HTML_ROWS} more rows: use .to_pandas()</p>" if len(frame) > _HTML_ROWS else ""
+        table = shown.to_html(index=True, float_format=lambda v: f"{v:.4g}", escape=True, border=0)
+        return f"<p><b>{type(self).__name__}</b>: {self.summary()}</p>{table}{more}"
+
+
+@dataclass(repr=False)
+class Rollout(_Table):
+    """Output of ``generate()``: the completions of one generation batch (this process's share)."""
+
+    prompts: list
+    completions: list
+    completion_texts: list[str]
+    columns: dict[str, list]
+    prompt_ids_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    completion_ids_BT: torch.Tensor
+    completion_mask_BT: torch.Tensor
+    is_truncated_B: torch.Tensor
+    group_index_B: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None = None
+    ref_logprobs_BT: torch.Tensor | None = None
+    step: int = 0
+
+    @property
+    def completion_lengths_B(self) -> torch.Tensor:
+        return self.completion_mask_BT.sum(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def summary(self) -> str:
+        lengths = self.completion_lengths_B.float()
+        return (
+            f"{len(self)} completions of {len(set(self.group_index_B.tolist()))} prompts, "
+            f"mean length {lengths.mean():.2f} tokens, {int(self.is_truncated_B.sum())} truncated"
+        )
+
+    def to_pandas(self) -> pd.DataFrame:
+        return pd.DataFrame(
+            {
+                "group": self.group_index_B.tolist(),
+                "prompt": [_text(p) for p in self.prompts],
+                "completion": self.completion_texts,
+                "length": self.completion_lengths_B.tolist(),
+                "truncated": self.is_truncated_B.tolist(),
+            }
+        )
+
+
+@dataclass(repr=False)
+class Scores(_Table):
+    """Output of ``score()``: one reward per completion and reward function (NaN where None)."""
+
+    rollout: Rollout
+    rewards_BF: torch.Tensor
+    reward_names: list[str]
+    extras: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        means = ", ".join(
+            f"{name} {torch.nanmean(self.rewards_BF[:, i]):.3f}" for i, name in enumerate(self.reward_names)
+        )
+        return f"{len(self.rollout)} completions scored; mean reward per function: {means}"
+
+    def to_pandas(self) -> pd.DataFrame:
+        frame = self.rollout.to_pandas()
+        for i, name in enumerate(self.reward_names):
+            frame[f"rewards/{name}"] = self.rewards_BF[:, i].tolist()
+        for name, values in self.extras.items():
+            frame[name] = values
+        return frame
+
+
+@dataclass(repr=False)
+class Advantages(_Table):
+    """Output of ``advantages()``: weighted total reward and the group-relative advantage."""
+
+    scores: Scores
+    rewards_B: torch.Tensor
+    advantages_B: torch.Tensor
+    group_mean_B: torch.Tensor
+    group_std_B: torch.Tensor
+    is_std_zero_B: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (
+            f"mean reward {self.rewards_B.mean():.3f}, advantages in [{self.advantages_B.min():.3f}, "
+            f"{self.advantages_B.max():.3f}], {float(self.is_std_zero_B.float().mean()):.0%} of completions in "
+            "groups with equal rewards (no signal)"
+        )
+
+    def to_pandas(self) -> pd.DataFrame:
+        frame = self.scores.to_pandas()
+        frame["reward"] = self.rewards_B.tolist()
+        frame["advantage"] = self.advantages_B.tolist()
+        frame["group_std_zero"] = self.is_std_zero_B.tolist()
+        return frame
+
+
+@dataclass(repr=False)
+class LossResult(_Table):
+    """Output of ``loss()``: the loss of one optimizer step (gradients are accumulated in the model).
+
+    ``sample_index_B`` says which completions of the generation batch this step used; the per-sample
+    fields are aligned with it.
+    """
+
+    advantages: Advantages
+    loss: float
+    sample_index_B: torch.Tensor
+    logprobs_BT: torch.Tensor
+    entropies_BT: torch.Tensor
+    ratio_BT: torch.Tensor
+    clipped_BT: torch.Tensor
+    metrics: dict[str, float]
+
+    def summary(self) -> str:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items() if k in {"entropy", "clip_ratio/region_mean", "kl"})
+        return f"loss {self.loss:.6g} over {len(self.sample_index_B)} completions; {shown}"
+
+    def to_pandas(self) -> pd.DataFrame:
+        frame = self.advantages.to_pandas().iloc[self.sample_index_B.tolist()].copy()
+        mask_BT = self.advantages.scores.rollout.completion_mask_BT[self.sample_index_B].to(self.ratio_BT.dtype)
+        tokens = mask_BT.sum(1).clamp(min=1)
+        frame["ratio"] = ((self.ratio_BT * mask_BT).sum(1) / tokens).tolist()
+        frame["clipped_fraction"] = ((self.clipped_BT.to(mask_BT.dtype) * mask_BT).sum(1) / tokens).tolist()
+        frame["entropy"] = ((self.entropies_BT * mask_BT).sum(1) / tokens).tolist()
+        return frame
+
+
+def _text(prompt) -> str:
+    if isinstance(prompt, list):
+        return " | ".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
+    return str(prompt)

@@ -1,0 +1,228 @@
+"""GRPOSession on the real engine, the shipped tiny model and real reward functions.
+
+Each stage's numbers are checked against an independent recomputation from grpo_lab.ops.
+"""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from grpo_lab import ops
+from grpo_lab.session import StageOrderError
+
+
+def test_stages_return_numbers_that_match_an_independent_recomputation(make_session, task):
+    session = make_session()
+    assert session.next_stage == "generate"
+
+    rollout = session.generate()
+    assert len(rollout) == 8 and session.next_stage == "score"
+    # each prompt appears num_generations (4) times in a row
+    assert rollout.prompts[0:4] == [rollout.prompts[0]] * 4 and rollout.prompts[4] != rollout.prompts[0]
+    assert rollout.group_index_B.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    mask_BT, truncated_B = ops.completion_mask_from_ids(rollout.completion_ids_BT, eos_token_id=session.tokenizer.eos_token_id)
+    torch.testing.assert_close(rollout.completion_mask_BT, mask_BT)
+    torch.testing.assert_close(rollout.is_truncated_B, truncated_B)
+    assert rollout.old_logprobs_BT is None and rollout.ref_logprobs_BT is None  # not needed here
+
+    scores = session.score()
+    expected = [func(prompts=rollout.prompts, completions=rollout.completions, **rollout.columns) for func in task.reward_funcs]
+    torch.testing.assert_close(scores.rewards_BF, torch.tensor(expected).T)
+
+    advantages = session.advantages()
+    reference = ops.compute_advantages(scores.rewards_BF, num_generations=4, scale_rewards="group")
+    torch.testing.assert_close(advantages.advantages_B, reference.advantages_B)
+    torch.testing.assert_close(advantages.rewards_B, scores.rewards_BF.sum(dim=1))
+
+    result = session.loss()
+    engine = session.engine
+    with torch.no_grad():
+        logprobs_BT, _ = engine.sequence_logprobs(engine.model, rollout, torch.arange(8), with_entropy=False)
+    mask = rollout.completion_mask_BT.float()
+    # on-policy (ratio 1): the dapo loss is -sum(A_i * mask_it) / sum(mask)
+    expected_loss = -(advantages.advantages_B[:, None] * mask).sum() / mask.sum()
+    assert result.loss == pytest.approx(float(expected_loss), abs=1e-6)
+    torch.testing.assert_close(result.logprobs_BT, logprobs_BT)
+    torch.testing.assert_close(result.ratio_BT * mask, mask)
+
+    params = [p for p in engine.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.detach().clone() for p in params]
+    row = session.update()
+    # first AdamW step: m_hat = g, v_hat = g^2, so p <- p - lr * g / (|g| + eps), after clipping g
+    norm = torch.sqrt(sum((g**2).sum() for g in grads))
+    scale = min(1.0, 1.0 / (float(norm) + 1e-6))
+    for p, old, g in zip(params, before, grads):
+        g = g * scale
+        torch.testing.assert_close(p.detach(), old - 1e-3 * g / (g.abs() + 1e-8), atol=1e-6, rtol=1e-5)
+    assert row["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    assert row["learning_rate"] == 1e-3 and session.global_step == 1
+    assert session.next_stage == "generate"
+
+
+def test_result_objects_render_and_convert(make_session):
+    session = make_session()
+    rollout, scores, advantages, result = session.generate(), session.score(), session.advantages(), session.loss()
+    frame = result.to_pandas()
+    assert list(frame.columns[:5]) == ["group", "prompt", "completion", "length", "truncated"]
+    for column in ["rewards/correctness_reward", "rewards/format_reward", "reward", "advantage", "ratio",
+                   "clipped_fraction", "entropy"]:
+        assert column in frame.columns
+    assert len(frame) == 8
+    for obj in (rollout, scores, advantages, result):
+        assert "<table" in obj._repr_html_() and type(obj).__name__ in repr(obj)
+
+
+HISTORY_COLUMNS = [
+    "reward", "reward_std", "rewards/correctness_reward/mean", "rewards/correctness_reward/std",
+    "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "entropy",
+    "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "loss", "grad_norm",
+    "learning_rate", "num_tokens", "step_time",
+]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+def test_every_loss_type_steps(make_session, loss_type):
+    session = make_session(loss_type=loss_type)
+    session.run(2, progress=False)
+    history = session.history
+    assert len(history) == 2 and list(history["step"]) == [1, 2]
+    for column in HISTORY_COLUMNS:
+        assert column in history.columns and history[column].notna().all(), column
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(beta=0.04),
+        dict(num_iterations=2),
+        dict(gradient_accumulation_steps=2),
+        dict(steps_per_generation=2),
+        dict(importance_sampling_level="sequence", num_iterations=2),
+        dict(top_entropy_quantile=0.2, mask_truncated_completions=True),
+    ],
+    ids=["beta", "num_iterations", "grad_accum", "steps_per_generation", "gspo", "entropy_mask"],
+)
+def test_options_step(make_session, overrides):
+    session = make_session(**overrides)
+    rollout = session.generate()
+    reused = overrides.get("num_iterations", 1) > 1 or overrides.get("steps_per_generation", 1) > 1
+    assert (rollout.old_logprobs_BT is not None) == reused
+    assert (rollout.ref_logprobs_BT is not None) == ("beta" in overrides)
+    session.step()
+    if reused:  # the same batch feeds the next optimizer step: no generation in between
+        assert session.next_stage == "loss"
+        result = session.loss()
+        assert result.sample_index_B.tolist() == (
+            list(range(8)) if "num_iterations" in overrides else list(range(8, 16))
+        )
+        session.update()
+    assert session.next_stage == "generate"
+    if "beta" in overrides:
+        assert "kl" in session.history.columns and (session.history["kl"] >= 0).all()
+
+
+def test_lora_steps_and_uses_disabled_adapter_as_reference(task, tmp_path):
+    from peft import LoraConfig
+
+    from grpo_lab import GRPOSession
+    from tests.conftest import SMALL
+
+    lora = GRPOSession(
+        task.model, task.reward_funcs, args=task.config(**SMALL, beta=0.04, output_dir=str(tmp_path)),
+        train_dataset=task.train_dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    assert lora.engine.ref_model is None  # the base model (adapter disabled) is the reference
+    trainable = [n for n, p in lora.engine.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    rollout = lora.generate()
+    # a fresh LoRA adapter is zero-initialised on B, so the reference equals the policy
+    with torch.no_grad():
+        policy_BT, _ = lora.engine.sequence_logprobs(lora.engine.model, rollout, torch.arange(8), with_entropy=False)
+    mask = rollout.completion_mask_BT.bool()
+    torch.testing.assert_close(rollout.ref_logprobs_BT[mask], policy_BT[mask])
+    lora.step()
+    lora.run(1, progress=False)
+    assert lora.history["kl"].iloc[-1] > 0  # the adapter moved away from the base model
+
+
+def test_stage_order_errors_name_the_stage_to_call(make_session):
+    session = make_session()
+    with pytest.raises(StageOrderError, match=r"next stage is generate\(\)"):
+        session.score()
+    with pytest.raises(StageOrderError, match=r"generate\(\) first"):
+        session.update()
+    session.generate()
+    with pytest.raises(StageOrderError, match=r"session.score\(\)"):
+        session.loss()
+    session.score()
+    session.advantages()
+    session.loss()
+    session.update()
+    with pytest.raises(StageOrderError, match="already used the last gradients"):
+        session.update()
+    session.step()  # still usable
+    assert session.global_step == 2
+
+
+def test_rescore_and_recompute_without_regenerating(make_session):
+    session = make_session()
+    rollout = session.generate()
+    first = session.score()
+    session.reward_funcs = [lambda completions, **kw: [float(len(str(c))) for c in completions]]
+    second = session.score()
+    assert second.rollout is rollout and second.reward_names == ["<lambda>"]
+    assert second.rewards_BF.shape == (8, 1) and not torch.equal(first.rewards_BF[:, :1], second.rewards_BF)
+    session.advantages()
+    session.config.scale_rewards = "none"
+    unscaled = session.advantages()
+    groups = unscaled.rewards_B.view(2, 4)
+    torch.testing.assert_close(unscaled.advantages_B, (groups - groups.mean(1, keepdim=True)).flatten())
+    first_loss = session.loss().loss
+    session.config.epsilon = 0.1
+    assert session.loss().loss == pytest.approx(first_loss)  # ratio 1: epsilon does not matter
+    session.update()
+    assert [c["field"] for c in session.config_changes] == ["scale_rewards", "epsilon"]
+
+
+def test_learning_rate_change_takes_effect_and_is_recorded(make_session):
+    session = make_session(lr_scheduler_type="constant")
+    session.step()
+    session.config.learning_rate = 5e-4
+    row = session.step()
+    assert row["learning_rate"] == 5e-4
+    assert session.config_changes == [{"step": 1, "field": "learning_rate", "old": 1e-3, "new": 5e-4}]
+    session.config.learning_rate = -1.0
+    with pytest.raises(ValueError, match="learning_rate"):
+        session.step()
+
+
+def test_run_stops_cleanly_on_keyboard_interrupt(make_session, task):
+    calls = {"n": 0}
+
+    def interrupting(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return [0.0] * len(completions)
+
+    session = make_session(reward_funcs=[*task.reward_funcs, interrupting])
+    frame = session.run(5, progress=False)
+    assert len(frame) == 2 and session.global_step == 2
+    assert session.next_stage == "score" and session.rollout is not None  # the completions are kept
+    calls["n"] = 10
+    session.step()
+    assert session.global_step == 3
+
+
+def test_completions_log_and_evaluate(make_session):
+    session = make_session()
+    session.run(2, progress=False)
+    log = session.completions_log
+    assert list(log["step"].unique()) == [1, 2] and len(log) == 16
+    metrics = session.evaluate()
+    assert set(metrics) >= {"eval_reward", "eval_rewards/correctness_reward/mean", "eval_completions/mean_length"}
+    assert 0.0 <= metrics["eval_rewards/correctness_reward/mean"] <= 1.0

@@ -1,0 +1,123 @@
+"""Bad input raises at once, names the problem and the fix, and leaves the session usable."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpo_lab import GRPOSession
+from grpo_lab.rewards import RewardFunctionError
+from tests.conftest import SMALL
+
+
+def _steps_fine(session):
+    session.step()
+    assert session.global_step >= 1
+
+
+def test_dataset_without_prompt_column(task, tmp_path):
+    bad = task.train_dataset.rename_column("prompt", "question")
+    with pytest.raises(ValueError, match=r"no 'prompt' column.*rename_column"):
+        GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=bad)
+
+
+def test_empty_dataset(task):
+    empty = task.train_dataset.select([])
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=empty)
+
+
+def test_model_path_that_does_not_exist(task):
+    with pytest.raises(FileNotFoundError, match="does not exist as a local path"):
+        GRPOSession("./no/such/model", task.reward_funcs, args=task.config(**SMALL), train_dataset=task.train_dataset)
+
+
+def test_raising_reward_function_names_itself_and_the_sample(make_session, task):
+    def fragile(completions, answer, **kwargs):
+        return [1.0 / (len(str(c)) - len(str(c))) if "1" in a else 0.0 for c, a in zip(completions, answer)]
+
+    session = make_session(reward_funcs=[fragile])
+    rollout = session.generate()
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample \d+: prompt=.*score again"):
+        session.score()
+    assert session.rollout is rollout and session.next_stage == "score"  # completions kept
+    session.reward_funcs = task.reward_funcs
+    session.score()
+    _steps_fine(session)
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (lambda n: [0.0] * (n - 1), r"returned 7 values for 8 completions"),
+        (lambda n: ["high"] * n, r"returned 'high' \(str\)"),
+        (lambda n: [math.nan] * n, r"returned nan .*finite; return None"),
+        (lambda n: [math.inf] * n, r"returned inf"),
+        (lambda n: 1.0, r"returned float; it must return a list"),
+    ],
+    ids=["length", "non-number", "nan", "inf", "scalar"],
+)
+def test_unusable_reward_values(make_session, task, returned, message):
+    def broken(completions, **kwargs):
+        return returned(len(completions))
+
+    session = make_session(reward_funcs=[task.reward_funcs[0], broken])
+    session.generate()
+    with pytest.raises(RewardFunctionError, match=message):
+        session.score()
+    session.reward_funcs = task.reward_funcs
+    _steps_fine(session)
+
+
+def test_all_none_rewards_warn_and_are_excluded(make_session):
+    def picky(completions, **kwargs):
+        return [None] + [1.0] * (len(completions) - 1)
+
+    session = make_session(reward_funcs=[picky])
+    session.generate()
+    with pytest.warns(UserWarning, match="All reward functions returned None for 1 completion"):
+        scores = session.score()
+    assert math.isnan(scores.rewards_BF[0, 0]) and scores.rewards_BF[1:, 0].eq(1.0).all()
+    _steps_fine(session)
+
+
+def test_tokenizer_without_pad_token_or_with_right_padding(task, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    tokenizer.pad_token = None
+    tokenizer.padding_side = "right"
+    with pytest.warns(UserWarning, match="no pad token; using its EOS token"):
+        session = GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL, output_dir=str(tmp_path)),
+                              train_dataset=task.train_dataset, processing_class=tokenizer)
+    assert session.tokenizer.pad_token == session.tokenizer.eos_token
+    assert session.tokenizer.padding_side == "left"
+    _steps_fine(session)
+
+
+def test_prompts_longer_than_the_context(make_session, task):
+    long = Dataset.from_dict({"prompt": ["1+" * 80 + "1="] * 8 + ["1+1="] * 8, "answer": ["81"] * 8 + ["2"] * 8})
+    session = make_session(train_dataset=long, shuffle_dataset=False)
+    with pytest.raises(ValueError, match=r"exceed the model's context of 128 tokens.*max_completion_length"):
+        session.generate()
+    assert session.next_stage == "generate" and session.engine.sampler.position == 0  # nothing consumed
+    session.engine.train_dataset = long.select(range(8, 16))
+    _steps_fine(session)
+
+
+def test_non_finite_loss_skips_the_update_and_keeps_weights(make_session):
+    session = make_session()
+    session.generate(), session.score(), session.advantages(), session.loss()
+    for p in session.engine.model.parameters():
+        p.grad = torch.full_like(p, math.nan)
+    before = [p.detach().clone() for p in session.engine.model.parameters()]
+    with pytest.warns(UserWarning, match="gradient is not finite.*update was skipped"):
+        row = session.update()
+    assert row["update_skipped"] == 1.0
+    for p, old in zip(session.engine.model.parameters(), before):
+        assert torch.equal(p, old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _steps_fine(session)

@@ -1,0 +1,73 @@
+"""save() / load(): a loaded session continues exactly as the original would have."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import torch
+
+from grpo_lab import GRPOSession
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _comparable(history: pd.DataFrame) -> pd.DataFrame:
+    return history.drop(columns=["step_time"]).reset_index(drop=True)
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_resume_in_a_new_process_equals_an_uninterrupted_run(make_session, tmp_path):
+    uninterrupted = make_session(num_iterations=2)
+    uninterrupted.run(5, progress=False)
+
+    first = make_session(num_iterations=2)
+    first.run(3, progress=False)  # stops in the middle of a batch that feeds two optimizer steps
+    assert first.next_stage == "loss"
+    first.save(tmp_path / "checkpoint")
+    script = (
+        "import sys; from grpo_lab import GRPOSession\n"
+        "s = GRPOSession.load(sys.argv[1]); s.run(2, progress=False)\n"
+        "s.history.to_json(sys.argv[2]); s.model.save_pretrained(sys.argv[3])\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "checkpoint"), str(tmp_path / "h.json"), str(tmp_path / "m")],
+        check=True, cwd=ROOT,
+    )
+    resumed = pd.read_json(tmp_path / "h.json")
+    pd.testing.assert_frame_equal(_comparable(resumed), _comparable(uninterrupted.history), check_dtype=False)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    for name, value in _weights(uninterrupted.model).items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_save_between_stages_keeps_the_pending_results(make_session, tmp_path):
+    original = make_session()
+    original.generate()
+    original.score()
+    original.save(tmp_path / "mid")
+    loaded = GRPOSession.load(tmp_path / "mid")
+    assert loaded.next_stage == "advantages"
+    assert loaded.rollout.completion_texts == original.rollout.completion_texts
+    a, b = original.step(), loaded.step()
+    assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
+
+
+def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tmp_path):
+    session = make_session()
+    session.step()
+    target = session.save(tmp_path / "ckpt")
+    assert json.loads((target / "summary.json").read_text())["global_step"] == 1
+    (target / "COMPLETE").unlink()
+    try:
+        GRPOSession.load(target)
+    except FileNotFoundError as error:
+        assert "not a complete grpo_lab checkpoint" in str(error)
+    else:
+        raise AssertionError("an incomplete checkpoint was accepted")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]  # no temporary leftovers
