@@ -2,6 +2,8 @@
 
     grpo-lab demo [--steps N] [--json]        GRPO on the embedded task, accuracy before and after
     grpo-lab eval [--model PATH] [--json]     held-out figures of a model on the embedded task
+    grpo-lab train RECIPE.yaml [--field V]    train from a YAML recipe (see grpo_lab.recipes)
+    grpo-lab export NOTEBOOK -o train.py      turn a notebook's exported cells into a script
 """
 
 from __future__ import annotations
@@ -95,6 +97,25 @@ def _write_reward_curve(history, path):
     return path
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from grpo_lab.recipes import build_trainer
+
+    trainer = build_trainer(args.recipe, args.overrides)
+    last = trainer.train(resume_from_checkpoint=args.resume_from)
+    trainer.save_model()
+    if args.json:
+        print(json.dumps(last))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from grpo_lab.export import export_notebook
+
+    path = export_notebook(args.notebook, args.output)
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from grpo_lab import __version__
 
@@ -117,14 +138,39 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     evaluate.set_defaults(handler=cmd_eval)
+
+    train = commands.add_parser("train", help="train from a YAML recipe; --<config field> VALUE overrides")
+    train.add_argument("recipe", help="YAML file: GRPOConfig fields plus model / reward_funcs / datasets")
+    train.add_argument("--resume_from", default=None, help="checkpoint directory to continue from")
+    train.add_argument("--json", action="store_true", help="print the last metrics row as JSON")
+    train.set_defaults(handler=cmd_train)
+
+    export = commands.add_parser("export", help="export a notebook's `export` cells to a training script")
+    export.add_argument("notebook", help="the .ipynb file")
+    export.add_argument("-o", "--output", default="train.py", help="script to write (default: train.py)")
+    export.set_defaults(handler=cmd_export)
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Command output is ours: no per-file progress bars from the libraries underneath."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "train":
+        args.overrides = extra
+    elif extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    _quiet_libraries()
     try:
         return args.handler(args)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, TypeError) as error:
         print(f"grpo-lab {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -12,11 +12,21 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 
+def _has_accelerator_device() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return torch.cuda.is_available() or bool(mps and mps.is_available())
+
+
 def make_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
     """An Accelerator for ``precision`` in {"bf16", "fp16", "fp32"}; gradient accumulation is done by
-    the engine itself, so the accelerator's own accumulation stays at 1."""
+    the engine itself, so the accelerator's own accumulation stays at 1.
+
+    On a machine without a GPU the accelerator is told so (``cpu=True``): only then does accelerate
+    join the processes of ``accelerate launch --multi_gpu`` into one gloo group (MULTI_CPU) instead
+    of running each as a separate single-process job.
+    """
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
-    return Accelerator(mixed_precision=mixed, cpu=use_cpu)
+    return Accelerator(mixed_precision=mixed, cpu=use_cpu or not _has_accelerator_device())
 
 
 def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:

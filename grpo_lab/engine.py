@@ -88,6 +88,7 @@ class Engine:
             processing_class = load_tokenizer(name)
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_init_kwargs)
+        self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
         if peft_config is not None:
             from peft import get_peft_model
 

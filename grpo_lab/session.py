@@ -266,6 +266,13 @@ class GRPOSession:
             f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations})"
         )
 
+    def export_script(self, path) -> Path:
+        """Write a standalone training script with this session's current config, model reference,
+        datasets (saved beside it) and reward functions' source; see :mod:`grpo_lab.export`."""
+        from grpo_lab.export import export_session
+
+        return export_session(self, path)
+
     # ------------------------------------------------------------------ persistence
     def save(self, path) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
@@ -282,10 +289,18 @@ class GRPOSession:
         }
 
         def write(directory: Path) -> None:
+            from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
             save_engine(self.engine, directory, extra)
-            self.engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
-            if self.engine.eval_dataset is not None:
-                self.engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
+            shown = is_progress_bar_enabled()
+            disable_progress_bar()  # a checkpoint is not worth three progress bars per save
+            try:
+                self.engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
+                if self.engine.eval_dataset is not None:
+                    self.engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
+            finally:
+                if shown:
+                    enable_progress_bar()
 
         return atomic_directory_write(Path(path), write)
 
@@ -293,7 +308,8 @@ class GRPOSession:
     def load(cls, path, *, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs) -> GRPOSession:
         """Rebuild a saved session; it continues exactly as the original would have.
 
-        Datasets and (importable) reward functions come from the checkpoint unless given.
+        Datasets, (importable) reward functions and the config (``args``) come from the checkpoint
+        unless given; other keyword arguments go to the constructor.
         """
         from datasets import load_from_disk
 
@@ -319,8 +335,8 @@ class GRPOSession:
         else:
             model = str(model_dir)
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
-        session = cls(model, reward_funcs, args=GRPOConfig.from_yaml(directory / "config.yaml"),
-                      train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        kwargs.setdefault("args", GRPOConfig.from_yaml(directory / "config.yaml"))
+        session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         restore_engine(session.engine, state)
         session._history = extra["history"]
         session._completion_log = [pd.DataFrame(frame) for frame in extra["completion_log"]]

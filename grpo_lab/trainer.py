@@ -37,9 +37,9 @@ class GRPOTrainer:
         peft_config=None,
         optimizers=(None, None),
     ):
-        self._init_kwargs = dict(
+        self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            reward_processing_classes=reward_processing_classes,
+            reward_processing_classes=reward_processing_classes, optimizers=optimizers,
         )
         self.session = GRPOSession(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -65,7 +65,7 @@ class GRPOTrainer:
         """
         if resume_from_checkpoint:
             path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
-            self.session = GRPOSession.load(path, **self._init_kwargs)
+            self.session = GRPOSession.load(path, args=self.args, **self._resume_kwargs)
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
         writer = self._tensorboard() if main else None

@@ -1,0 +1,68 @@
+"""GRPOTrainer runs the session's own steps: same numbers, plus logs, checkpoints and resume."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from grpo_lab.trainer import GRPOTrainer
+from tests.conftest import SMALL
+
+
+def _trainer(task, tmp_path, reward_funcs=None, **overrides):
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), **overrides})
+    return GRPOTrainer(task.model, reward_funcs or task.reward_funcs, args=config, train_dataset=task.train_dataset)
+
+
+def _no_time(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.drop(columns=["step_time"]).reset_index(drop=True)
+
+
+def test_trainer_and_session_give_identical_metrics_and_weights(make_session, task, tmp_path):
+    session = make_session(max_steps=3, num_iterations=2)
+    session.run(3, progress=False)
+    trainer = _trainer(task, tmp_path / "t", max_steps=3, num_iterations=2)
+    trainer.train()
+    pd.testing.assert_frame_equal(_no_time(trainer.session.history), _no_time(session.history))
+    for (name, a), (_, b) in zip(session.model.state_dict().items(), trainer.model.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=4, save_steps=2, save_total_limit=1, log_completions=True,
+                       num_completions_to_print=2)
+    last = trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1] == last
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+    saved = trainer.save_model(tmp_path / "final")
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
+
+
+def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path):
+    reference = _trainer(task, tmp_path / "ref", max_steps=4)
+    reference.train()
+
+    calls = {"n": 0}
+
+    def crashes_on_third_step(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return [0.0] * len(completions)
+
+    funcs = [*task.reward_funcs, crashes_on_third_step]
+    crashed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.train()
+    assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
+
+    calls["n"] = 100  # the crash does not happen again
+    resumed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
+    resumed.train(resume_from_checkpoint=True)
+    history = resumed.session.history.drop(columns=["rewards/crashes_on_third_step/mean", "rewards/crashes_on_third_step/std"])
+    pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
