@@ -1,6 +1,6 @@
 """grpo_lab: notebook-first GRPO for language models.
 
-    from grpo_lab import GRPOConfig, GRPOSession
+    from grpo_lab import GRPOConfig, GRPOSession, GRPOTrainer
 
 The heavy modules (torch, transformers) load on first use of a public name.
 """
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "GRPOConfig": "grpo_lab.config",
+    "GRPOTrainer": "grpo_lab.trainer",
     "GRPOSession": "grpo_lab.session",
 }
 

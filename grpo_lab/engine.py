@@ -33,7 +33,7 @@ from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
-_GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "luspo", "vespo"}
+_GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "vespo"}
 
 
 def check_dataset(dataset, name: str) -> None:
@@ -352,6 +352,10 @@ class Engine:
                     importance_sampling_level=config.importance_sampling_level,
                     sapo_temperature_pos=config.sapo_temperature_pos,
                     sapo_temperature_neg=config.sapo_temperature_neg,
+                    vespo_k_pos=config.vespo_k_pos,
+                    vespo_lambda_pos=config.vespo_lambda_pos,
+                    vespo_k_neg=config.vespo_k_neg,
+                    vespo_lambda_neg=config.vespo_lambda_neg,
                     ref_logprobs_BT=None if rollout.ref_logprobs_BT is None else rollout.ref_logprobs_BT[index_B],
                     beta=config.beta,
                     use_bias_correction_kl=config.use_bias_correction_kl,

@@ -1,0 +1,154 @@
+"""grpo_lab vs TRL's GRPOTrainer on the same model, data, rewards and config.
+
+Each (framework, repetition) trains in a fresh subprocess, in alternating order, so that peak
+memory (the process's maximum resident set size) is measured per run and slow phases of a shared
+machine hit every framework alike. The report gives the median step time (first steps excluded as
+warm-up), generated tokens per second and peak memory, and the ratios grpo_lab / TRL.
+
+    pip install trl==1.16.0          # benchmark-only dependency
+    python benchmarks/bench_trl.py --case tiny --steps 12 --repeats 3
+    python benchmarks/bench_trl.py --case large --steps 6 --repeats 2
+
+Cases: ``tiny`` is the embedded task on the shipped 0.9M-parameter model (8 prompts x 8
+completions, up to 8 tokens); ``large`` is a randomly initialised Llama of about 30M parameters
+with the shipped tokenizer, 2 prompts x 8 completions of 128 tokens, where compute dominates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FRAMEWORKS = ("trl", "grpo_lab_trainer", "grpo_lab_session")
+
+
+def _case(name: str, workdir: Path) -> dict:
+    from grpo_lab.tasks import default_task
+
+    task = default_task()
+    common = dict(learning_rate=1e-4, num_generations=8, beta=0.0, loss_type="dapo", temperature=1.0,
+                  gradient_checkpointing=False, seed=0, logging_steps=1)
+    if name == "tiny":
+        return dict(task=task, model=task.model, config=dict(common, per_device_train_batch_size=64,
+                                                             max_completion_length=8))
+    model_dir = workdir / "large_model"
+    if not model_dir.exists():
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(task.model)
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
+                             tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        LlamaForCausalLM(config).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    return dict(task=task, model=str(model_dir), config=dict(common, per_device_train_batch_size=16,
+                                                             max_completion_length=128))
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_trl(case: dict, steps: int, output_dir: str) -> tuple[list[float], list[int]]:
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    stamps, tokens = [time.perf_counter()], []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * case["config"]["per_device_train_batch_size"])
+
+    config = GRPOConfig(output_dir=output_dir, max_steps=steps, use_cpu=True, bf16=False, report_to="none",
+                        save_strategy="no", disable_tqdm=True, **case["config"])
+    trainer = GRPOTrainer(model=case["model"], reward_funcs=case["task"].reward_funcs, args=config,
+                          train_dataset=case["task"].train_dataset, callbacks=[Clock()])
+    trainer.train()
+    return [b - a for a, b in zip(stamps, stamps[1:])], tokens
+
+
+def run_grpo_lab(case: dict, steps: int, output_dir: str, *, session: bool) -> tuple[list[float], list[int]]:
+    from grpo_lab.config import GRPOConfig
+    from grpo_lab.session import GRPOSession
+    from grpo_lab.trainer import GRPOTrainer
+
+    config = GRPOConfig(output_dir=output_dir, max_steps=steps, save_steps=10**9, disable_tqdm=True, **case["config"])
+    args = (case["model"], case["task"].reward_funcs)
+    kwargs = dict(args=config, train_dataset=case["task"].train_dataset)
+    runner = GRPOSession(*args, **kwargs) if session else GRPOTrainer(*args, **kwargs).session
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.step()
+        times.append(time.perf_counter() - start)
+    history = runner.history
+    return times, list(history["completions/mean_length"] * case["config"]["per_device_train_batch_size"])
+
+
+def child(framework: str, case_name: str, steps: int, workdir: str) -> None:
+    case = _case(case_name, Path(workdir))
+    with tempfile.TemporaryDirectory() as out:
+        if framework == "trl":
+            times, tokens = run_trl(case, steps, out)
+        else:
+            times, tokens = run_grpo_lab(case, steps, out, session=framework == "grpo_lab_session")
+    print(json.dumps({"times": times, "tokens": tokens, "peak_rss_mib": _peak_rss_mib()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=["tiny", "large"], default="tiny")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", nargs=2, metavar=("FRAMEWORK", "WORKDIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], args.case, args.steps, args.child[1])
+        return
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    results: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
+    with tempfile.TemporaryDirectory() as workdir:
+        _case(args.case, Path(workdir))  # build the large model once, outside the timed runs
+        for repeat in range(args.repeats):
+            order = FRAMEWORKS if repeat % 2 == 0 else FRAMEWORKS[::-1]
+            for framework in order:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--case", args.case, "--steps", str(args.steps), "--child", framework, workdir],
+                    check=True, capture_output=True, text=True, env=env,
+                ).stdout.strip().splitlines()[-1]
+                results[framework].append(json.loads(out))
+                print(f"repeat {repeat} {framework}: median step {statistics.median(results[framework][-1]['times'][args.warmup:]):.3f}s",
+                      file=sys.stderr)
+    summary = {}
+    for framework, runs in results.items():
+        step_times = [t for run in runs for t in run["times"][args.warmup:]]
+        generated = sum(sum(run["tokens"][args.warmup:]) for run in runs)
+        summary[framework] = {
+            "median_step_s": statistics.median(step_times),
+            "generated_tokens_per_s": generated / sum(step_times),
+            "peak_rss_mib": max(run["peak_rss_mib"] for run in runs),
+        }
+    for framework in FRAMEWORKS[1:]:
+        summary[framework]["step_time_vs_trl"] = summary[framework]["median_step_s"] / summary["trl"]["median_step_s"]
+        summary[framework]["peak_memory_vs_trl"] = summary[framework]["peak_rss_mib"] / summary["trl"]["peak_rss_mib"]
+    print(json.dumps({"case": args.case, "steps": args.steps, "repeats": args.repeats, **summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,723 @@
+"""``GRPOConfig``: every GRPO setting of TRL's ``GRPOConfig`` plus the training settings a run needs.
+
+Names, defaults and meanings follow TRL 1.16, so a TRL config carries over field for field. Where
+grpo_lab differs on purpose, the field's docstring says so. Help is written once, as the string
+under each field; ``GRPOConfig.field_help(name)`` and ``--help`` on the command line read it from
+there. Derived values (generation batch size, steps per generation) are resolved in one place,
+:meth:`GRPOConfig.resolve`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import json
+import os
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+VLLM_MODES = ("colocate", "server")
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+REPORTERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
+
+NOT_YET_IMPLEMENTED = {
+    "trust_remote_code": "pass it in model_init_kwargs={'trust_remote_code': True} instead",
+    "router_aux_loss_coef": "mixture-of-experts auxiliary loss is not wired into the objective",
+    "cast_lm_head_to_fp32": "the LM head keeps the model's dtype",
+    "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
+    "pad_to_multiple_of": "sequences are padded to the longest in the batch",
+    "cache_implementation": "pass cache_implementation in generation_kwargs instead",
+    "use_vllm": "vLLM generation is not available yet; completions are sampled with transformers",
+    "vllm_mode": "vLLM generation is not available yet",
+    "vllm_model_impl": "vLLM generation is not available yet",
+    "vllm_enable_sleep_mode": "vLLM generation is not available yet",
+    "vllm_structured_outputs_regex": "vLLM generation is not available yet",
+    "vllm_server_base_url": "vLLM generation is not available yet",
+    "vllm_server_host": "vLLM generation is not available yet",
+    "vllm_server_port": "vLLM generation is not available yet",
+    "vllm_server_timeout": "vLLM generation is not available yet",
+    "vllm_group_port": "vLLM generation is not available yet",
+    "vllm_gpu_memory_utilization": "vLLM generation is not available yet",
+    "vllm_max_model_length": "vLLM generation is not available yet",
+    "vllm_tensor_parallel_size": "vLLM generation is not available yet",
+    "vllm_importance_sampling_correction": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
+    "vllm_importance_sampling_mode": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
+    "vllm_importance_sampling_clip_max": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
+    "vllm_importance_sampling_clip_min": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
+    "vllm_importance_sampling_cap": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
+    "entropy_coef": "the entropy bonus is not part of the objective yet",
+    "use_adaptive_entropy": "the entropy bonus is not part of the objective yet",
+    "entropy_coef_min": "the entropy bonus is not part of the objective yet",
+    "entropy_coef_max": "the entropy bonus is not part of the objective yet",
+    "entropy_coef_delta": "the entropy bonus is not part of the objective yet",
+    "entropy_target": "the entropy bonus is not part of the objective yet",
+    "max_tool_calling_iterations": "tool calling during generation is not available yet",
+    "off_policy_mask_threshold": "off-policy sequence masking is not available yet",
+    "log_unique_prompts": "completion logging always shows every completion",
+    "log_completions_hub_repo": "nothing is uploaded to the Hub",
+    "use_transformers_continuous_batching": "generation uses transformers' padded generate()",
+    "transformers_continuous_batching_config": "generation uses transformers' padded generate()",
+    "use_transformers_paged": "generation uses transformers' padded generate()",
+}
+"""Fields accepted for compatibility with TRL that raise ``NotImplementedError`` when set to anything
+but their default, with the reason (never silently ignored)."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Resolved batch geometry for a number of processes (see :meth:`GRPOConfig.resolve`)."""
+
+    num_processes: int
+    generation_batch_size: int
+    steps_per_generation: int
+
+
+@dataclass(repr=False)
+class GRPOConfig:
+    """Configuration of a GRPO run, shared by ``GRPOSession`` and ``GRPOTrainer``.
+
+    Construct with keyword arguments (``GRPOConfig(learning_rate=1e-5, loss_type="grpo")``). Bad
+    values raise ``ValueError`` at once, naming the field and the fix; unknown names raise
+    ``TypeError`` with the closest field name. ``GRPOConfig.field_help("beta")`` explains a field.
+    """
+
+    # ------------------------------------------------------------------ model
+    model_init_kwargs: dict[str, Any] | str | None = None
+    """Keyword arguments for ``AutoModelForCausalLM.from_pretrained`` when the model is given as a path
+    or hub id (a dict, or a JSON string on the command line), e.g. ``{"dtype": "bfloat16"}``."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a checkpoint. Not implemented yet: pass it in model_init_kwargs."""
+    router_aux_loss_coef: float | None = None
+    """Weight of a mixture-of-experts router loss added to the objective. Not implemented yet."""
+    disable_dropout: bool = False
+    """Set every dropout probability to 0, so that log-probs of the same tokens are deterministic."""
+    cast_lm_head_to_fp32: bool = False
+    """Keep the language-model head in float32 (ScaleRL recipe). Not implemented yet."""
+
+    # ------------------------------------------------------------------ data
+    num_generations: int = 8
+    """Completions sampled per prompt (the group size G). At least 2: advantages compare completions
+    within a group. The generation batch size must be a multiple of it."""
+    num_generations_eval: int | None = None
+    """Completions per prompt during evaluation; None uses ``num_generations``."""
+    max_completion_length: int = 512
+    """Maximum number of tokens generated per completion; longer ones are cut and flagged truncated.
+    Also the constant divisor of the ``dr_grpo`` loss."""
+    ds3_gather_for_generation: bool = True
+    """DeepSpeed ZeRO-3: gather full weights for generation. Only True is supported yet."""
+    shuffle_dataset: bool | None = True
+    """Shuffle the training prompts each epoch (seeded by ``data_seed``, else ``seed``)."""
+    pad_to_multiple_of: int | str | None = "auto"
+    """Padding granularity of training sequences. Only the default is supported yet."""
+    remove_unused_columns: bool = False
+    """Kept for TRL compatibility: extra dataset columns are always passed to reward functions."""
+
+    # ------------------------------------------------------------------ generation
+    generation_batch_size: int | None = None
+    """Completions generated at once over all processes. None: per_device_train_batch_size x
+    num_processes x steps_per_generation (one generation per optimizer step). Exclusive with
+    ``steps_per_generation``."""
+    steps_per_generation: int | None = None
+    """Micro-batches taken from one generation batch; None: ``gradient_accumulation_steps``. Exclusive
+    with ``generation_batch_size``. grpo_lab needs it to be a multiple of gradient_accumulation_steps
+    (an optimizer step never spans two generation batches)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0). Training log-probs are computed at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set whose probability reaches top_p, in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables top-k filtering."""
+    min_p: float | None = None
+    """Drop tokens whose probability is below min_p times that of the most likely token, in [0, 1]."""
+    generation_kwargs: dict[str, Any] | str | None = None
+    """Extra ``transformers.GenerationConfig`` settings (a dict, or JSON on the command line)."""
+    chat_template_kwargs: dict[str, Any] | str | None = None
+    """Extra keyword arguments for ``apply_chat_template`` on conversational prompts."""
+    repetition_penalty: float = 1.0
+    """Penalty (> 0) on tokens already present; > 1 discourages repetition, 1 disables it."""
+    cache_implementation: str | None = None
+    """KV-cache implementation for transformers generation. Not implemented yet: use generation_kwargs."""
+
+    # ------------------------------------------------------------------ vLLM (not available yet)
+    use_vllm: bool = False
+    """Generate with vLLM instead of transformers. Not implemented yet."""
+    vllm_mode: str = "colocate"
+    """``"colocate"`` (vLLM inside the training process) or ``"server"`` (a separate server)."""
+    vllm_model_impl: str = "vllm"
+    """Model implementation inside vLLM: ``"vllm"`` or ``"transformers"``."""
+    vllm_enable_sleep_mode: bool = False
+    """Offload vLLM weights and cache during the optimizer step (colocate mode)."""
+    vllm_structured_outputs_regex: str | None = None
+    """Constrain vLLM generation to a regular expression."""
+    vllm_server_base_url: str | None = None
+    """URL of the vLLM server (server mode); overrides host and port."""
+    vllm_server_host: str = "0.0.0.0"
+    """Host of the vLLM server (server mode)."""
+    vllm_server_port: int = 8000
+    """Port of the vLLM server (server mode)."""
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the vLLM server before giving up."""
+    vllm_group_port: int = 51216
+    """Port of the weight-update process group with the vLLM server."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Share of GPU memory vLLM may take (colocate mode)."""
+    vllm_max_model_length: int | None = None
+    """vLLM context window; None reads it from the model config."""
+    vllm_tensor_parallel_size: int = 1
+    """Tensor-parallel degree of the colocated vLLM engine."""
+    vllm_importance_sampling_correction: bool = True
+    """Reweight the loss by trainer/vLLM probability ratios (vLLM samples from a slightly different
+    distribution). See ``grpo_lab.ops.vllm_importance_weights``."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """One of token_truncate, token_mask, sequence_truncate, sequence_mask: ratios per token or per
+    sequence, capped (truncate) or zeroed beyond the bounds (mask)."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound C of the vLLM importance-sampling ratio."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of the vLLM importance-sampling ratio; None: no lower bound."""
+    vllm_importance_sampling_cap: float | None = None
+    """Older name of ``vllm_importance_sampling_clip_max`` (TRL keeps it for compatibility)."""
+
+    # ------------------------------------------------------------------ objective
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference model (k3 estimator). 0 loads no reference model.
+    DeepSeek-R1 used 0.001."""
+    num_iterations: int = 1
+    """Optimizer passes over each generation batch (mu in the GRPO paper). Above 1, the ratio to the
+    sampling policy departs from 1 and clipping becomes active."""
+    epsilon: float = 0.2
+    """Lower clipping range: the ratio is clipped below at 1 - epsilon (and above at 1 + epsilon
+    unless epsilon_high is set)."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at delta. Must exceed
+    1 + epsilon_high when set."""
+    epsilon_high: float | None = None
+    """Upper clipping range (1 + epsilon_high); None uses epsilon. DAPO recommends 0.28. For
+    loss_type="cispo" it is the absolute cap on the ratio (ScaleRL's epsilon_max, e.g. 5.0)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for tokens with non-positive advantage."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature for tokens with positive advantage."""
+    vespo_k_pos: float = 2.0
+    """VESPO gamma-kernel shape k for non-negative advantages."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO gamma-kernel rate lambda for non-negative advantages."""
+    vespo_k_neg: float = 3.0
+    """VESPO gamma-kernel shape k for negative advantages."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO gamma-kernel rate lambda for negative advantages."""
+    importance_sampling_level: str = "token"
+    """``"token"``: one ratio per token. ``"sequence"``: one ratio per completion, the exp of the mean
+    token log-ratio (GSPO)."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function; None weights all by 1."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """``"sum_then_normalize"``: weighted sum of rewards, then group normalization.
+    ``"normalize_then_sum"``: normalize each reward in its group, sum, then normalize over the batch."""
+    scale_rewards: str = "group"
+    """Divide advantages by the reward std of the ``"group"``, of the ``"batch"``, or not at all
+    (``"none"``, as Dr. GRPO recommends). True and False are read as "group" and "none"."""
+    loss_type: str = "dapo"
+    """Per-token objective and its aggregation: grpo (mean per sequence, then over sequences), bnpo
+    (mean over the local batch's tokens), dr_grpo (sum / (B x max_completion_length)), dapo (sum /
+    tokens of the whole optimizer step over all processes), cispo (clipped, detached ratio times
+    log-prob), sapo (soft sigmoid gate instead of clipping), luspo (sequence loss weighted by length),
+    vespo (detached gamma-kernel weight of the sequence ratio)."""
+    mask_truncated_completions: bool = False
+    """Leave truncated completions (no EOS) out of the loss (DAPO)."""
+    sync_ref_model: bool = False
+    """Mix the policy into the reference model every ref_model_sync_steps steps (TR-DPO)."""
+    ref_model_mixup_alpha: float = 0.6
+    """TR-DPO mixing weight: ref = alpha x policy + (1 - alpha) x ref."""
+    ref_model_sync_steps: int = 512
+    """Optimizer steps between two reference-model syncs."""
+    top_entropy_quantile: float = 1.0
+    """Keep in the policy loss only the tokens in the top fraction rho of entropy (Beyond the 80/20
+    Rule); 1.0 keeps all, 0.0 keeps only the highest-entropy tokens."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus. Not implemented yet."""
+    use_adaptive_entropy: bool = False
+    """Adapt the entropy bonus to an entropy target. Not implemented yet."""
+    entropy_coef_min: float = 0.0
+    """Lower bound of the adaptive entropy weight. Not implemented yet."""
+    entropy_coef_max: float = 1.0
+    """Upper bound of the adaptive entropy weight. Not implemented yet."""
+    entropy_coef_delta: float = 0.005
+    """Step of the adaptive entropy weight. Not implemented yet."""
+    entropy_target: float = 0.2
+    """Entropy the adaptive bonus aims at. Not implemented yet."""
+    max_tool_calling_iterations: int | None = None
+    """Tool-call rounds per completion. Not implemented yet."""
+    off_policy_mask_threshold: float | None = None
+    """Mask sequences too far off-policy. Not implemented yet."""
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token KL by the importance ratio (DeepSeek-V3.2's unbiased estimator)."""
+
+    # ------------------------------------------------------------------ logging of completions
+    log_completions: bool = False
+    """Print a table of sampled completions with their rewards every logging_steps (trainer)."""
+    log_multimodal: bool = True
+    """Log images of multimodal prompts (no effect on text-only runs)."""
+    num_completions_to_print: int | None = None
+    """Rows of that table; None prints all."""
+    log_unique_prompts: bool = False
+    """Log one row per prompt only. Not implemented yet."""
+    log_completions_hub_repo: str | None = None
+    """Upload logged completions to a Hub dataset. Not implemented yet."""
+    use_transformers_continuous_batching: bool = False
+    """Generate with transformers' continuous batching. Not implemented yet."""
+    transformers_continuous_batching_config: dict[str, Any] | str | None = None
+    """Settings of continuous batching. Not implemented yet."""
+    use_transformers_paged: bool = False
+    """Generate with transformers' paged attention. Not implemented yet."""
+
+    # ------------------------------------------------------------------ training (TrainingArguments)
+    output_dir: str = "outputs/grpo"
+    """Where checkpoints, metrics.jsonl and the final model go. (TRL: "trainer_output".)"""
+    learning_rate: float = 1e-6
+    """Peak learning rate of AdamW (TRL's GRPO default, meant for billion-parameter models)."""
+    per_device_train_batch_size: int = 8
+    """Completions per process in one micro-batch (forward/backward pass)."""
+    per_device_eval_batch_size: int = 8
+    """Prompts per process in one evaluation generation call."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    max_steps: int = -1
+    """Optimizer steps of the run; -1 runs num_train_epochs instead."""
+    num_train_epochs: float = 3.0
+    """Passes over the training prompts when max_steps is -1."""
+    seed: int = 42
+    """Seed of sampling, initialisation and (without data_seed) prompt order."""
+    data_seed: int | None = None
+    """Seed of prompt order only; None uses seed."""
+    lr_scheduler_type: str = "linear"
+    """A transformers schedule name: linear, cosine, constant, constant_with_warmup, ..."""
+    lr_scheduler_kwargs: dict[str, Any] | str | None = None
+    """Extra arguments of the schedule."""
+    warmup_ratio: float = 0.0
+    """Share of the steps spent warming the learning rate up from 0, in [0, 1]."""
+    warmup_steps: int = 0
+    """Warm-up steps; when above 0 it takes precedence over warmup_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient to this global norm; 0 disables clipping."""
+    logging_steps: int = 10
+    """Optimizer steps between two metric records of the trainer (TRL's GRPO default)."""
+    logging_dir: str | None = None
+    """TensorBoard directory; None uses output_dir/runs."""
+    save_steps: int = 500
+    """Optimizer steps between two checkpoints of the trainer."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints (oldest deleted first); None keeps all."""
+    bf16: bool | None = None
+    """bfloat16 mixed precision. None (the default) picks it where the hardware supports it (a GPU
+    with bf16) and float32 otherwise; TRL instead turns it on and fails on a CPU."""
+    fp16: bool = False
+    """float16 mixed precision (needs a GPU)."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass to save memory (TRL's GRPO default)."""
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    """Arguments of gradient checkpointing; None uses {"use_reentrant": False}."""
+    report_to: str | list[str] = "none"
+    """Where metrics go besides output_dir/metrics.jsonl: "none", "tensorboard", "all", ..."""
+    use_cpu: bool = False
+    """Train on the CPU even when a GPU is present."""
+    disable_tqdm: bool = False
+    """Hide progress bars."""
+
+    # ------------------------------------------------------------------ construction and checks
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in _field_names():
+            raise AttributeError(f"GRPOConfig has no field {name!r}{_suggestion(name)}")
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        changed = ", ".join(f"{k}={v!r}" for k, v in self.diff().items())
+        return f"GRPOConfig({changed})"
+
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` (bad value) or ``NotImplementedError`` (a TRL field
+        grpo_lab does not support yet set to a non-default value). Normalizes TRL's aliases
+        (``scale_rewards`` True/False, JSON strings for dict fields, ``report_to`` lists)."""
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs",
+                     "gradient_checkpointing_kwargs", "transformers_continuous_batching_config"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, json.loads(value))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{name} is not valid JSON ({error}): give a dict or a JSON object string.") from None
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict (or a JSON object string), got {getattr(self, name)!r}.")
+        if self.scale_rewards is True:
+            object.__setattr__(self, "scale_rewards", "group")
+        elif self.scale_rewards is False:
+            object.__setattr__(self, "scale_rewards", "none")
+
+        _one_of("loss_type", self.loss_type, LOSS_TYPES)
+        _one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS, extra=" (or True / False)")
+        _one_of("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        _one_of("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
+        _one_of("vllm_mode", self.vllm_mode, VLLM_MODES)
+        _one_of("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, VLLM_IS_MODES)
+        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        for reporter in reporters:
+            _one_of("report_to", reporter, REPORTERS)
+
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be at least 2 (got {self.num_generations!r}): GRPO compares the "
+                "completions of one prompt with each other. Set num_generations=2 or more (TRL's default is 8)."
+            )
+        if self.num_generations_eval is not None:
+            _at_least("num_generations_eval", self.num_generations_eval, 1)
+        for name in ("max_completion_length", "per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "num_iterations", "logging_steps", "save_steps",
+                     "ref_model_sync_steps"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("generation_batch_size", "steps_per_generation", "save_total_limit"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        _at_least("top_k", self.top_k, 0, hint=" (0 disables top-k filtering)")
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        for name in ("epsilon", "temperature", "repetition_penalty", "sapo_temperature_pos", "sapo_temperature_neg",
+                     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _positive(name, getattr(self, name))
+        if self.epsilon_high is not None:
+            _positive("epsilon_high", self.epsilon_high)
+        for name in ("beta", "learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
+            _non_negative(name, getattr(self, name))
+        if not isinstance(self.num_train_epochs, (int, float)) or self.num_train_epochs <= 0:
+            raise ValueError(f"num_train_epochs must be > 0 (got {self.num_train_epochs!r}), or set max_steps.")
+        if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):
+            raise ValueError(f"max_steps must be a positive number of steps, or -1 to use num_train_epochs (got {self.max_steps!r}).")
+        _in_unit("top_p", self.top_p, low_open=True)
+        _in_unit("top_entropy_quantile", self.top_entropy_quantile)
+        _in_unit("warmup_ratio", self.warmup_ratio)
+        _in_unit("ref_model_mixup_alpha", self.ref_model_mixup_alpha)
+        _in_unit("adam_beta1", self.adam_beta1)
+        _in_unit("adam_beta2", self.adam_beta2)
+        if self.min_p is not None:
+            _in_unit("min_p", self.min_p)
+        if self.delta is not None:
+            upper = 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
+            if not isinstance(self.delta, (int, float)) or self.delta <= upper:
+                raise ValueError(
+                    f"delta must be greater than 1 + epsilon_high = {upper:g} (got {self.delta!r}): it caps the "
+                    "unclipped ratio above the clipping range. INTELLECT-2 uses delta=4; set delta=None to disable."
+                )
+        if self.reward_weights is not None:
+            if isinstance(self.reward_weights, (int, float)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.reward_weights
+            ):
+                raise ValueError(f"reward_weights must be a list of numbers, one per reward function (got {self.reward_weights!r}).")
+            object.__setattr__(self, "reward_weights", [float(w) for w in self.reward_weights])
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError(
+                "generation_batch_size and steps_per_generation cannot both be set: each determines the "
+                "other. Set one and leave the other None."
+            )
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16 cannot both be True: choose one mixed precision.")
+        if self.fp16 and self.use_cpu:
+            raise ValueError("fp16 needs a GPU but use_cpu=True: set fp16=False.")
+        self.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+        for name, reason in NOT_YET_IMPLEMENTED.items():
+            if getattr(self, name) != _defaults()[name]:
+                raise NotImplementedError(
+                    f"{name}={getattr(self, name)!r} is accepted for compatibility with TRL but not supported by "
+                    f"grpo_lab yet: {reason}. Leave it at its default ({_defaults()[name]!r})."
+                )
+
+    # ------------------------------------------------------------------ derived values
+    def resolve(self, num_processes: int = 1) -> Batching:
+        """Generation batch size and steps per generation for ``num_processes`` processes (TRL's rules).
+
+        Neither set: steps_per_generation = gradient_accumulation_steps and generation_batch_size =
+        per_device_train_batch_size x num_processes x steps_per_generation. One set: the other follows.
+        The generation batch size must be a multiple of num_generations (whole groups).
+        """
+        per_step = self.per_device_train_batch_size * num_processes
+        if self.generation_batch_size is None:
+            steps = self.steps_per_generation or self.gradient_accumulation_steps
+            size = per_step * steps
+        else:
+            size = self.generation_batch_size
+            if size % per_step:
+                raise ValueError(
+                    f"generation_batch_size ({size}) must be a multiple of per_device_train_batch_size x "
+                    f"num_processes ({self.per_device_train_batch_size} x {num_processes} = {per_step}). "
+                    f"Try generation_batch_size={per_step * max(1, size // per_step)}."
+                )
+            steps = size // per_step
+        if size % self.num_generations:
+            raise ValueError(
+                f"The generation batch ({size} completions = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} x {num_processes} process(es) x {steps} step(s) per "
+                f"generation) must be a multiple of num_generations ({self.num_generations}) so that every "
+                "prompt's group is complete. Change per_device_train_batch_size, gradient_accumulation_steps, "
+                "steps_per_generation or num_generations."
+            )
+        return Batching(num_processes=num_processes, generation_batch_size=size, steps_per_generation=steps)
+
+    def resolved_precision(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"fp32"``: what bf16/fp16 mean on this machine."""
+        if self.fp16:
+            return "fp16"
+        if self.bf16 is not None:
+            return "bf16" if self.bf16 else "fp32"
+        import torch
+
+        if not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain Python values."""
+        return {f.name: _copy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
+        return cls(**values)
+
+    def diff(self) -> dict[str, Any]:
+        """The fields whose value differs from the default."""
+        defaults = _defaults()
+        return {k: v for k, v in self.to_dict().items() if v != defaults[k]}
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The full config as YAML; also written to ``path`` when given."""
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> GRPOConfig:
+        import yaml
+
+        values = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} must hold a mapping of GRPOConfig fields, got {type(values).__name__}.")
+        return cls(**values)
+
+    # ------------------------------------------------------------------ command line
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None, base: GRPOConfig | None = None) -> GRPOConfig:
+        """``base`` (default: the defaults) with ``--field value`` overrides from ``argv``.
+
+        Only the fields given change. ``--config FILE.yaml`` loads a YAML file first. Booleans accept
+        true/false/yes/no/1/0 (a bare ``--flag`` means true), ``none`` means None, dict and list fields
+        take JSON, and list fields also take comma-separated values. ``--help`` prints every field.
+        """
+        argv = list(sys.argv[1:] if argv is None else argv)
+        values = base.to_dict() if base is not None else {}
+        pairs, i = [], 0
+        while i < len(argv):
+            arg = argv[i]
+            if arg in ("-h", "--help"):
+                print(cls.help_text())
+                raise SystemExit(0)
+            if not arg.startswith("--"):
+                raise ValueError(f"Unexpected argument {arg!r}: give config fields as --name value.")
+            name, sep, raw = arg[2:].partition("=")
+            name = name.replace("-", "_")
+            if not sep:
+                takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+                if not takes_value and _kind(name) != "bool":
+                    raise ValueError(f"--{name} needs a value, e.g. --{name} VALUE.")
+                raw = argv[i + 1] if takes_value else "true"
+                i += 1 if takes_value else 0
+            pairs.append((name, raw))
+            i += 1
+        for name, raw in pairs:
+            if name == "config":
+                loaded = cls.from_yaml(raw).to_dict()
+                values.update({k: v for k, v in loaded.items() if v != _defaults()[k]})
+        for name, raw in pairs:
+            if name == "config":
+                continue
+            if name not in _field_names():
+                raise ValueError(f"Unknown option --{name}{_suggestion(name, prefix='--')}")
+            values[name] = parse_value(name, raw)
+        return cls(**values)
+
+    @classmethod
+    def field_help(cls, name: str) -> str:
+        """The documentation of field ``name`` (its docstring)."""
+        if name not in _field_names():
+            raise KeyError(f"GRPOConfig has no field {name!r}{_suggestion(name)}")
+        return _docstrings().get(name, "")
+
+    @classmethod
+    def help_text(cls) -> str:
+        """Every field with its default and documentation, as ``--help`` prints them."""
+        lines = ["GRPOConfig fields (override any with --name value; --config FILE.yaml loads a file):", ""]
+        for name, default in _defaults().items():
+            lines.append(f"  --{name} (default: {default!r})")
+            lines.extend(textwrap.wrap(" ".join(_docstrings().get(name, "").split()), 96,
+                                       initial_indent="      ", subsequent_indent="      "))
+        return "\n".join(lines)
+
+
+_dataclass_init = GRPOConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs):
+    if args:
+        raise TypeError("GRPOConfig takes keyword arguments only, e.g. GRPOConfig(learning_rate=1e-5).")
+    for name in kwargs:
+        if name not in _field_names():
+            raise TypeError(f"GRPOConfig got an unknown field {name!r}{_suggestion(name)}")
+    _dataclass_init(self, **kwargs)
+
+
+GRPOConfig.__init__ = _init
+
+
+# ---------------------------------------------------------------------- helpers
+@functools.cache
+def _field_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(GRPOConfig))
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+@functools.cache
+def _annotations() -> dict[str, str]:
+    return {f.name: str(f.type) for f in dataclasses.fields(GRPOConfig)}
+
+
+@functools.cache
+def _docstrings() -> dict[str, str]:
+    """Field name -> the string literal written under it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOConfig)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _suggestion(name: str, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, sorted(_field_names()), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?" if not prefix else f"; did you mean {prefix}{close[0]}?"
+    return " (GRPOConfig.help_text() lists every field)."
+
+
+def _kind(name: str) -> str:
+    annotation = _annotations().get(name, "")
+    if "dict" in annotation:
+        return "dict"
+    if "list" in annotation:
+        return "list"
+    first = annotation.split("|")[0].strip()
+    return first if first in ("bool", "int", "float") else "str"
+
+
+def parse_value(name: str, raw: str):
+    """A command-line string as the value of field ``name``."""
+    kind, text = _kind(name), raw.strip()
+    if text.lower() in ("none", "null") and "None" in _annotations()[name]:
+        return None
+    try:
+        if kind == "bool":
+            lowered = text.lower()
+            if lowered in ("true", "yes", "1", "on"):
+                return True
+            if lowered in ("false", "no", "0", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "dict":
+            return json.loads(text)
+        if kind == "list":
+            if text.startswith("["):
+                return json.loads(text)
+            parts = [p.strip() for p in text.split(",") if p.strip()]
+            if name == "report_to":
+                return parts[0] if len(parts) == 1 else parts
+            return [float(p) for p in parts]
+    except (ValueError, json.JSONDecodeError):
+        raise ValueError(f"--{name}: cannot read {raw!r} as {kind} ({_annotations()[name]}).") from None
+    if name == "scale_rewards" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def _copy(value):
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _one_of(name: str, value, allowed: tuple[str, ...], extra: str = "") -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{name}={value!r} is not supported. Allowed values: {', '.join(map(repr, allowed))}{extra}.{hint}")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _at_least(name: str, value, minimum: int, hint: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{hint} (got {value!r}). Set {name}={max(minimum, 1)} or more.")
+
+
+def _positive(name: str, value) -> None:
+    if not _number(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 (got {value!r}).")
+
+
+def _non_negative(name: str, value) -> None:
+    if not _number(value) or value < 0:
+        raise ValueError(f"{name} must be >= 0 (got {value!r}).")
+
+
+def _in_unit(name: str, value, low_open: bool = False) -> None:
+    if not _number(value) or value > 1 or value < 0 or (low_open and value == 0):
+        interval = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"{name} must be in {interval} (got {value!r}).")

@@ -1,0 +1,104 @@
+"""Group-relative advantages (GRPO, arXiv:2402.03300, section 4.1.2).
+
+Shapes: B completions, laid out as consecutive groups of G = num_generations completions of the
+same prompt; F reward functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STD_EPSILON = 1e-4
+"""Added to the standard deviation before dividing, as TRL does, so zero-variance groups give 0."""
+
+
+@dataclass
+class AdvantageStats:
+    """Advantages with the statistics they came from, one value per completion (B,)."""
+
+    advantages_B: torch.Tensor
+    rewards_B: torch.Tensor
+    mean_grouped_B: torch.Tensor
+    std_B: torch.Tensor
+    is_std_zero_B: torch.Tensor
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Sample standard deviation (Bessel-corrected) ignoring NaN entries."""
+    if dim is None:
+        values = values[~torch.isnan(values)]
+        return values.std() if values.numel() > 1 else torch.zeros((), dtype=values.dtype)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    squares = torch.nansum((values - mean) ** 2, dim=dim, keepdim=True)
+    std = torch.sqrt(squares / (count - 1).clamp(min=1))
+    return std if keepdim else std.squeeze(dim)
+
+
+def compute_advantages(
+    rewards_BF: torch.Tensor,
+    *,
+    num_generations: int,
+    reward_weights_F: torch.Tensor | None = None,
+    scale_rewards: str | bool = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+) -> AdvantageStats:
+    """Advantages from per-function rewards. NaN marks a reward that does not apply (a function
+    returned None) and is left out of that function's sums and statistics.
+
+    ``"sum_then_normalize"`` (TRL's default):
+        r_i = sum_f w_f r_if (NaN terms skipped);  A_i = (r_i - mean_g(r)) / (s + 1e-4)
+        where s is the group std ("group"), the batch std ("batch"), or no division ("none").
+    ``"normalize_then_sum"`` (GDPO):
+        z_if = (r_if - nanmean_g(r_f)) / (nanstd_g(r_f) + 1e-4);  r_i = sum_f w_f z_if;
+        A_i = (r_i - mean(r)) / (std(r) + 1e-4)   (batch statistics; scale_rewards is not used).
+
+    Standard deviations are sample (Bessel-corrected) ones, as ``torch.std``.
+
+    Args:
+        rewards_BF: (B, F) rewards, B a multiple of num_generations.
+        reward_weights_F: (F,) weights; None means all 1.
+        scale_rewards: "group", "batch", "none" (True = "group", False = "none").
+    """
+    if scale_rewards is True:
+        scale_rewards = "group"
+    elif scale_rewards is False:
+        scale_rewards = "none"
+    num_completions, num_funcs = rewards_BF.shape
+    if num_completions % num_generations:
+        raise ValueError(f"{num_completions} completions do not split into groups of {num_generations}.")
+    rewards_BF = rewards_BF.float()
+    weights_F = torch.ones(num_funcs) if reward_weights_F is None else reward_weights_F.float()
+    weights_F = weights_F.to(rewards_BF.device)
+    G = num_generations
+    if multi_objective_aggregation == "sum_then_normalize":
+        rewards_B = torch.nansum(rewards_BF * weights_F, dim=1)
+        grouped_NG = rewards_B.view(-1, G)
+        mean_grouped_B = grouped_NG.mean(dim=1).repeat_interleave(G)
+        if scale_rewards in ("group", "none"):
+            std_B = grouped_NG.std(dim=1).repeat_interleave(G)
+        elif scale_rewards == "batch":
+            std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
+        else:
+            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
+        advantages_B = rewards_B - mean_grouped_B
+        if scale_rewards != "none":
+            advantages_B = advantages_B / (std_B + STD_EPSILON)
+    elif multi_objective_aggregation == "normalize_then_sum":
+        grouped_NGF = rewards_BF.view(-1, G, num_funcs)
+        mean_N1F = torch.nanmean(grouped_NGF, dim=1, keepdim=True)
+        std_N1F = nanstd(grouped_NGF, dim=1, keepdim=True)
+        normalized_BF = ((grouped_NGF - mean_N1F) / (std_N1F + STD_EPSILON)).view(-1, num_funcs)
+        rewards_B = torch.nansum(normalized_BF * weights_F, dim=1)
+        std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
+        mean_grouped_B = rewards_B.mean().expand_as(rewards_B)
+        advantages_B = (rewards_B - mean_grouped_B) / (std_B + STD_EPSILON)
+    else:
+        raise ValueError(
+            "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', "
+            f"got {multi_objective_aggregation!r}."
+        )
+    is_std_zero_B = torch.isclose(std_B, torch.zeros_like(std_B))
+    return AdvantageStats(advantages_B, rewards_B, mean_grouped_B, std_B, is_std_zero_B)

@@ -1,0 +1,52 @@
+"""Token masks: which completion tokens count in the loss.
+
+Shapes: B completions, T completion positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def completion_mask_from_ids(ids_BT: torch.Tensor, *, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of the tokens up to and including the first EOS, and whether a completion has no EOS.
+
+    ``mask[b, t] = 1 if t <= first_eos(b) else 0``; a completion without EOS keeps all T tokens and
+    is flagged truncated (it hit the length limit).
+
+    Returns:
+        (mask_BT long, is_truncated_B bool)
+    """
+    is_eos_BT = ids_BT == eos_token_id
+    has_eos_B = is_eos_BT.any(dim=1)
+    first_eos_B = torch.where(has_eos_B, is_eos_BT.int().argmax(dim=1), torch.full_like(has_eos_B, ids_BT.shape[1], dtype=torch.long))
+    positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+    mask_BT = (positions_BT <= first_eos_B.unsqueeze(1)).long()
+    return mask_BT, ~has_eos_B
+
+
+def truncation_mask(mask_BT: torch.Tensor, is_truncated_B: torch.Tensor) -> torch.Tensor:
+    """``mask`` with truncated completions removed (DAPO's overlong filtering):
+    ``mask'[b, t] = mask[b, t] * (1 - truncated[b])``."""
+    return mask_BT * (~is_truncated_B.bool()).unsqueeze(1).to(mask_BT.dtype)
+
+
+def entropy_mask(entropies_BT: torch.Tensor, mask_BT: torch.Tensor, *, quantile: float) -> torch.Tensor:
+    """Keep the top-``quantile`` fraction of tokens by entropy ("Beyond the 80/20 Rule",
+    arXiv:2506.01939): ``keep = H >= Q_{1-rho}(H over masked tokens)``.
+
+    The threshold is the (1 - rho) quantile of the entropies of the tokens in ``mask_BT`` (linear
+    interpolation, as ``torch.quantile``). rho = 1 keeps every token, rho = 0 only the largest
+    entropy. Padding is never kept.
+
+    Args:
+        entropies_BT: (B, T) entropies. mask_BT: (B, T) 0/1 mask. quantile: rho in [0, 1].
+    Returns:
+        (B, T) float mask.
+    """
+    valid_BT = mask_BT.bool()
+    values = entropies_BT[valid_BT].float()
+    if values.numel() == 0:
+        return torch.zeros_like(entropies_BT, dtype=torch.float32)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return ((entropies_BT >= threshold) & valid_BT).float()
