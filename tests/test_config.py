@@ -1,0 +1,246 @@
+"""GRPOConfig: TRL's names and defaults, validation with actionable errors, derived values, I/O."""
+
+import pytest
+import yaml
+
+from grpo_lab.config import NOT_YET_IMPLEMENTED, GRPOConfig
+
+# TRL 1.16's GRPO-specific GRPOConfig fields with their defaults (fields beyond TrainingArguments).
+TRL_1_16_GRPO_DEFAULTS = {
+    'model_init_kwargs': None,
+    'trust_remote_code': False,
+    'router_aux_loss_coef': None,
+    'disable_dropout': False,
+    'cast_lm_head_to_fp32': False,
+    'num_generations': 8,
+    'num_generations_eval': None,
+    'max_completion_length': 512,
+    'ds3_gather_for_generation': True,
+    'shuffle_dataset': True,
+    'pad_to_multiple_of': 'auto',
+    'generation_batch_size': None,
+    'steps_per_generation': None,
+    'temperature': 1.0,
+    'top_p': 1.0,
+    'top_k': 0,
+    'min_p': None,
+    'generation_kwargs': None,
+    'chat_template_kwargs': None,
+    'repetition_penalty': 1.0,
+    'cache_implementation': None,
+    'use_vllm': False,
+    'vllm_mode': 'colocate',
+    'vllm_model_impl': 'vllm',
+    'vllm_enable_sleep_mode': False,
+    'vllm_structured_outputs_regex': None,
+    'vllm_server_base_url': None,
+    'vllm_server_host': '0.0.0.0',
+    'vllm_server_port': 8000,
+    'vllm_server_timeout': 240.0,
+    'vllm_group_port': 51216,
+    'vllm_gpu_memory_utilization': 0.3,
+    'vllm_max_model_length': None,
+    'vllm_tensor_parallel_size': 1,
+    'beta': 0.0,
+    'num_iterations': 1,
+    'epsilon': 0.2,
+    'delta': None,
+    'epsilon_high': None,
+    'sapo_temperature_neg': 1.05,
+    'sapo_temperature_pos': 1.0,
+    'vespo_k_pos': 2.0,
+    'vespo_lambda_pos': 3.0,
+    'vespo_k_neg': 3.0,
+    'vespo_lambda_neg': 2.0,
+    'importance_sampling_level': 'token',
+    'reward_weights': None,
+    'multi_objective_aggregation': 'sum_then_normalize',
+    'scale_rewards': 'group',
+    'loss_type': 'dapo',
+    'mask_truncated_completions': False,
+    'sync_ref_model': False,
+    'ref_model_mixup_alpha': 0.6,
+    'ref_model_sync_steps': 512,
+    'top_entropy_quantile': 1.0,
+    'entropy_coef': 0.0,
+    'use_adaptive_entropy': False,
+    'entropy_coef_min': 0.0,
+    'entropy_coef_max': 1.0,
+    'entropy_coef_delta': 0.005,
+    'entropy_target': 0.2,
+    'max_tool_calling_iterations': None,
+    'vllm_importance_sampling_correction': True,
+    'vllm_importance_sampling_mode': 'sequence_mask',
+    'vllm_importance_sampling_clip_max': 3.0,
+    'vllm_importance_sampling_clip_min': None,
+    'off_policy_mask_threshold': None,
+    'use_bias_correction_kl': True,
+    'log_completions': False,
+    'log_multimodal': True,
+    'num_completions_to_print': None,
+    'log_unique_prompts': False,
+    'log_completions_hub_repo': None,
+    'use_transformers_continuous_batching': False,
+    'transformers_continuous_batching_config': None,
+    'use_transformers_paged': False,
+    'vllm_importance_sampling_cap': None,}
+# Training fields whose TRL GRPOConfig default differs from TrainingArguments'.
+TRL_1_16_TRAINING_DEFAULTS = {"learning_rate": 1e-06, "gradient_checkpointing": True, "logging_steps": 10, "bf16": None}
+
+
+def test_at_least_90_percent_of_trl_grpo_fields_are_accepted_with_trl_defaults():
+    config = GRPOConfig()
+    same = [name for name, default in TRL_1_16_GRPO_DEFAULTS.items() if hasattr(config, name) and getattr(config, name) == default]
+    missing = sorted(set(TRL_1_16_GRPO_DEFAULTS) - set(same))
+    assert len(same) / len(TRL_1_16_GRPO_DEFAULTS) >= 0.9, missing
+    for name, default in TRL_1_16_TRAINING_DEFAULTS.items():
+        assert getattr(config, name) == default, name
+
+
+def test_default_config_builds_on_cpu_and_resolves_to_fp32():
+    config = GRPOConfig(use_cpu=True)
+    assert config.resolved_precision() == "fp32"
+    assert GRPOConfig(bf16=True).resolved_precision() == "bf16"
+    assert GRPOConfig(bf16=False).resolved_precision() == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragments"),
+    [
+        ({"loss_type": "nope"}, ValueError, ["loss_type='nope'", "'dapo'", "'grpo'"]),
+        ({"loss_type": "grp"}, ValueError, ["Did you mean 'grpo'"]),
+        ({"num_generations": 1}, ValueError, ["num_generations must be at least 2", "num_generations=2"]),
+        ({"lerning_rate": 1e-5}, TypeError, ["did you mean 'learning_rate'"]),
+        ({"scale_rewards": "batchh"}, ValueError, ["'group', 'batch', 'none'"]),
+        ({"importance_sampling_level": "seq"}, ValueError, ["'token', 'sequence'"]),
+        ({"epsilon": 0.0}, ValueError, ["epsilon must be > 0"]),
+        ({"top_p": 0.0}, ValueError, ["top_p must be in (0, 1]"]),
+        ({"top_p": 1.5}, ValueError, ["top_p must be in (0, 1]"]),
+        ({"top_entropy_quantile": 1.2}, ValueError, ["top_entropy_quantile must be in [0, 1]"]),
+        ({"temperature": 0}, ValueError, ["temperature must be > 0"]),
+        ({"beta": -0.1}, ValueError, ["beta must be >= 0"]),
+        ({"delta": 1.1}, ValueError, ["delta must be greater than 1 + epsilon_high = 1.2"]),
+        ({"generation_batch_size": 16, "steps_per_generation": 2}, ValueError, ["cannot both be set"]),
+        ({"per_device_train_batch_size": 6}, ValueError, ["multiple of num_generations (8)"]),
+        ({"generation_batch_size": 20, "per_device_train_batch_size": 8, "num_generations": 4}, ValueError, ["multiple of per_device_train_batch_size"]),
+        ({"bf16": True, "fp16": True}, ValueError, ["cannot both be True"]),
+        ({"max_steps": 0}, ValueError, ["max_steps must be a positive number"]),
+        ({"reward_weights": [1.0, "a"]}, ValueError, ["reward_weights must be a list of numbers"]),
+        ({"generation_kwargs": "{bad"}, ValueError, ["generation_kwargs is not valid JSON"]),
+        ({"report_to": "tensorbord"}, ValueError, ["Did you mean 'tensorboard'"]),
+    ],
+)
+def test_bad_values_raise_at_construction_with_the_fix(kwargs, error, fragments):
+    with pytest.raises(error) as raised:
+        GRPOConfig(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+
+
+def test_positional_arguments_are_refused():
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        GRPOConfig("outputs")
+
+
+@pytest.mark.parametrize("name", sorted(NOT_YET_IMPLEMENTED))
+def test_unimplemented_trl_fields_are_accepted_at_default_and_refused_otherwise(name):
+    default = getattr(GRPOConfig(), name)
+    GRPOConfig(**{name: default})
+    other = {bool: not default, int: 7, float: 0.5, str: "x", type(None): 7}[type(default)]
+    if name == "vllm_importance_sampling_mode":
+        other = "token_truncate"
+    if name == "vllm_mode":
+        other = "server"
+    if name == "vllm_model_impl":
+        other = "transformers"
+    if name == "transformers_continuous_batching_config":
+        other = {"a": 1}
+    with pytest.raises(NotImplementedError, match=f"{name}=.*not supported by grpo_lab yet"):
+        GRPOConfig(**{name: other})
+
+
+def test_scale_rewards_booleans_are_read_as_in_trl():
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+
+
+def test_batch_geometry_follows_trl_rules():
+    # Neither set: steps_per_generation = gradient_accumulation_steps = 2; 4 x 3 processes x 2 = 24.
+    batching = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4).resolve(3)
+    assert (batching.generation_batch_size, batching.steps_per_generation) == (24, 2)
+    # generation_batch_size 32 over 2 processes x 4 completions = 8 per step -> 4 steps per generation.
+    batching = GRPOConfig(per_device_train_batch_size=4, generation_batch_size=32, num_generations=4).resolve(2)
+    assert (batching.generation_batch_size, batching.steps_per_generation) == (32, 4)
+    # steps_per_generation 3 -> 4 x 1 x 3 = 12 completions.
+    batching = GRPOConfig(per_device_train_batch_size=4, steps_per_generation=3, num_generations=4).resolve(1)
+    assert (batching.generation_batch_size, batching.steps_per_generation) == (12, 3)
+    # A fixed generation batch of 16 fits 1 process x 8 completions, but not 3 processes x 8.
+    with pytest.raises(ValueError, match="multiple of per_device_train_batch_size x num_processes"):
+        GRPOConfig(per_device_train_batch_size=8, generation_batch_size=16, num_generations=4).resolve(3)
+
+
+def test_unknown_attribute_assignment_is_refused_with_suggestion():
+    config = GRPOConfig()
+    config.learning_rate = 1e-5
+    assert config.learning_rate == 1e-5
+    with pytest.raises(AttributeError, match="did you mean 'learning_rate'"):
+        config.learnig_rate = 1e-5
+
+
+def test_repr_and_diff_show_only_changed_fields():
+    config = GRPOConfig(learning_rate=1e-5, loss_type="grpo")
+    assert config.diff() == {"learning_rate": 1e-5, "loss_type": "grpo"}
+    assert repr(config) == "GRPOConfig(loss_type='grpo', learning_rate=1e-05)"
+
+
+def test_yaml_and_dict_round_trip(tmp_path):
+    config = GRPOConfig(learning_rate=3e-4, reward_weights=[1.0, 0.5], generation_kwargs={"suppress_tokens": [1]})
+    path = tmp_path / "config.yaml"
+    config.to_yaml(path)
+    assert yaml.safe_load(path.read_text())["learning_rate"] == 3e-4
+    assert GRPOConfig.from_yaml(path) == config
+    assert GRPOConfig.from_dict(config.to_dict()) == config
+
+
+def test_command_line_overrides_only_the_given_fields(tmp_path):
+    base = GRPOConfig(learning_rate=1e-4, num_generations=4, per_device_train_batch_size=8)
+    config = GRPOConfig.from_args(
+        ["--learning_rate", "1e-5", "--scale_rewards=false", "--reward_weights", "1,0.5", "--bf16",
+         "--generation_kwargs", '{"top_a": 1}', "--epsilon_high", "none", "--max-steps", "3"],
+        base=base,
+    )
+    assert config.learning_rate == 1e-5
+    assert config.num_generations == 4  # from base, untouched
+    assert config.scale_rewards == "none"
+    assert config.reward_weights == [1.0, 0.5]
+    assert config.bf16 is True
+    assert config.generation_kwargs == {"top_a": 1}
+    assert config.epsilon_high is None
+    assert config.max_steps == 3
+    path = tmp_path / "c.yaml"
+    GRPOConfig(beta=0.01).to_yaml(path)
+    assert GRPOConfig.from_args(["--config", str(path), "--seed", "3"]).diff() == {"beta": 0.01, "seed": 3}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lerning_rate", "1e-5"], "did you mean --learning_rate"),
+        (["--learning_rate", "fast"], "cannot read 'fast' as float"),
+        (["--seed"], "--seed needs a value"),
+        (["learning_rate"], "give config fields as --name value"),
+    ],
+)
+def test_command_line_errors_name_the_option(argv, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig.from_args(argv)
+
+
+def test_every_field_is_documented_once_as_its_docstring(capsys):
+    config = GRPOConfig()
+    for name in config.to_dict():
+        assert len(GRPOConfig.field_help(name)) > 10, name
+    assert "KL penalty" in GRPOConfig.field_help("beta")
+    with pytest.raises(SystemExit):
+        GRPOConfig.from_args(["--help"])
+    assert "--top_entropy_quantile (default: 1.0)" in capsys.readouterr().out
