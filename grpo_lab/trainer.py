@@ -10,6 +10,7 @@ identical metrics and weights.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -144,11 +145,18 @@ class GRPOTrainer:
             for old in self._checkpoints()[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def save_model(self, path: str | None = None) -> Path:
-        """Save the model in Hugging Face format (the adapter alone for a PEFT model) and its tokenizer."""
+    def save_model(self, path: str | None = None, *, merged: bool = False) -> Path:
+        """Save the model in Hugging Face format, with its tokenizer.
+
+        For a PEFT model the adapter alone is saved, or with ``merged=True`` a full model with the
+        adapter merged into a copy of the weights (the training model is left as it is).
+        """
         target = Path(path or self.output_dir)
         if self.accelerator.is_main_process:
-            self.session.model.save_pretrained(target)
+            model = self.session.model
+            if merged and hasattr(model, "merge_and_unload"):
+                model = copy.deepcopy(model).merge_and_unload()
+            model.save_pretrained(target)
             self.session.tokenizer.save_pretrained(target)
         self.accelerator.wait_for_everyone()
         return target

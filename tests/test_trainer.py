@@ -66,3 +66,28 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
     resumed.train(resume_from_checkpoint=True)
     history = resumed.session.history.drop(columns=["rewards/crashes_on_third_step/mean", "rewards/crashes_on_third_step/std"])
     pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
+
+
+def test_lora_save_model_writes_the_adapter_or_a_merged_model(task, tmp_path):
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_steps": 2})
+    trainer = GRPOTrainer(
+        task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    trainer.train()
+    adapter = trainer.save_model(tmp_path / "adapter")
+    assert (adapter / "adapter_config.json").exists() and not (adapter / "model.safetensors").exists()
+    merged = trainer.save_model(tmp_path / "merged", merged=True)
+    assert not (merged / "adapter_config.json").exists()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = trainer.model(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(task.model)
+        from_adapter = PeftModel.from_pretrained(base, adapter)(input_ids=ids).logits
+        from_merged = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+    torch.testing.assert_close(from_adapter, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(from_merged, expected, rtol=1e-4, atol=1e-4)
+    assert any("lora_" in name for name, _ in trainer.model.named_parameters())  # training model not merged

@@ -1,0 +1,182 @@
+"""compute_advantages and nanstd."""
+
+import math
+import random
+import statistics
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from grpo_lab.ops import compute_advantages, nanstd
+
+EPS = 1e-4  # added to the std before dividing, as TRL does
+
+# Two groups of G = 4: group 0 has rewards [1, 0, 0, 1], group 1 is constant.
+TWO_GROUPS_B1 = torch.tensor([[1.0], [0.0], [0.0], [1.0], [2.0], [2.0], [2.0], [2.0]])
+
+
+def test_group_scaling_hand_example():
+    # Group 0: mean 0.5; deviations +-0.5, squares sum to 4 * 0.25 = 1, sample variance 1 / 3,
+    # std sqrt(1/3) = 0.57735 -> A = +-0.5 / (0.57735 + 1e-4) ~= +-0.86588.
+    # Group 1: mean 2, std 0 -> A = 0 / (0 + 1e-4) = 0.
+    stats = compute_advantages(TWO_GROUPS_B1, num_generations=4, scale_rewards="group")
+    a = 0.5 / (math.sqrt(1 / 3) + EPS)
+    assert a == pytest.approx(0.86588, abs=1e-5)
+    assert_close(stats.advantages_B, torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0]))
+    assert_close(stats.rewards_B, TWO_GROUPS_B1.squeeze(1))
+    assert_close(stats.mean_grouped_B, torch.tensor([0.5] * 4 + [2.0] * 4))
+    assert_close(stats.std_B, torch.tensor([math.sqrt(1 / 3)] * 4 + [0.0] * 4))
+    assert stats.is_std_zero_B.tolist() == [False] * 4 + [True] * 4
+
+
+def test_batch_scaling_hand_example():
+    # Mean stays per group (0.5 and 2); the std is over all 8 rewards [1,0,0,1,2,2,2,2]:
+    # batch mean 10/8 = 1.25; squared deviations 2*0.0625 + 2*1.5625 + 4*0.5625 = 5.5;
+    # sample variance 5.5 / 7 = 11/14, std sqrt(11/14) ~= 0.886405.
+    stats = compute_advantages(TWO_GROUPS_B1, num_generations=4, scale_rewards="batch")
+    std = math.sqrt(11 / 14)
+    a = 0.5 / (std + EPS)
+    assert_close(stats.advantages_B, torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0]))
+    assert_close(stats.mean_grouped_B, torch.tensor([0.5] * 4 + [2.0] * 4))
+    assert_close(stats.std_B, torch.full((8,), std))
+    assert not stats.is_std_zero_B.any()
+
+
+def test_no_scaling_hand_example():
+    # A = r - group mean, no division; the reported std is still the group one.
+    stats = compute_advantages(TWO_GROUPS_B1, num_generations=4, scale_rewards="none")
+    assert_close(stats.advantages_B, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]))
+    assert_close(stats.std_B, torch.tensor([math.sqrt(1 / 3)] * 4 + [0.0] * 4))
+    assert stats.is_std_zero_B.tolist() == [False] * 4 + [True] * 4
+
+
+@pytest.mark.parametrize(("alias", "mode"), [(True, "group"), (False, "none")])
+def test_boolean_scale_rewards_aliases(alias, mode):
+    rewards_BF = torch.tensor([[0.3], [1.2], [0.0], [2.0], [5.0], [4.0]])
+    got = compute_advantages(rewards_BF, num_generations=3, scale_rewards=alias)
+    want = compute_advantages(rewards_BF, num_generations=3, scale_rewards=mode)
+    assert_close(got.advantages_B, want.advantages_B)
+    assert_close(got.std_B, want.std_B)
+
+
+def test_reward_weights_hand_example():
+    # r = 0.5 * f1 + 2 * f2 = [0.5 + 4, 0, 1.5 + 2, 0 + 2] = [4.5, 0, 3.5, 2];
+    # groups of 2: means 2.25 and 2.75 -> A (no scaling) = [2.25, -2.25, 0.75, -0.75].
+    rewards_BF = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 1.0], [0.0, 1.0]])
+    stats = compute_advantages(
+        rewards_BF, num_generations=2, reward_weights_F=torch.tensor([0.5, 2.0]), scale_rewards="none"
+    )
+    assert_close(stats.rewards_B, torch.tensor([4.5, 0.0, 3.5, 2.0]))
+    assert_close(stats.advantages_B, torch.tensor([2.25, -2.25, 0.75, -0.75]))
+
+
+def test_nan_rewards_are_skipped_in_the_weighted_sum():
+    # NaN (a function returned None) drops out of the sum: r = [1, 2, 0 (all NaN), 3 + 1] = [1, 2, 0, 4];
+    # one group, mean 7/4 = 1.75 -> A (no scaling) = [-0.75, 0.25, -1.75, 2.25].
+    nan = float("nan")
+    rewards_BF = torch.tensor([[1.0, nan], [nan, 2.0], [nan, nan], [3.0, 1.0]])
+    stats = compute_advantages(rewards_BF, num_generations=4, scale_rewards="none")
+    assert_close(stats.rewards_B, torch.tensor([1.0, 2.0, 0.0, 4.0]))
+    assert_close(stats.advantages_B, torch.tensor([-0.75, 0.25, -1.75, 2.25]))
+    assert not torch.isnan(stats.advantages_B).any()
+
+
+def test_normalize_then_sum_hand_example():
+    # f1 = [1, 0 | 1, 1], f2 = [0, 2 | 4, 0], G = 2. For two values the sample std is |x - y| / sqrt(2).
+    # group 0: f1 mean 0.5, std 1/sqrt2 -> z1 = +-0.5 / (1/sqrt2 + eps) = +-p
+    #          f2 mean 1,   std sqrt2   -> z2 = -+1 / (sqrt2 + eps)     = -+q
+    # group 1: f1 constant, std 0       -> z1 = 0 / eps = 0
+    #          f2 mean 2,   std 2 sqrt2 -> z2 = +-2 / (2 sqrt2 + eps)  = +-s
+    # r = [p - q, q - p, s, -s] has mean 0, sample variance (2 (p - q)^2 + 2 s^2) / 3 = v,
+    # A = r / (sqrt(v) + eps) (batch statistics).
+    rewards_BF = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 4.0], [1.0, 0.0]])
+    p = 0.5 / (1 / math.sqrt(2) + EPS)
+    q = 1.0 / (math.sqrt(2) + EPS)
+    s = 2.0 / (2 * math.sqrt(2) + EPS)
+    r = [p - q, q - p, s, -s]
+    std = math.sqrt((2 * (p - q) ** 2 + 2 * s**2) / 3)
+    stats = compute_advantages(rewards_BF, num_generations=2, multi_objective_aggregation="normalize_then_sum")
+    assert_close(stats.rewards_B, torch.tensor(r))
+    assert_close(stats.mean_grouped_B, torch.zeros(4), atol=1e-6, rtol=0)
+    assert_close(stats.std_B, torch.full((4,), std))
+    assert_close(stats.advantages_B, torch.tensor([x / (std + EPS) for x in r]))
+
+
+def test_normalize_then_sum_ignores_nan_per_function():
+    # f2 applies only to completions 1 and 3 (one group of 4): nanmean 2, values [1, 3],
+    # sample std sqrt(2) -> z2 = [-, -1/(sqrt2+eps), -, +1/(sqrt2+eps)], NaN entries skipped.
+    # f1 = [0, 0, 0, 4]: mean 1, deviations [-1, -1, -1, 3], sample variance 12/3 = 4, std 2
+    # -> z1 = [-1, -1, -1, 3] / (2 + eps). Weights 1 -> r = z1 + z2 (NaN dropped).
+    nan = float("nan")
+    rewards_BF = torch.tensor([[0.0, nan], [0.0, 1.0], [0.0, nan], [4.0, 3.0]])
+    z2 = 1 / (math.sqrt(2) + EPS)
+    z1 = [x / (2 + EPS) for x in (-1, -1, -1, 3)]
+    expected_r = [z1[0], z1[1] - z2, z1[2], z1[3] + z2]
+    stats = compute_advantages(rewards_BF, num_generations=4, multi_objective_aggregation="normalize_then_sum")
+    assert_close(stats.rewards_B, torch.tensor(expected_r))
+
+
+def test_group_advantages_sum_to_zero_in_every_mode():
+    generator = torch.Generator().manual_seed(0)
+    rewards_BF = torch.rand(24, 3, generator=generator)
+    for mode in ("group", "batch", "none"):
+        stats = compute_advantages(rewards_BF, num_generations=6, scale_rewards=mode)
+        assert_close(stats.advantages_B.view(4, 6).sum(1), torch.zeros(4), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+def test_equal_rewards_give_zero_advantages(mode):
+    rewards_BF = torch.full((6, 2), 0.7)
+    stats = compute_advantages(rewards_BF, num_generations=3, scale_rewards=mode)
+    assert torch.equal(stats.advantages_B, torch.zeros(6))
+    assert stats.is_std_zero_B.all()
+
+
+def _loop_reference(rewards, weights, G, mode):
+    """Plain-Python advantages: weighted NaN-skipping sums, then per-group loops."""
+    totals = [sum(w * x for w, x in zip(weights, row) if not math.isnan(x)) for row in rewards]
+    batch_std = statistics.stdev(totals)
+    out = []
+    for start in range(0, len(totals), G):
+        group = totals[start:start + G]
+        mean = sum(group) / G
+        std = statistics.stdev(group) if mode == "group" else batch_std
+        for value in group:
+            out.append(value - mean if mode == "none" else (value - mean) / (std + EPS))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+def test_vectorised_matches_loop_reference(mode):
+    rng = random.Random(1234)
+    G, num_groups, F = 5, 4, 3
+    rewards = [[rng.uniform(-2, 2) for _ in range(F)] for _ in range(G * num_groups)]
+    for i, j in [(0, 1), (7, 0), (7, 2), (13, 1)]:
+        rewards[i][j] = float("nan")
+    weights = [1.0, 0.5, -2.0]
+    stats = compute_advantages(
+        torch.tensor(rewards, dtype=torch.float64), num_generations=G,
+        reward_weights_F=torch.tensor(weights), scale_rewards=mode,
+    )
+    expected = torch.tensor(_loop_reference(rewards, weights, G, mode), dtype=torch.float32)
+    assert_close(stats.advantages_B, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_invalid_arguments_raise():
+    rewards_BF = torch.zeros(6, 1)
+    with pytest.raises(ValueError):
+        compute_advantages(rewards_BF, num_generations=4)
+    with pytest.raises(ValueError):
+        compute_advantages(rewards_BF, num_generations=3, scale_rewards="sequence")
+    with pytest.raises(ValueError):
+        compute_advantages(rewards_BF, num_generations=3, multi_objective_aggregation="max")
+
+
+def test_nanstd_ignores_nan_and_uses_bessel_correction():
+    nan = float("nan")
+    # [1, 3] -> mean 2, squares 1 + 1 = 2, / (2 - 1) -> std sqrt(2); [5] alone -> 0.
+    values = torch.tensor([[1.0, nan, 3.0], [nan, 5.0, nan]])
+    assert_close(nanstd(values, dim=1), torch.tensor([math.sqrt(2), 0.0]))
+    assert nanstd(values).item() == pytest.approx(statistics.stdev([1.0, 3.0, 5.0]))
+    assert nanstd(values, dim=1, keepdim=True).shape == (2, 1)
