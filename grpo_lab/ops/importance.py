@@ -38,6 +38,8 @@ def vllm_importance_weights(
         diff_BT = diff_BT.sum(-1, keepdim=True)
     ratio = torch.exp(diff_BT)
     if mode.endswith("truncate"):
+        if clip_min is None and clip_max is None:
+            return ratio
         return torch.clamp(ratio, min=clip_min, max=clip_max)
     outside = torch.zeros_like(ratio, dtype=torch.bool)
     if clip_max is not None:
