@@ -117,7 +117,12 @@ class GRPOSession:
     def on(self, callback: Callable[[str, object], None]) -> Callable[[], None]:
         """Call ``callback(stage, result)`` after every stage; returns a function that unsubscribes."""
         self._listeners.append(callback)
-        return lambda: self._listeners.remove(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+        return unsubscribe
 
     def _emit(self, stage: str, result) -> None:
         self._last_stage = stage
@@ -265,6 +270,37 @@ class GRPOSession:
             f"GRPOSession(step={self.global_step}, next_stage={self.next_stage!r}, "
             f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations})"
         )
+
+    # ------------------------------------------------------------------ views (ipywidgets, imported on demand)
+    def show(self):
+        """The live dashboard: stage controls, curves, completions and rewards."""
+        from grpo_lab.views.widgets import Dashboard
+
+        return Dashboard(self)
+
+    def completions_view(self):
+        """The current batch by prompt group, tokens coloured by log-prob, entropy, A x ratio or clipping."""
+        from grpo_lab.views.widgets import CompletionsView
+
+        return CompletionsView(self)
+
+    def rewards_view(self):
+        """Per reward function statistics, correlations and logged extras of the last score()."""
+        from grpo_lab.views.widgets import RewardsView
+
+        return RewardsView(self)
+
+    def curves(self):
+        """Training curves, updated in place after every update()."""
+        from grpo_lab.views.widgets import CurvesView
+
+        return CurvesView(self)
+
+    def controls(self):
+        """Buttons for each stage, Step, and Run N with Stop."""
+        from grpo_lab.views.widgets import Controls
+
+        return Controls(self)
 
     def export_script(self, path) -> Path:
         """Write a standalone training script with this session's current config, model reference,

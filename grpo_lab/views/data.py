@@ -1,0 +1,186 @@
+"""Pure data for the views: session results and history -> tables and series. No widgets, no plotly.
+
+Everything here is a plain function of the session's own numbers, so the tests check that what a
+view shows equals what the session computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+CURVE_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward", "reward_std")),
+    ("reward per function", ()),
+    ("completion length", ("completions/mean_length", "completions/min_length", "completions/max_length")),
+    ("truncated share", ("completions/clipped_ratio",)),
+    ("entropy", ("entropy",)),
+    ("kl", ("kl",)),
+    ("clip ratios", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
+    ("loss", ("loss",)),
+    ("grad_norm", ("grad_norm",)),
+    ("learning rate", ("learning_rate",)),
+    ("logged metrics", ()),
+)
+"""Panels of the curves view: title and the history columns drawn in it. "reward per function"
+takes every ``rewards/<fn>/mean`` column and "logged metrics" every column a reward function added
+with ``log_metric``."""
+
+_BOOKKEEPING = {"step", "step_time", "epoch", "num_tokens", "update_skipped", "frac_reward_zero_std"}
+TOKEN_QUANTITIES = ("logprob", "entropy", "advantage_x_ratio", "clipped")
+
+
+@dataclass
+class Series:
+    name: str
+    x: list[float]
+    y: list[float]
+
+
+@dataclass
+class Panel:
+    title: str
+    series: list[Series] = field(default_factory=list)
+
+
+def panel_columns(columns) -> list[tuple[str, list[str]]]:
+    """Which history columns each panel draws (panels with no column are left out)."""
+    columns = list(columns)
+    known = {name for _, names in CURVE_PANELS for name in names}
+    per_function = [c for c in columns if c.startswith("rewards/") and c.endswith("/mean")]
+    logged = [
+        c for c in columns
+        if c not in known and c not in _BOOKKEEPING and not c.startswith(("rewards/", "completions/", "clip_ratio/"))
+    ]
+    layout = []
+    for title, names in CURVE_PANELS:
+        chosen = per_function if title == "reward per function" else logged if title == "logged metrics" else [
+            n for n in names if n in columns
+        ]
+        if chosen:
+            layout.append((title, chosen))
+    return layout
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average with start-up bias correction (TensorBoard's smoothing):
+    ``s_t = w s_{t-1} + (1 - w) v_t``, shown as ``s_t / (1 - w^n)`` after n finite values.
+    ``weight`` 0 returns the values unchanged; NaN values stay NaN and do not enter the average."""
+    if weight <= 0:
+        return list(values)
+    out, last, count = [], 0.0, 0
+    for value in values:
+        if value is None or math.isnan(value):
+            out.append(float("nan"))
+            continue
+        last = weight * last + (1 - weight) * value
+        count += 1
+        out.append(last / (1 - weight**count))
+    return out
+
+
+def curve_panels(history: pd.DataFrame, smoothing: float = 0.0) -> list[Panel]:
+    """The curves view's data: one panel per metric group, x = optimizer step."""
+    if history.empty:
+        return []
+    steps = history["step"].astype(float).tolist()
+    panels = []
+    for title, names in panel_columns(history.columns):
+        series = [Series(name, steps, smooth(history[name].astype(float).tolist(), smoothing)) for name in names]
+        panels.append(Panel(title, series))
+    return panels
+
+
+def latest_table(session) -> pd.DataFrame:
+    """One row per completion of the current batch, from the furthest stage computed so far
+    (rollout, then scores, then advantages, then the loss statistics of the trained completions)."""
+    if session.advantages_result is not None:
+        frame = session.advantages_result.to_pandas()
+        if session.loss_result is not None:
+            trained = session.loss_result.to_pandas()[["ratio", "clipped_fraction", "entropy"]]
+            frame = frame.join(trained)
+        return frame
+    if session.scores is not None:
+        return session.scores.to_pandas()
+    if session.rollout is not None:
+        return session.rollout.to_pandas()
+    return pd.DataFrame()
+
+
+def group_table(frame: pd.DataFrame, group: int) -> pd.DataFrame:
+    """The rows of one prompt group."""
+    return frame[frame["group"] == group] if not frame.empty else frame
+
+
+def group_flags(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per group: prompt, size, mean reward, whether every reward is equal (no learning signal) and
+    how many completions were truncated."""
+    if frame.empty:
+        return pd.DataFrame(columns=["group", "prompt", "size", "reward_mean", "std_zero", "truncated"])
+    aggregations = dict(prompt=("prompt", "first"), size=("prompt", "size"), truncated=("truncated", "sum"))
+    if "reward" in frame:
+        aggregations["reward_mean"] = ("reward", "mean")
+        aggregations["std_zero"] = ("group_std_zero", "all")
+    return frame.groupby("group").agg(**aggregations).reset_index()
+
+
+def reward_summary(scores) -> pd.DataFrame:
+    """Per reward function: mean, std, min, max over completions where it applied, and the share of
+    completions it returned None for."""
+    rows = []
+    for i, name in enumerate(scores.reward_names):
+        column = scores.rewards_BF[:, i].double()
+        present = column[~torch.isnan(column)]
+        count = len(present)
+        rows.append({
+            "function": name,
+            "mean": float(present.mean()) if count else float("nan"),
+            "std": float(present.std()) if count > 1 else float("nan"),
+            "min": float(present.min()) if count else float("nan"),
+            "max": float(present.max()) if count else float("nan"),
+            "none_share": 1 - count / len(column) if len(column) else float("nan"),
+        })
+    return pd.DataFrame(rows)
+
+
+def reward_correlation(scores) -> pd.DataFrame:
+    """Pearson correlation between reward functions over completions where both returned a number."""
+    frame = pd.DataFrame(scores.rewards_BF.double().numpy(), columns=scores.reward_names)
+    return frame.corr(method="pearson", min_periods=2)
+
+
+def token_values(session, position: int, quantity: str) -> list[tuple[str, float | None]]:
+    """The tokens of completion ``position`` of the current batch with one value each.
+
+    ``quantity``: "logprob" and "entropy" (of the policy at the last loss()), "advantage_x_ratio"
+    (the completion's advantage times the token's ratio) or "clipped" (1 where the clip removed the
+    gradient). The value is None where that quantity is not computed yet or the completion is not
+    in the optimizer step of the last loss().
+    """
+    if quantity not in TOKEN_QUANTITIES:
+        raise ValueError(f"quantity must be one of {TOKEN_QUANTITIES}, got {quantity!r}.")
+    rollout = session.rollout
+    if rollout is None:
+        return []
+    mask_T = rollout.completion_mask_BT[position].bool()
+    ids = rollout.completion_ids_BT[position][mask_T].tolist()
+    tokens = [session.tokenizer.decode([i]) for i in ids]
+    result = session.loss_result
+    values: list[float | None] = [None] * len(tokens)
+    if result is not None:
+        where = (result.sample_index_B == position).nonzero()
+        if len(where):
+            row = int(where[0])
+            if quantity == "logprob":
+                chosen = result.logprobs_BT[row]
+            elif quantity == "entropy":
+                chosen = result.entropies_BT[row]
+            elif quantity == "clipped":
+                chosen = result.clipped_BT[row].float()
+            else:
+                chosen = result.ratio_BT[row] * result.advantages.advantages_B[position]
+            values = [float(v) for v in chosen[: len(tokens)]]
+    return list(zip(tokens, values))

@@ -1,0 +1,51 @@
+"""Plotly figures of the curves view, updated in place (never rebuilt) as steps arrive."""
+
+from __future__ import annotations
+
+import math
+
+from grpo_lab.views.data import Panel
+
+COLUMNS = 3
+
+
+def curves_figure(panels: list[Panel], *, widget: bool = True):
+    """A grid of small plots, one per panel and one trace per series, x = optimizer step.
+
+    ``widget=True`` gives a ``plotly.graph_objects.FigureWidget`` (live in Jupyter); False a plain
+    ``Figure`` (for ``write_html``).
+    """
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = max(1, math.ceil(len(panels) / COLUMNS))
+    figure = make_subplots(
+        rows=rows, cols=COLUMNS, subplot_titles=[p.title for p in panels] or ["no steps yet"],
+        horizontal_spacing=0.07, vertical_spacing=0.5 / rows,
+    )
+    for k, panel in enumerate(panels):
+        for series in panel.series:
+            figure.add_trace(
+                go.Scatter(x=series.x, y=series.y, name=series.name, mode="lines+markers",
+                           marker={"size": 4}, legendgroup=panel.title, hovertemplate="%{y:.4g}<extra>" + series.name + "</extra>"),
+                row=k // COLUMNS + 1, col=k % COLUMNS + 1,
+            )
+    figure.update_layout(
+        height=230 * rows, margin={"l": 40, "r": 10, "t": 30, "b": 20}, showlegend=False,
+        template="plotly_white", font={"size": 10},
+    )
+    figure.update_annotations(font_size=11)
+    return go.FigureWidget(figure) if widget else figure
+
+
+def layout_of(panels: list[Panel]) -> list[tuple[str, tuple[str, ...]]]:
+    return [(p.title, tuple(s.name for s in p.series)) for p in panels]
+
+
+def update_curves(figure, panels: list[Panel]) -> None:
+    """Replace the x/y data of every trace in one batch (the layout must match ``layout_of``)."""
+    series = [s for p in panels for s in p.series]
+    with figure.batch_update():
+        for trace, item in zip(figure.data, series, strict=True):
+            trace.x = item.x
+            trace.y = item.y

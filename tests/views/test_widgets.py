@@ -1,0 +1,67 @@
+"""The ipywidgets views follow the session's events (real widgets, no browser; see test_browser)."""
+
+import time
+
+import pytest
+
+
+@pytest.fixture
+def session(make_session):
+    return make_session()
+
+
+def test_dashboard_follows_stages_and_extends_curves_in_place(session):
+    dashboard = session.show()
+    assert "next stage: <b>generate()</b>" in dashboard.controls.status.value
+    session.step()
+    figure = dashboard.curves.figure
+    assert figure is not None and len(figure.data[0].x) == 1
+    session.step()
+    assert dashboard.curves.figure is figure  # same widget, data replaced in place
+    assert list(figure.data[0].x) == [1.0, 2.0]
+    assert list(figure.data[0].y) == pytest.approx(session.history["reward"].tolist())
+    for part in (dashboard.controls, dashboard.curves, dashboard.completions, dashboard.rewards):
+        assert part.error.value == "", part.error.value
+
+
+def test_completions_view_shows_each_group_and_switches_quantity(session):
+    view = session.completions_view()
+    session.generate()
+    assert len(view.group.options) == session.config.per_device_train_batch_size // session.config.num_generations
+    session.score(), session.advantages(), session.loss()
+    assert view.table.value.count("<tr>") + view.table.value.count("<tr ") == session.config.num_generations + 1
+    view.quantity.value = "entropy"
+    assert "entropy = " in view.table.value
+    view.group.value = view.group.options[-1][1]
+    assert view.error.value == ""
+
+
+def test_controls_buttons_run_stages_and_run_n_stops_cleanly(session):
+    controls = session.controls()
+    controls.stage_buttons["generate"].click()
+    assert session.next_stage == "score"
+    controls.stage_buttons["loss"].click()  # out of order: the error is shown, nothing raised
+    assert "StageOrderError" in controls.status.value
+    controls.step_button.click()
+    assert session.global_step == 1
+    controls.steps.value = 1000
+    controls.run_button.click()
+    assert controls.busy and controls.run_button.disabled and not controls.stop_button.disabled
+    time.sleep(0.5)
+    controls.stop_button.click()
+    controls._thread.join(timeout=60)
+    assert not controls.busy and not controls.run_button.disabled
+    assert 1 < session.global_step < 1000 and "stopped after" in controls.status.value
+
+
+def test_a_failing_view_never_stops_training(session, monkeypatch):
+    from grpo_lab.views import data
+
+    view = session.curves()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken panel")
+
+    monkeypatch.setattr(data, "curve_panels", broken)
+    row = session.step()
+    assert row["step"] == 1 and "broken panel" in view.error.value
