@@ -34,8 +34,30 @@ def curves_figure(panels: list[Panel], *, widget: bool = True):
         height=230 * rows, margin={"l": 40, "r": 10, "t": 30, "b": 20}, showlegend=False,
         template="plotly_white", font={"size": 10},
     )
+    figure.update_yaxes(tickformat=".3~g", exponentformat="e")
+    _set_ranges(figure, panels)
     figure.update_annotations(font_size=11)
     return go.FigureWidget(figure) if widget else figure
+
+
+def _y_range(panel: Panel):
+    """An explicit y range for a flat panel (plotly would centre a constant on [-1, 1]); else None."""
+    values = [v for s in panel.series for v in s.y if v == v]
+    if not values or max(values) - min(values) > 1e-12 * max(1.0, abs(max(values))):
+        return None
+    centre = values[0]
+    half = abs(centre) * 0.5 or 1.0
+    return [centre - half, centre + half]
+
+
+def _set_ranges(figure, panels: list[Panel]) -> None:
+    for k, panel in enumerate(panels):
+        axis = figure.layout["yaxis" if k == 0 else f"yaxis{k + 1}"]
+        span = _y_range(panel)
+        if span is None:
+            axis.autorange = True
+        else:
+            axis.range = span
 
 
 def layout_of(panels: list[Panel]) -> list[tuple[str, tuple[str, ...]]]:
@@ -49,3 +71,4 @@ def update_curves(figure, panels: list[Panel]) -> None:
         for trace, item in zip(figure.data, series, strict=True):
             trace.x = item.x
             trace.y = item.y
+        _set_ranges(figure, panels)

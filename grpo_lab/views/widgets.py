@@ -105,6 +105,11 @@ class CompletionsView(_View):
         if self.session.rollout is None:
             if not self.table.value:
                 self.table.value = "<p>No completions yet: run session.generate().</p>"
+            else:
+                self.overview.value = (
+                    f"<p>step {self.session.global_step}: the batch below has been trained on; next stage "
+                    "<b>generate()</b>.</p>"
+                )
             return
         frame = data.latest_table(self.session)
         flags = data.group_flags(frame)

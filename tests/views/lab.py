@@ -1,0 +1,150 @@
+"""Test harness: a JupyterLab server on loopback driven by headless Chromium through Playwright.
+
+Uses the system Chromium (``apt-get install chromium``; Playwright's own browser download is never
+needed). All Jupyter, IPython and browser state lives in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+]
+# No news toast over the notebook; every cell kept in the page (no virtual scrolling), so that the
+# dashboard stays in the DOM while later cells run.
+LAB_SETTINGS = (
+    '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false},'
+    ' "@jupyterlab/apputils-extension:announcements": {"fetchNews": "false"},'
+    ' "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"}}'
+)
+
+
+def missing_browser() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    if not Path(CHROMIUM).exists():
+        return f"Chromium not found at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[dev]')"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def jupyter_lab(root_dir: Path, timeout: float = 90):
+    """Start JupyterLab serving ``root_dir``; yield (base URL, token); stop it and its kernels."""
+    port, token = _free_port(), secrets.token_hex(16)
+    state = Path(tempfile.mkdtemp(prefix="grpo-lab-jupyter-"))
+    env = dict(
+        os.environ, JUPYTER_RUNTIME_DIR=str(state / "runtime"), JUPYTER_CONFIG_DIR=str(state / "config"),
+        JUPYTER_DATA_DIR=str(state / "data"), IPYTHONDIR=str(state / "ipython"), JUPYTER_PLATFORM_DIRS="1",
+        XDG_CONFIG_HOME=str(state / "xdg-config"), XDG_CACHE_HOME=str(state / "xdg-cache"),
+        XDG_DATA_HOME=str(state / "xdg-data"), HF_HUB_OFFLINE="1",
+    )
+    (state / "settings").mkdir()
+    (state / "settings" / "overrides.json").write_text(LAB_SETTINGS)
+    command = [
+        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1", f"--port={port}",
+        f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root_dir}",
+        f"--LabApp.app_settings_dir={state / 'settings'}", "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
+    log = open(state / "lab.log", "w")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {server.returncode}:\n{(state / 'lab.log').read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise TimeoutError("jupyter lab did not start") from None
+                time.sleep(0.3)
+        yield base, token
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def browser_page(width: int = 1400, height: int = 1000):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": width, "height": height})
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def open_notebook(page, base: str, token: str, name: str, timeout_ms: int = 120_000) -> None:
+    """Open a notebook and wait until its kernel is connected and idle."""
+    page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout_ms)
+    page.wait_for_function(
+        "() => /Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText || '')", timeout=timeout_ms
+    )
+
+
+def run_all(page, attempts: int = 6) -> None:
+    """Run > Run All Cells, retried until a prompt shows execution (an early request is dropped)."""
+    for _ in range(attempts):
+        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+        page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+        try:
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].some(p => /\\[[*0-9]+\\]/.test(p.innerText))",
+                timeout=10_000,
+            )
+            return
+        except Exception:
+            time.sleep(1)
+    raise RuntimeError("Run All Cells never started executing")
+
+
+def all_cells_done(page) -> bool:
+    return page.evaluate(
+        "() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent);"
+        " return p.length > 0 && p.every(t => /\\[\\d+\\]/.test(t)); }"
+    )
+
+
+def widget_problems(page) -> list[str]:
+    """Output texts that mean a widget (or a cell) failed."""
+    return page.evaluate(
+        "() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText)"
+        ".filter(t => /Loading widget|Error displaying widget|Failed to load model|Traceback/i.test(t))"
+        ".map(t => t.slice(0, 400))"
+    )
