@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from grpo_lab.views.data import Panel
 
 COLUMNS = 3
@@ -26,7 +28,7 @@ def curves_figure(panels: list[Panel], *, widget: bool = True):
     for k, panel in enumerate(panels):
         for series in panel.series:
             figure.add_trace(
-                go.Scatter(x=series.x, y=series.y, name=series.name, mode="lines+markers",
+                go.Scatter(x=np.asarray(series.x, dtype=float), y=np.asarray(series.y, dtype=float), name=series.name, mode="lines+markers",
                            marker={"size": 4}, legendgroup=panel.title, hovertemplate="%{y:.4g}<extra>" + series.name + "</extra>"),
                 row=k // COLUMNS + 1, col=k % COLUMNS + 1,
             )
@@ -69,6 +71,7 @@ def update_curves(figure, panels: list[Panel]) -> None:
     series = [s for p in panels for s in p.series]
     with figure.batch_update():
         for trace, item in zip(figure.data, series, strict=True):
-            trace.x = item.x
-            trace.y = item.y
+            # numpy arrays skip plotly's per-element validation and travel as binary buffers
+            trace.x = np.asarray(item.x, dtype=float)
+            trace.y = np.asarray(item.y, dtype=float)
         _set_ranges(figure, panels)
