@@ -30,3 +30,12 @@ def test_notebook_executes(path, tmp_path):
 
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_anatomy_of_a_step.ipynb"]
+
+
+def test_quickstart_exports_to_a_launchable_script(tmp_path):
+    from grpo_lab.export import export_notebook
+
+    script = export_notebook(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "train.py")
+    source = script.read_text()
+    compile(source, str(script), "exec")
+    assert "GRPOTrainer(" in source and "session.show()" not in source and "session.run(" not in source
