@@ -83,7 +83,7 @@ HISTORY_COLUMNS = [
 ]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_every_loss_type_steps(make_session, loss_type):
     session = make_session(loss_type=loss_type)
     session.run(2, progress=False)
