@@ -25,6 +25,15 @@ def _print_table(title: str, rows: dict) -> None:
     Console().print(table)
 
 
+def _rounded(value):
+    """Figures to 4 decimals (evaluation runs in float32; more digits are noise)."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from grpo_lab.models import load_causal_lm, load_tokenizer
     from grpo_lab.tasks import default_task
@@ -35,7 +44,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_path)
     figures = {"model": model_path, **task.evaluate(model, tokenizer, k=args.k, seed=args.seed)}
     if args.json:
-        print(json.dumps(figures))
+        print(json.dumps(_rounded(figures)))
     else:
         _print_table(f"held-out evaluation on the {task.name} task", figures)
     return 0
@@ -77,7 +86,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "reward_curve": str(curve),
     }
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(_rounded(result)))
     else:
         _print_table("held-out accuracy after GRPO", after)
         print(f"greedy accuracy {before['greedy_accuracy']:.1%} -> {after['greedy_accuracy']:.1%} in "
@@ -100,7 +109,8 @@ def _write_reward_curve(history, path):
 def cmd_train(args: argparse.Namespace) -> int:
     from grpo_lab.recipes import build_trainer
 
-    trainer = build_trainer(args.recipe, args.overrides)
+    overrides = args.overrides + (["--disable_tqdm", "true"] if args.json else [])
+    trainer = build_trainer(args.recipe, overrides)
     last = trainer.train(resume_from_checkpoint=args.resume_from)
     trainer.save_model()
     if args.json:

@@ -470,6 +470,13 @@ class GRPOConfig:
                     f"Try generation_batch_size={per_step * max(1, size // per_step)}."
                 )
             steps = size // per_step
+        if steps % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"steps_per_generation ({steps}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) so that each optimizer step uses micro-batches of a single "
+                f"generation batch. Set steps_per_generation={self.gradient_accumulation_steps * max(1, steps // self.gradient_accumulation_steps)} "
+                "or adjust generation_batch_size."
+            )
         if size % self.num_generations:
             raise ValueError(
                 f"The generation batch ({size} completions = per_device_train_batch_size "
@@ -539,7 +546,7 @@ class GRPOConfig:
         while i < len(argv):
             arg = argv[i]
             if arg in ("-h", "--help"):
-                print(cls.help_text())
+                print(cls.help_text(base))
                 raise SystemExit(0)
             if not arg.startswith("--"):
                 raise ValueError(f"Unexpected argument {arg!r}: give config fields as --name value.")
@@ -573,10 +580,12 @@ class GRPOConfig:
         return _docstrings().get(name, "")
 
     @classmethod
-    def help_text(cls) -> str:
-        """Every field with its default and documentation, as ``--help`` prints them."""
+    def help_text(cls, base: GRPOConfig | None = None) -> str:
+        """Every field with its value (``base``'s, else the default) and documentation, as ``--help``
+        prints them."""
         lines = ["GRPOConfig fields (override any with --name value; --config FILE.yaml loads a file):", ""]
-        for name, default in _defaults().items():
+        values = base.to_dict() if base is not None else _defaults()
+        for name, default in values.items():
             lines.append(f"  --{name} (default: {default!r})")
             lines.extend(textwrap.wrap(" ".join(_docstrings().get(name, "").split()), 96,
                                        initial_indent="      ", subsequent_indent="      "))

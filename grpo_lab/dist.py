@@ -26,7 +26,20 @@ def make_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
     of running each as a separate single-process job.
     """
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
+    _forget_other_precision(mixed)
     return Accelerator(mixed_precision=mixed, cpu=use_cpu or not _has_accelerator_device())
+
+
+def _forget_other_precision(mixed: str) -> None:
+    """accelerate keeps one process-wide state and refuses a second Accelerator with another mixed
+    precision. In a single process (a notebook building a second session) that state is reset; under
+    ``accelerate launch`` the precision is the launcher's to decide and is left alone."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not AcceleratorState._shared_state or PartialState().num_processes > 1:
+        return
+    if str(AcceleratorState().mixed_precision) != mixed:
+        AcceleratorState._reset_state()
 
 
 def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:

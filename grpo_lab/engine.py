@@ -72,12 +72,6 @@ class Engine:
         self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
         self.batching = config.resolve(self.accelerator.num_processes)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
-        if spg % ga:
-            raise ValueError(
-                f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps ({ga}) so "
-                "that each optimizer step uses micro-batches of a single generation batch. Set "
-                f"steps_per_generation to {ga * max(1, spg // ga)} or adjust generation_batch_size."
-            )
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
 

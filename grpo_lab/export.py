@@ -47,7 +47,13 @@ def cli_config(base, argv: list[str] | None = None):
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume_from", default=None)
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return GRPOConfig.from_args(rest, base=base), known.resume_from
+    if "-h" in rest or "--help" in rest:
+        print("  --resume_from DIR  continue from a saved session (session.save) or a checkpoint-N directory\n")
+    try:
+        return GRPOConfig.from_args(rest, base=base), known.resume_from
+    except (ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 # ---------------------------------------------------------------------- reward function source

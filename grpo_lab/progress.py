@@ -74,8 +74,10 @@ def progress_bar(total: int, *, enabled: bool = True, description: str = "GRPO")
         yield _NotebookBar(total)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Column
 
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[metrics]}"))
-        with Progress(*columns, transient=False) as progress:
+        # The metrics text takes what is left of the line and is cut, never the bar or the counts.
+        columns = (TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[metrics]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)))
+        with Progress(*columns, transient=False, expand=True) as progress:
             yield _RichBar(progress, progress.add_task(description, total=total, metrics=""))

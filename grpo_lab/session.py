@@ -164,7 +164,7 @@ class GRPOSession:
             return
         self.config.validate()
         for name, (old, new) in changed.items():
-            self.config_changes.append({"step": self.global_step, "field": name, "old": old, "new": new})
+            self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":
                 self.engine.set_learning_rate(new)
         self._applied_config = current

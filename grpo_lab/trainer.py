@@ -79,6 +79,8 @@ class GRPOTrainer:
                     self._log(row, writer)
                 if self.args.save_steps and row["step"] % int(self.args.save_steps) == 0:
                     self.save_checkpoint()
+        if row and row["step"] % int(self.args.save_steps):
+            self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
         if writer is not None:
             writer.close()
         return row

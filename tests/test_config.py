@@ -253,3 +253,8 @@ def test_readme_lists_every_unimplemented_field():
     listed = readme.split("Accepted for compatibility but not implemented yet")[1].split("##")[0]
     for name in NOT_YET_IMPLEMENTED:
         assert f"`{name}`" in listed or (name.startswith("vllm_") and "every `vllm_*` field" in listed), name
+
+
+def test_steps_per_generation_must_be_a_multiple_of_gradient_accumulation():
+    with pytest.raises(ValueError, match="multiple of gradient_accumulation_steps"):
+        GRPOConfig(steps_per_generation=3, gradient_accumulation_steps=2, per_device_train_batch_size=8)

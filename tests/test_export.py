@@ -135,3 +135,26 @@ def test_two_process_ddp_run_of_an_exported_script_tracks_one_process(make_sessi
         assert abs(a["completions/mean_length"] - b["completions/mean_length"]) < 1.5
     mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
     assert abs(mean(ddp) - mean(one)) < 0.5
+
+
+def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys):
+    from grpo_lab.config import GRPOConfig
+    from grpo_lab.export import cli_config
+
+    base = GRPOConfig(learning_rate=5e-5, max_steps=100)
+    with pytest.raises(SystemExit) as stopped:
+        cli_config(base, ["--lerning_rate", "1e-5"])
+    assert stopped.value.code == 2
+    assert "error: Unknown option --lerning_rate; did you mean --learning_rate?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_config(base, ["--help"])
+    out = capsys.readouterr().out
+    assert "--resume_from DIR" in out and "--learning_rate (default: 5e-05)" in out and "--max_steps (default: 100)" in out
+
+
+def test_the_example_recipe_trains(tmp_path):
+    from grpo_lab.recipes import build_trainer
+
+    trainer = build_trainer(ROOT / "examples" / "recipe.yaml", ["--max_steps", "1", "--output_dir", str(tmp_path)])
+    assert trainer.args.learning_rate == 1e-4 and len(trainer.session.reward_funcs) == 2
+    assert trainer.train()["step"] == 1

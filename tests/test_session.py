@@ -194,7 +194,7 @@ def test_learning_rate_change_takes_effect_and_is_recorded(make_session):
     session.config.learning_rate = 5e-4
     row = session.step()
     assert row["learning_rate"] == 5e-4
-    assert session.config_changes == [{"step": 1, "field": "learning_rate", "old": 1e-3, "new": 5e-4}]
+    assert session.config_changes == [{"step": 2, "field": "learning_rate", "old": 1e-3, "new": 5e-4}]
     session.config.learning_rate = -1.0
     with pytest.raises(ValueError, match="learning_rate"):
         session.step()

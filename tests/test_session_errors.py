@@ -121,3 +121,10 @@ def test_non_finite_loss_skips_the_update_and_keeps_weights(make_session):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _steps_fine(session)
+
+
+def test_a_second_session_with_another_precision_in_the_same_process(make_session):
+    make_session().step()
+    other = make_session(bf16=True)
+    assert other.engine.accelerator.mixed_precision == "bf16"
+    assert other.step()["step"] == 1

@@ -91,3 +91,12 @@ def test_lora_save_model_writes_the_adapter_or_a_merged_model(task, tmp_path):
     torch.testing.assert_close(from_adapter, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(from_merged, expected, rtol=1e-4, atol=1e-4)
     assert any("lora_" in name for name, _ in trainer.model.named_parameters())  # training model not merged
+
+
+def test_the_end_of_training_is_always_checkpointed(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=3, save_steps=50)
+    trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+    again = _trainer(task, tmp_path, max_steps=3, save_steps=50)
+    again.train(resume_from_checkpoint=True)
+    assert again.session.global_step == 3
