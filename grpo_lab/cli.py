@@ -64,9 +64,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = task.config(max_steps=steps, output_dir=str(output_dir), seed=args.seed)
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                           eval_dataset=task.eval_dataset)
+    if not args.json:
+        print(f"GRPO on the embedded {task.name} task with the shipped tiny model: {steps} steps, "
+              f"held-out accuracy on {args.eval_size} problems before and after.")
     before = task.evaluate(session.model, session.tokenizer)
     if not args.json:
-        _print_table("held-out accuracy before GRPO", before)
+        _print_table("before GRPO", before)
     session.run(steps, progress=not args.json)
     after = task.evaluate(session.model, session.tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -84,13 +87,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "seconds": round(time.perf_counter() - start, 1),
         "model_dir": str(output_dir / "model"),
         "reward_curve": str(curve),
+        "history": str(output_dir / "history.csv"),
     }
     if args.json:
         print(json.dumps(_rounded(result)))
     else:
-        _print_table("held-out accuracy after GRPO", after)
+        _print_table("after GRPO", after)
         print(f"greedy accuracy {before['greedy_accuracy']:.1%} -> {after['greedy_accuracy']:.1%} in "
-              f"{result['seconds']:.0f}s; model saved to {result['model_dir']}, reward curve in {curve}")
+              f"{result['seconds']:.0f}s; model saved to {result['model_dir']}, reward curve in {curve}, "
+              f"per-step metrics in {result['history']}")
     return 0
 
 
