@@ -11,12 +11,9 @@ from grpo_lab.views.data import Panel
 COLUMNS = 3
 
 
-def curves_figure(panels: list[Panel], *, widget: bool = True):
-    """A grid of small plots, one per panel and one trace per series, x = optimizer step.
-
-    ``widget=True`` gives a ``plotly.graph_objects.FigureWidget`` (live in Jupyter); False a plain
-    ``Figure`` (for ``write_html``).
-    """
+def curves_figure(panels: list[Panel]):
+    """A ``plotly.graph_objects.FigureWidget`` grid of small plots, one per panel and one trace per
+    series, x = optimizer step."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -39,7 +36,7 @@ def curves_figure(panels: list[Panel], *, widget: bool = True):
     figure.update_yaxes(tickformat=".3~g", exponentformat="e")
     _set_ranges(figure, panels)
     figure.update_annotations(font_size=11)
-    return go.FigureWidget(figure) if widget else figure
+    return go.FigureWidget(figure)
 
 
 def _y_range(panel: Panel):
