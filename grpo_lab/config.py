@@ -306,8 +306,9 @@ class GRPOConfig:
     """Extra arguments of the schedule."""
     warmup_ratio: float = 0.0
     """Share of the steps spent warming the learning rate up from 0, in [0, 1]."""
-    warmup_steps: int = 0
-    """Warm-up steps; when above 0 it takes precedence over warmup_ratio."""
+    warmup_steps: float = 0
+    """Warm-up steps when >= 1 (takes precedence over warmup_ratio); a value in (0, 1) is a fraction
+    of the run, as in transformers 5."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -359,6 +360,8 @@ class GRPOConfig:
         """Check every field; raise ``ValueError`` (bad value) or ``NotImplementedError`` (a TRL field
         grpo_lab does not support yet set to a non-default value). Normalizes TRL's aliases
         (``scale_rewards`` True/False, JSON strings for dict fields, ``report_to`` lists)."""
+        for name, value in self.to_dict().items():
+            object.__setattr__(self, name, _plain(name, value))
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "lr_scheduler_kwargs",
                      "gradient_checkpointing_kwargs", "transformers_continuous_batching_config"):
             value = getattr(self, name)
@@ -380,6 +383,8 @@ class GRPOConfig:
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
         _one_of("vllm_mode", self.vllm_mode, VLLM_MODES)
         _one_of("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, VLLM_IS_MODES)
+        if self.report_to is None:
+            object.__setattr__(self, "report_to", "none")
         reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         for reporter in reporters:
             _one_of("report_to", reporter, REPORTERS)
@@ -399,7 +404,11 @@ class GRPOConfig:
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         _at_least("top_k", self.top_k, 0, hint=" (0 disables top-k filtering)")
-        _at_least("warmup_steps", self.warmup_steps, 0)
+        if not _number(self.warmup_steps) or self.warmup_steps < 0 or (isinstance(self.warmup_steps, float) and self.warmup_steps >= 1):
+            raise ValueError(
+                f"warmup_steps must be a whole number of steps >= 0, or a fraction of the run in [0, 1) "
+                f"(got {self.warmup_steps!r})."
+            )
         for name in ("epsilon", "temperature", "repetition_penalty", "sapo_temperature_pos", "sapo_temperature_neg",
                      "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             _positive(name, getattr(self, name))
@@ -524,12 +533,7 @@ class GRPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> GRPOConfig:
-        import yaml
-
-        values = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{path} must hold a mapping of GRPOConfig fields, got {type(values).__name__}.")
-        return cls(**values)
+        return cls(**_read_yaml(path))
 
     # ------------------------------------------------------------------ command line
     @classmethod
@@ -562,8 +566,7 @@ class GRPOConfig:
             i += 1
         for name, raw in pairs:
             if name == "config":
-                loaded = cls.from_yaml(raw).to_dict()
-                values.update({k: v for k, v in loaded.items() if v != _defaults()[k]})
+                values.update(_read_yaml(raw))
         for name, raw in pairs:
             if name == "config":
                 continue
@@ -642,6 +645,15 @@ def _docstrings() -> dict[str, str]:
     return docs
 
 
+def _read_yaml(path) -> dict[str, Any]:
+    import yaml
+
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a mapping of GRPOConfig fields, got {type(values).__name__}.")
+    return values
+
+
 def _suggestion(name: str, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, sorted(_field_names()), n=1, cutoff=0.6)
     if close:
@@ -690,6 +702,33 @@ def parse_value(name: str, raw: str):
     if name == "scale_rewards" and text.lower() in ("true", "false"):
         return text.lower() == "true"
     return text
+
+
+def _plain(name: str, value):
+    """A value as YAML can store it and as the checks expect it: numbers written as strings (YAML 1.1
+    reads ``1e-5`` as a string) parsed, whole floats for integer fields made ints, paths and torch
+    dtypes made strings."""
+    kind = _kind(name)
+    if isinstance(value, str) and kind in ("int", "float") and value.strip().lower() not in ("none", "null"):
+        try:
+            value = parse_value(name, value)
+        except ValueError:
+            return value
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return _yaml_safe(value)
+
+
+def _yaml_safe(value):
+    if isinstance(value, dict):
+        return {k: _yaml_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_yaml_safe(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    return value
 
 
 def _copy(value):

@@ -122,7 +122,8 @@ class Engine:
         self.steps_per_batch = config.num_iterations * spg // ga
         if scheduler is None:
             total = self.total_steps()
-            warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
+            fraction = config.warmup_steps if 0 < config.warmup_steps < 1 else config.warmup_ratio
+            warmup = int(config.warmup_steps) if config.warmup_steps >= 1 else math.ceil(fraction * total)
             scheduler = get_scheduler(
                 config.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total,
                 scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},

@@ -158,11 +158,11 @@ class GRPOSession:
 
     def _sync_config(self) -> None:
         """Validate edits to ``session.config`` and record the step at which each took effect."""
+        if self.config.to_dict() == self._applied_config:
+            return
+        self.config.validate()  # also normalises (scale_rewards=False -> "none"), so compare afterwards
         current = self.config.to_dict()
         changed = {k: (self._applied_config.get(k), v) for k, v in current.items() if self._applied_config.get(k) != v}
-        if not changed:
-            return
-        self.config.validate()
         for name, (old, new) in changed.items():
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":

@@ -258,3 +258,22 @@ def test_readme_lists_every_unimplemented_field():
 def test_steps_per_generation_must_be_a_multiple_of_gradient_accumulation():
     with pytest.raises(ValueError, match="multiple of gradient_accumulation_steps"):
         GRPOConfig(steps_per_generation=3, gradient_accumulation_steps=2, per_device_train_batch_size=8)
+
+
+def test_values_are_normalised_so_that_checkpoints_can_write_them(tmp_path):
+    import torch
+
+    config = GRPOConfig(model_init_kwargs={"dtype": torch.bfloat16}, output_dir=tmp_path / "out",
+                        learning_rate="1e-5", save_steps=500.0, report_to=None, warmup_steps=0.1)
+    assert config.model_init_kwargs == {"dtype": "bfloat16"} and config.output_dir == str(tmp_path / "out")
+    assert config.learning_rate == 1e-5 and config.save_steps == 500 and config.report_to == "none"
+    config.to_yaml(tmp_path / "c.yaml")
+    assert GRPOConfig.from_yaml(tmp_path / "c.yaml") == config
+
+
+def test_a_config_file_is_merged_before_validation_and_may_restore_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("per_device_train_batch_size: 6\nbeta: 0.0\nlearning_rate: 1e-6\n")
+    config = GRPOConfig.from_args(["--config", str(path), "--num_generations", "6"], base=GRPOConfig(beta=0.04, learning_rate=1e-5))
+    assert (config.per_device_train_batch_size, config.num_generations) == (6, 6)
+    assert (config.beta, config.learning_rate) == (0.0, 1e-6)

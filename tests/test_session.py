@@ -195,6 +195,10 @@ def test_learning_rate_change_takes_effect_and_is_recorded(make_session):
     row = session.step()
     assert row["learning_rate"] == 5e-4
     assert session.config_changes == [{"step": 2, "field": "learning_rate", "old": 1e-3, "new": 5e-4}]
+    session.config.scale_rewards = False  # normalised to "none": recorded once, as the value in force
+    session.step()
+    assert session.config_changes[-1] == {"step": 3, "field": "scale_rewards", "old": "group", "new": "none"}
+    assert len(session.config_changes) == 2
     session.config.learning_rate = -1.0
     with pytest.raises(ValueError, match="learning_rate"):
         session.step()

@@ -155,18 +155,16 @@ def aggregate_loss(
     - dapo, cispo, vespo: ``sum m L / N`` with N = ``num_items_in_batch``, the tokens of the whole
       optimizer step (the caller counts them over processes and micro-batches); None uses this
       micro-batch's tokens;
-    - luspo: ``mean_b( L_b |y_b| )`` for a per-sequence loss L (B, 1); for a (B, T) loss,
-      ``sum_bt m L |y_b| / (B x T)`` (TRL's formula with padding left out).
+    - luspo: ``mean_b( sum_t m L )``: the sum over a sequence's tokens, so a per-sequence loss
+      L_b (B, 1) is weighted by its length |y_b| (TRL 1.16).
 
     A (B, 1) loss (sequence-level ratio, no per-token term) is broadcast over the tokens first.
     """
     mask_BT = mask_BT.to(per_token_loss_BT.dtype)
     lengths_B1 = mask_BT.sum(-1, keepdim=True)
-    if loss_type == "luspo":
-        if per_token_loss_BT.shape[-1] == 1:
-            return (per_token_loss_BT * lengths_B1).mean()
-        return (per_token_loss_BT * mask_BT * lengths_B1).mean()
     masked_BT = per_token_loss_BT.expand_as(mask_BT) * mask_BT
+    if loss_type == "luspo":
+        return masked_BT.sum(-1).mean()
     if loss_type in ("grpo", "sapo"):
         return (masked_BT.sum(-1) / lengths_B1.squeeze(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":

@@ -69,7 +69,9 @@ def smooth(values: list[float], weight: float) -> list[float]:
     """Exponential moving average with start-up bias correction (TensorBoard's smoothing):
     ``s_t = w s_{t-1} + (1 - w) v_t``, shown as ``s_t / (1 - w^n)`` after n finite values.
     ``weight`` 0 returns the values unchanged; NaN values stay NaN and do not enter the average."""
-    if weight <= 0:
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight!r}.")
+    if weight == 0:
         return list(values)
     out, last, count = [], 0.0, 0
     for value in values:

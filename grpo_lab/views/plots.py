@@ -41,7 +41,7 @@ def curves_figure(panels: list[Panel]):
 
 def _y_range(panel: Panel):
     """An explicit y range for a flat panel (plotly would centre a constant on [-1, 1]); else None."""
-    values = [v for s in panel.series for v in s.y if v == v]
+    values = [v for s in panel.series for v in s.y if math.isfinite(v)]
     if not values or max(values) - min(values) > 1e-12 * max(1.0, abs(max(values))):
         return None
     centre = values[0]

@@ -90,8 +90,16 @@ def test_dapo_hand_example_and_num_items_in_batch():
 
 
 def test_luspo_token_level_hand_example():
-    # sum_bt m L |y_b| / (B T) = (3 S0 + 2 S1) / 6 ~= (-9.13796 + 7.2) / 6 = -0.32299
-    assert_close(run("luspo").loss, scalar((3 * S0 + 2 * S1) / 6))
+    # mean_b sum_t m L = (S0 + S1) / 2 (S_b is already the masked token sum of sequence b)
+    assert_close(run("luspo").loss, scalar((S0 + S1) / 2))
+
+
+def test_luspo_ignores_padding_width():
+    # per-token losses [[1, 1], [2, 2]], all real: (1 + 1 + 2 + 2) / 2 = 3; two padding columns change nothing
+    loss_BT, mask_BT = torch.tensor([[1.0, 1.0], [2.0, 2.0]], dtype=torch.float64), torch.ones(2, 2)
+    padded_BT, padded_mask_BT = torch.cat([loss_BT, torch.zeros(2, 2)], 1), torch.cat([mask_BT, torch.zeros(2, 2)], 1)
+    assert_close(aggregate_loss(loss_BT, mask_BT, loss_type="luspo"), scalar(3.0))
+    assert_close(aggregate_loss(padded_BT, padded_mask_BT, loss_type="luspo"), scalar(3.0))
 
 
 def test_cispo_hand_example():
@@ -355,7 +363,7 @@ def _python_loss(loss_type, logp, old, adv, mask, eps_low=0.2, eps_high=0.28, ma
         return total / max(sum(lengths), 1)
     if loss_type == "dr_grpo":
         return total / (B * max_len)
-    return sum(sum(per_token[b]) * lengths[b] for b in range(B)) / (B * T)  # luspo
+    return total / B  # luspo: sum over each sequence's tokens, mean over sequences
 
 
 @pytest.mark.parametrize("loss_type", ALL_LOSSES)
