@@ -98,3 +98,4 @@ def restore_engine(engine, state: dict) -> None:
     if state["ref_model"] is not None and engine.ref_model is not None:
         engine.ref_model.load_state_dict(state["ref_model"])
     set_rng_state(state["rng"])
+    engine.rollout_backend.sync_weights(engine.unwrapped_model, engine.global_step)

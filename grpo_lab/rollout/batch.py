@@ -1,0 +1,78 @@
+"""What a generation backend returns: token tensors of one generation call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GeneratedBatch:
+    """B completions, P prompt tokens (left padded), T completion tokens (right padded).
+
+    ``sampling_logprobs_BT`` holds the log-probs the inference engine sampled each token with (vLLM;
+    None for transformers, which samples from the trained model itself), and ``policy_version`` the
+    optimizer step of the weights or adapter that generated the batch (None when always current).
+    """
+
+    prompt_ids_BP: torch.Tensor
+    prompt_mask_BP: torch.Tensor
+    completion_ids_BT: torch.Tensor
+    completion_mask_BT: torch.Tensor
+    is_truncated_B: torch.Tensor
+    sampling_logprobs_BT: torch.Tensor | None = None
+    policy_version: int | None = None
+
+
+def batch_from_token_lists(
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    completions: list[list[int]],
+    logprobs: list[list[float]] | None,
+    *,
+    pad_token_id: int,
+    eos_token_ids: set[int],
+    policy_version: int | None = None,
+) -> GeneratedBatch:
+    """A padded batch from completions given as token lists (an inference engine's output).
+
+    Every token the engine returned counts (engines stop at EOS, which is kept); a completion whose
+    last token is not an EOS is truncated, as in the transformers backend.
+    """
+    size = max(1, max((len(ids) for ids in completions), default=0))
+    ids_BT = torch.full((len(completions), size), pad_token_id, dtype=torch.long)
+    mask_BT = torch.zeros((len(completions), size), dtype=torch.long)
+    logprobs_BT = torch.zeros((len(completions), size), dtype=torch.float32) if logprobs is not None else None
+    for row, ids in enumerate(completions):
+        ids_BT[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask_BT[row, :len(ids)] = 1
+        if logprobs_BT is not None:
+            logprobs_BT[row, :len(ids)] = torch.tensor(logprobs[row], dtype=torch.float32)
+    is_truncated_B = torch.tensor([not ids or ids[-1] not in eos_token_ids for ids in completions])
+    return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, ids_BT, mask_BT, is_truncated_B, logprobs_BT, policy_version)
+
+
+def prompt_token_lists(tokenizer, prompt_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Left-padded prompt tensors (as the trainer sees them) and the unpadded token lists an
+    inference engine is given, so that both sides condition on exactly the same tokens."""
+    from grpo_lab.rollout.hf import tokenize_prompts
+
+    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, "cpu")
+    lists = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_BP, prompt_mask_BP, strict=True)]
+    return prompt_ids_BP, prompt_mask_BP, lists
+
+
+def draw_seeds(count: int) -> list[int]:
+    """Distinct per-request sampling seeds drawn from torch's generator: an engine's samples then
+    follow the trainer's seed (reproducible runs, exact resume) while every completion differs."""
+    base = int(torch.randint(0, 2**31 - 1 - count, (1,)))
+    return [base + i for i in range(count)]
+
+
+def eos_token_ids(tokenizer, model=None) -> set[int]:
+    """Token ids that end a completion: the tokenizer's EOS and the model's generation config EOS."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}

@@ -1,0 +1,118 @@
+"""Server mode: completions come from a ``grpo-lab vllm-serve`` process over HTTP.
+
+The trainer's main process pushes each new policy version (the LoRA adapter, or full weights) after
+the optimizer step; every process then sends its own prompts. Every call waits at most
+``vllm_server_timeout`` seconds, and a server that does not answer is reported with how to start one.
+vLLM itself is not needed in the training environment.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
+from grpo_lab.rollout.hf import check_context_fits
+from grpo_lab.rollout.vllm_engine import sampling_settings
+
+
+class ServerError(RuntimeError):
+    """The vLLM server answered with an error."""
+
+
+def server_url(config) -> str:
+    if config.vllm_server_base_url:
+        return config.vllm_server_base_url.rstrip("/")
+    return f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+
+
+class VLLMServerBackend:
+    name = "vllm-server"
+
+    def __init__(self, config, *, model_fn, tokenizer, accelerator, lora_rank: int):
+        self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
+        self.url, self.timeout = server_url(config), float(config.vllm_server_timeout)
+        self.lora_rank = lora_rank
+        health = self.wait_until_ready()
+        if lora_rank and health["max_lora_rank"] < lora_rank:
+            raise ValueError(
+                f"The vLLM server at {self.url} accepts LoRA adapters up to rank {health['max_lora_rank']}, "
+                f"but the trained adapter has rank {lora_rank}. Restart it with `grpo-lab vllm-serve --model "
+                f"{health['model']} --max-lora-rank {lora_rank}`."
+            )
+        if not lora_rank and not health["accepts_full_weights"]:
+            raise ValueError(
+                f"The vLLM server at {self.url} cannot load new full weights (vLLM's CPU backend), so it would "
+                "keep generating from the initial policy. Train a LoRA adapter (peft_config=LoraConfig(...)) "
+                "and start the server with --max-lora-rank R, or serve from a GPU."
+            )
+        self.sync_weights(model_fn(), 0)
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, path: str, payload: dict | None = None, body: bytes | None = None, *, timeout: float | None = None):
+        data = json.dumps(payload).encode() if payload is not None else body
+        headers = {"Content-Type": "application/json" if payload is not None else "application/octet-stream"}
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method="GET" if data is None else "POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            try:
+                message = json.loads(error.read()).get("error", "")
+            except ValueError:
+                message = error.reason
+            raise ServerError(f"The vLLM server at {self.url} refused {path} (HTTP {error.code}): {message}") from None
+
+    def wait_until_ready(self) -> dict:
+        """``/health`` of the server, polled until ``vllm_server_timeout`` runs out."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._request("/health", timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(
+                        f"No vLLM server answered at {self.url} within vllm_server_timeout={self.timeout:g} s "
+                        f"({error}). Start one with `grpo-lab vllm-serve --model <base model> --port <port>` "
+                        "(add --max-lora-rank R when training a LoRA adapter), set vllm_server_base_url or "
+                        "vllm_server_host/vllm_server_port to where it listens, or use vllm_mode='colocate'."
+                    ) from None
+                time.sleep(0.5)
+
+    # ------------------------------------------------------------------ backend
+    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+        model = self._model_fn()
+        prompt_ids_BP, prompt_mask_BP, prompts = prompt_token_lists(self.tokenizer, prompt_texts)
+        check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
+        answer = self._request(
+            "/generate", {"prompt_token_ids": prompts, "settings": sampling_settings(config), "seeds": draw_seeds(len(prompts))}
+        )
+        device = self.accelerator.device
+        return batch_from_token_lists(
+            prompt_ids_BP.to(device), prompt_mask_BP.to(device), answer["completion_ids"], answer["logprobs"],
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_token_ids(self.tokenizer, model),
+            policy_version=answer["version"],
+        )
+
+    def sync_weights(self, model, version: int) -> None:
+        """The main process pushes the new version; the others wait until it is in place."""
+        if self.accelerator.is_main_process:
+            if self.lora_rank:
+                with tempfile.TemporaryDirectory(prefix="grpo_lab_adapter_") as directory:
+                    model.save_pretrained(directory)
+                    files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(directory).iterdir() if p.is_file()}
+                self._request("/adapter", {"version": version, "files": files})
+            else:
+                from safetensors.torch import save
+
+                state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+                self._request(f"/weights?version={version}", body=save(state))
+        self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """Nothing to release: the server outlives the run."""

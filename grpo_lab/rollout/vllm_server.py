@@ -1,0 +1,164 @@
+"""``grpo-lab vllm-serve``: a vLLM generation server that takes policy updates over HTTP.
+
+Endpoints (JSON unless noted):
+
+- ``GET /health``: ``{"status": "ok", "model", "version", "max_lora_rank", "accepts_full_weights"}``;
+- ``POST /generate``: ``{"prompt_token_ids": [[int]], "settings": {...}, "seeds": [int]}`` ->
+  ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int}``;
+- ``POST /adapter``: ``{"version": int, "files": {name: base64}}``: a PEFT adapter directory
+  (``adapter_config.json``, ``adapter_model.safetensors``) used for every later request;
+- ``POST /weights?version=N``: body = full weights in safetensors format (GPU engines only).
+
+Errors answer ``{"error": message}`` with status 400 (bad request) or 500. Requests are served one at
+a time (one engine). Weights travel over HTTP, which suits adapters and models up to a few billion
+parameters on a fast link; there is no NCCL weight broadcast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import shutil
+import tempfile
+import threading
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from grpo_lab.rollout.vllm_engine import VLLMEngine, on_gpu
+
+
+class BadRequest(ValueError):
+    """A request the server cannot serve because of what it asks (answered with status 400)."""
+
+
+class GenerationService:
+    """What the HTTP handler calls: a :class:`VLLMEngine` guarded by a lock."""
+
+    def __init__(self, engine, model: str, max_lora_rank: int):
+        self.engine, self.model, self.max_lora_rank = engine, model, max_lora_rank
+        self.lock = threading.Lock()
+
+    def health(self) -> dict:
+        return {
+            "status": "ok", "model": self.model, "version": self.engine.version,
+            "max_lora_rank": self.max_lora_rank, "accepts_full_weights": on_gpu(),
+        }
+
+    def generate(self, request: dict) -> dict:
+        try:
+            prompts, settings, seeds = request["prompt_token_ids"], request["settings"], request["seeds"]
+        except KeyError as missing:
+            raise BadRequest(f"/generate needs 'prompt_token_ids', 'settings' and 'seeds'; {missing} is missing.") from None
+        if len(seeds) != len(prompts):
+            raise BadRequest(f"{len(prompts)} prompts but {len(seeds)} seeds: give one seed per prompt.")
+        with self.lock:
+            ids, logprobs, version = self.engine.generate(prompts, settings, seeds)
+        return {"completion_ids": ids, "logprobs": logprobs, "version": version}
+
+    def load_adapter(self, request: dict) -> dict:
+        if not self.max_lora_rank:
+            raise BadRequest("This server was started without LoRA: restart it with --max-lora-rank R (R >= the adapter's rank).")
+        directory = Path(tempfile.mkdtemp(prefix="grpo_lab_upload_"))
+        try:
+            for name, content in request["files"].items():
+                if Path(name).name != name:
+                    raise BadRequest(f"Adapter file names must be plain names, got {name!r}.")
+                (directory / name).write_bytes(base64.b64decode(content))
+            with self.lock:
+                self.engine.load_adapter(directory, int(request["version"]))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return {"version": self.engine.version}
+
+    def load_weights(self, body: bytes, version: int) -> dict:
+        from safetensors.torch import load
+
+        with self.lock:
+            self.engine.load_weights(load(body).items(), version)
+        return {"version": self.engine.version}
+
+
+def make_handler(service: GenerationService):
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, status: int, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _serve(self, action) -> None:
+            try:
+                self._answer(200, action())
+            except (BadRequest, KeyError, json.JSONDecodeError) as error:
+                self._answer(400, {"error": f"{type(error).__name__}: {error}"})
+            except Exception as error:  # the client shows the message; the server keeps serving
+                traceback.print_exc()
+                self._answer(500, {"error": f"{type(error).__name__}: {error}"})
+
+        def _body(self) -> bytes:
+            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if urlparse(self.path).path == "/health":
+                self._serve(service.health)
+            else:
+                self._answer(404, {"error": f"No endpoint GET {self.path}; try /health."})
+
+        def do_POST(self) -> None:  # noqa: N802
+            url = urlparse(self.path)
+            if url.path == "/generate":
+                self._serve(lambda: service.generate(json.loads(self._body())))
+            elif url.path == "/adapter":
+                self._serve(lambda: service.load_adapter(json.loads(self._body())))
+            elif url.path == "/weights":
+                version = int(parse_qs(url.query).get("version", ["0"])[0])
+                self._serve(lambda: service.load_weights(self._body(), version))
+            else:
+                self._answer(404, {"error": f"No endpoint POST {url.path}; try /generate, /adapter or /weights."})
+
+        def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's signature)
+            """Quiet: one line per request would drown the training logs."""
+
+    return Handler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-lab vllm-serve",
+        description="Serve generations from vLLM for a GRPO run with use_vllm=True, vllm_mode='server'.",
+    )
+    parser.add_argument("--model", required=True, help="Base model: a local path or a hub id (the trained model's base).")
+    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0; 127.0.0.1 for loopback only).")
+    parser.add_argument("--port", type=int, default=8000, help="Port (default 8000; the trainer's vllm_server_port).")
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="Accept LoRA adapters up to this rank (0: full weights only).")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="Share of GPU memory vLLM may take.")
+    parser.add_argument("--max-model-len", type=int, default=None, help="Context window (default: the model's).")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over.")
+    parser.add_argument("--dtype", default="auto", help="Weight dtype: auto, bfloat16, float16 or float32.")
+    parser.add_argument("--model-impl", default="vllm", choices=["vllm", "transformers", "auto"], help="vLLM's model implementation.")
+    parser.add_argument("--seed", type=int, default=0, help="Engine seed (each request also carries its own seed).")
+    return parser
+
+
+def serve(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    engine = VLLMEngine(
+        args.model, max_lora_rank=args.max_lora_rank, seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, model_impl=args.model_impl,
+    )
+    service = GenerationService(engine, args.model, args.max_lora_rank)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(service))
+    print(f"grpo-lab vllm-serve: {args.model} ready on http://{args.host}:{args.port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        engine.close()
