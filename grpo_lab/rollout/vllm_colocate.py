@@ -12,13 +12,14 @@ import tempfile
 
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
-from grpo_lab.rollout.vllm_engine import VLLMEngine, on_gpu, sampling_settings
+from grpo_lab.rollout.vllm_engine import VLLMEngine, import_vllm, on_gpu, sampling_settings
 
 
 class VLLMColocateBackend:
     name = "vllm-colocate"
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, vllm_model: str, lora_rank: int):
+        import_vllm()  # a missing vLLM is the first thing to fix
         if not lora_rank and not on_gpu():
             raise ValueError(
                 "use_vllm=True on CPU needs LoRA training: vLLM's CPU backend cannot take new full weights "

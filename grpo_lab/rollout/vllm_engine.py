@@ -76,10 +76,17 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         lora = dict(enable_lora=True, max_lora_rank=lora_rank_for(max_lora_rank), max_loras=1) if max_lora_rank else {}
         options = {key: value for key, value in options.items() if value is not None}
-        self.llm = LLM(
-            model=model, seed=seed, enforce_eager=not on_gpu(), logprobs_mode="processed_logprobs",
-            enable_sleep_mode=enable_sleep_mode, **lora, **options,
-        )
+        try:
+            self.llm = LLM(
+                model=model, seed=seed, enforce_eager=not on_gpu(), logprobs_mode="processed_logprobs",
+                enable_sleep_mode=enable_sleep_mode, **lora, **options,
+            )
+        except Exception as error:
+            raise ValueError(
+                f"vLLM could not start with model {model!r}: {type(error).__name__}: {str(error)[:400]}. If vLLM "
+                "does not support this architecture, try vllm_model_impl='transformers' (or "
+                "--model-impl transformers for the server), or set use_vllm=False to generate with transformers."
+            ) from error
         self.uses_lora = bool(max_lora_rank)
         self.sleeping = False
         self.version = 0
