@@ -20,6 +20,12 @@ class VLLMColocateBackend:
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, vllm_model: str, lora_rank: int):
         import_vllm()  # a missing vLLM is the first thing to fix
+        if accelerator.num_processes > 1:
+            raise NotImplementedError(
+                f"Colocated vLLM runs in a single process; this run has {accelerator.num_processes}. Start "
+                "`grpo-lab vllm-serve` and set vllm_mode='server' (every process sends its prompts to it), or "
+                "launch one process."
+            )
         if not lora_rank and not on_gpu():
             raise ValueError(
                 "use_vllm=True on CPU needs LoRA training: vLLM's CPU backend cannot take new full weights "

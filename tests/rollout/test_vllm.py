@@ -5,6 +5,7 @@ These tests run in their own environment (vLLM pins its own transformers): ``mak
 policy is a LoRA adapter handed to vLLM with every request.
 """
 
+import json
 import re
 import socket
 import subprocess
@@ -195,3 +196,29 @@ def test_a_model_vllm_cannot_load_names_the_way_out(task, tmp_path):
     with pytest.raises(ValueError, match=r"(?s)vLLM could not start.*use_vllm=False"):
         GRPOSession(bert, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                     processing_class=tokenizer, peft_config=lora())
+
+
+def test_two_processes_share_one_server(server, tmp_path):
+    """DDP on gloo: the main process pushes each adapter, both processes send their prompts."""
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+from peft import LoraConfig
+from grpo_lab import GRPOTrainer
+from grpo_lab.tasks import default_task
+
+task = default_task()
+config = task.config(max_steps=3, save_steps=3, per_device_train_batch_size=8, use_vllm=True, vllm_mode="server",
+                     vllm_server_host="127.0.0.1", vllm_server_port={server}, output_dir={str(tmp_path / "out")!r})
+lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora).train()
+""")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    result = subprocess.run(launch, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(0 < row["sampling/importance_sampling_ratio/mean"] < 2 for row in rows)
+    assert (tmp_path / "out" / "checkpoint-3" / "COMPLETE").exists()
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server}/health", timeout=10).read())
+    assert health["version"] == 3

@@ -1,0 +1,139 @@
+"""Generation throughput: the transformers backend vs vLLM on the same model, prompts and settings.
+
+Each backend runs in a fresh subprocess (vLLM binds threads and keeps an engine), backends
+alternating within each repetition; a run reports the median time of ``--calls`` timed generation
+calls after one warm-up call, and generated tokens per second (completion tokens up to and
+including EOS). Needs vLLM, so run it from the vLLM environment:
+
+    .venv-vllm/bin/python benchmarks/bench_generation.py --case tiny --repeats 3
+    .venv-vllm/bin/python benchmarks/bench_generation.py --case large --repeats 3
+
+Cases: ``tiny``, the shipped 0.9M model, 64 prompts x 8 completions of at most 8 tokens (the
+demo's generation batch); ``large``, a random 30M-parameter Llama (as in bench_trl.py), 4 prompts
+x 8 completions of exactly 128 tokens (EOS ignored, so that both backends do the same work).
+Both sample at temperature 1 in float32; vLLM also returns each token's log-prob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BACKENDS = ("transformers", "vllm")
+
+
+def _case(name: str, workdir: Path) -> dict:
+    from grpo_lab.tasks import default_task
+
+    task = default_task()
+    if name == "tiny":
+        return dict(model=task.model, prompts=task.train_dataset.select(range(64))["prompt"], repeat=8, max_tokens=8,
+                    fixed_length=False)
+    model_dir = workdir / "large_model"
+    if not model_dir.exists():
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(task.model)
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
+                             tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        LlamaForCausalLM(config).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    return dict(model=str(model_dir), prompts=task.train_dataset.select(range(4))["prompt"], repeat=8, max_tokens=128,
+                fixed_length=True)
+
+
+def _generator(backend: str, case: dict, tokenizer):
+    """A function generating the case's batch once and returning the number of completion tokens."""
+    import torch
+
+    from grpo_lab.rollout.batch import draw_seeds, prompt_token_lists
+    from grpo_lab.rollout.prompts import render_prompts
+
+    texts = [t for t in render_prompts(case["prompts"], tokenizer) for _ in range(case["repeat"])]
+    if backend == "transformers":
+        from transformers import AutoModelForCausalLM
+
+        from grpo_lab.rollout.hf import generate, sampling_config
+
+        model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32)
+        extra = {"min_new_tokens": case["max_tokens"]} if case["fixed_length"] else {}
+        config = sampling_config(tokenizer, max_new_tokens=case["max_tokens"], generation_kwargs=extra)
+        return lambda: int(generate(model, tokenizer, texts, config).completion_mask_BT.sum())
+
+    from grpo_lab.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(case["model"], dtype="float32")
+    _, _, prompts = prompt_token_lists(tokenizer, texts)
+    settings = dict(max_tokens=case["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                    generation_kwargs={"min_tokens": case["max_tokens"]} if case["fixed_length"] else None)
+    return lambda: sum(len(ids) for ids in engine.generate(prompts, settings, draw_seeds(len(prompts)))[0])
+
+
+def child(backend: str, case_name: str, calls: int, workdir: str) -> None:
+    import torch
+
+    from grpo_lab.models import load_tokenizer
+
+    case = _case(case_name, Path(workdir))
+    tokenizer = load_tokenizer(case["model"])
+    torch.manual_seed(0)
+    run = _generator(backend, case, tokenizer)
+    run()  # warm-up
+    times, tokens = [], []
+    for _ in range(calls):
+        start = time.perf_counter()
+        tokens.append(run())
+        times.append(time.perf_counter() - start)
+    print("RESULT " + json.dumps({"times": times, "tokens": tokens}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=["tiny", "large"], default="tiny")
+    parser.add_argument("--calls", type=int, default=5, help="timed generation calls per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each backend, alternating")
+    parser.add_argument("--workdir", default="outputs/bench_generation")
+    parser.add_argument("--child", nargs=2, metavar=("BACKEND", "CASE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.calls, args.workdir)
+        return
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    _case(args.case, Path(args.workdir))  # build the large model once, outside the timed runs
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    runs = {backend: [] for backend in BACKENDS}
+    for repeat in range(args.repeats):
+        for backend in BACKENDS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", backend, args.case, "--calls", str(args.calls), "--workdir", args.workdir],
+                capture_output=True, text=True, env=env,
+            )
+            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{backend} failed:\n{out.stderr[-3000:]}")
+            result = json.loads(line[len("RESULT "):])
+            median = statistics.median(result["times"])
+            tokens = statistics.median(result["tokens"])
+            runs[backend].append((median, tokens))
+            print(f"repeat {repeat + 1} {backend:12s} median {median * 1000:8.1f} ms  {tokens / median:9.0f} tokens/s", flush=True)
+    print(f"\ncase {args.case}: median over {args.repeats} runs of the per-run median ({args.calls} calls each)")
+    base = None
+    for backend in BACKENDS:
+        median = statistics.median(m for m, _ in runs[backend])
+        rate = statistics.median(t / m for m, t in runs[backend])
+        base = base or rate
+        print(f"{backend:12s} {median * 1000:8.1f} ms per call  {rate:9.0f} tokens/s  ({rate / base:.2f}x transformers)")
+
+
+if __name__ == "__main__":
+    main()
