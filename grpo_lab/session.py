@@ -283,7 +283,8 @@ class GRPOSession:
     def __repr__(self) -> str:
         return (
             f"GRPOSession(step={self.global_step}, next_stage={self.next_stage!r}, "
-            f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations})"
+            f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations}, "
+            f"generation={self.engine.rollout_backend.name!r})"
         )
 
     # ------------------------------------------------------------------ views (ipywidgets, imported on demand)
@@ -294,7 +295,8 @@ class GRPOSession:
         return Dashboard(self)
 
     def completions_view(self):
-        """The current batch by prompt group, tokens coloured by log-prob, entropy, A x ratio or clipping."""
+        """The current batch by prompt group, tokens coloured by log-prob, entropy, A x ratio, clipping
+        or (with vLLM) the trainer/vLLM log-prob gap."""
         from grpo_lab.views.widgets import CompletionsView
 
         return CompletionsView(self)

@@ -92,6 +92,7 @@ class VLLMEngine:
         self.version = 0
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_adapters_"))
         self._lora_request = None
+        self._adapters_loaded = 0
 
     # ------------------------------------------------------------------ policy versions
     def load_adapter(self, source_dir: str | os.PathLike, version: int) -> None:
@@ -103,8 +104,10 @@ class VLLMEngine:
             shutil.rmtree(target)
         shutil.copytree(source_dir, target)
         previous = self._lora_request
-        # A new id per version: vLLM caches adapters by id, so a reused id would serve stale weights.
-        self._lora_request = self._LoRARequest(f"policy-v{version}", version + 1, str(target))
+        # A new id per load, never reused: vLLM caches adapters by id, so a reused id (a run restarted
+        # at the same version) would serve stale weights.
+        self._adapters_loaded += 1
+        self._lora_request = self._LoRARequest(f"policy-v{version}", self._adapters_loaded, str(target))
         self.version = version
         if previous is not None and Path(previous.lora_path) != target:
             shutil.rmtree(previous.lora_path, ignore_errors=True)

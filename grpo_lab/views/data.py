@@ -30,7 +30,7 @@ takes every ``rewards/<fn>/mean`` column and "logged metrics" every column a rew
 with ``log_metric``."""
 
 _BOOKKEEPING = {"step", "step_time", "epoch", "num_tokens", "update_skipped", "frac_reward_zero_std"}
-TOKEN_QUANTITIES = ("logprob", "entropy", "advantage_x_ratio", "clipped")
+TOKEN_QUANTITIES = ("logprob", "entropy", "advantage_x_ratio", "clipped", "vllm_logprob_gap")
 
 
 @dataclass
@@ -154,13 +154,35 @@ def reward_correlation(scores) -> pd.DataFrame:
     return frame.corr(method="pearson", min_periods=2)
 
 
+def token_quantities(rollout) -> tuple[str, ...]:
+    """The quantities the tokens of ``rollout`` can be coloured by: "vllm_logprob_gap" only when it
+    has both the sampling (vLLM) and the old log-probs."""
+    if rollout is not None and rollout.sampling_logprobs_BT is not None and rollout.old_logprobs_BT is not None:
+        return TOKEN_QUANTITIES
+    return tuple(q for q in TOKEN_QUANTITIES if q != "vllm_logprob_gap")
+
+
+def vllm_logprob_gap(rollout) -> torch.Tensor:
+    """Trainer minus sampler log-prob of every completion token, in nats, shape (B, T):
+    ``gap_BT = old_logprobs_BT - sampling_logprobs_BT``, NaN where ``completion_mask_BT == 0``.
+    Positive where the trainer finds the token likelier than vLLM did when it sampled it."""
+    if rollout.sampling_logprobs_BT is None or rollout.old_logprobs_BT is None:
+        raise ValueError(
+            "vllm_logprob_gap needs the log-probs vLLM sampled with and the trainer's old log-probs: "
+            "generate with use_vllm=True (and vllm_importance_sampling_correction=True)."
+        )
+    gap_BT = rollout.old_logprobs_BT.float().cpu() - rollout.sampling_logprobs_BT.float().cpu()
+    return gap_BT.masked_fill(~rollout.completion_mask_BT.cpu().bool(), float("nan"))
+
+
 def token_values(session, position: int, quantity: str) -> list[tuple[str, float | None]]:
     """The tokens of completion ``position`` of the current batch with one value each.
 
     ``quantity``: "logprob" and "entropy" (of the policy at the last loss()), "advantage_x_ratio"
-    (the completion's advantage times the token's ratio) or "clipped" (1 where the clip removed the
-    gradient). The value is None where that quantity is not computed yet or the completion is not
-    in the optimizer step of the last loss().
+    (the completion's advantage times the token's ratio), "clipped" (1 where the clip removed the
+    gradient) or "vllm_logprob_gap" (see :func:`vllm_logprob_gap`, known from generate() on). The
+    value is None where that quantity is not computed yet or the completion is not in the optimizer
+    step of the last loss().
     """
     if quantity not in TOKEN_QUANTITIES:
         raise ValueError(f"quantity must be one of {TOKEN_QUANTITIES}, got {quantity!r}.")
@@ -170,6 +192,8 @@ def token_values(session, position: int, quantity: str) -> list[tuple[str, float
     mask_T = rollout.completion_mask_BT[position].bool()
     ids = rollout.completion_ids_BT[position][mask_T].tolist()
     tokens = [session.tokenizer.decode([i]) for i in ids]
+    if quantity == "vllm_logprob_gap":
+        return list(zip(tokens, vllm_logprob_gap(rollout)[position][mask_T.cpu()].tolist()))
     result = session.loss_result
     values: list[float | None] = [None] * len(tokens)
     if result is not None:

@@ -9,7 +9,17 @@ import pandas as pd
 
 from grpo_lab.views.data import group_table
 
-_DIVERGING = {"advantage_x_ratio"}
+_DIVERGING = {"advantage_x_ratio", "vllm_logprob_gap"}
+_MEANING = {
+    "logprob": "log-prob of the token under the policy at the last loss(); redder is likelier",
+    "entropy": "entropy of the policy at the token at the last loss(); redder is more uncertain",
+    "advantage_x_ratio": "advantage times the token's ratio; red positive, blue negative, white 0",
+    "clipped": "red where the clip removed the token's gradient",
+    "vllm_logprob_gap": (
+        "log π_trainer − log π_vLLM of the token, in nats (old_logprobs − sampling_logprobs); red: the "
+        "trainer finds it likelier than vLLM did, blue: less likely, white: they agree"
+    ),
+}
 
 
 def _colour(value: float | None, low: float, high: float, diverging: bool) -> str:
@@ -39,6 +49,14 @@ def token_spans(tokens: list[tuple[str, float | None]], quantity: str) -> str:
             f'style="background:{colour};padding:1px 2px;margin:0 1px;border-radius:3px;font-family:monospace">{shown}</span>'
         )
     return "".join(spans)
+
+
+def token_legend(quantity: str) -> str:
+    """What the token colours mean; the scale is set per completion, the value shows on hover."""
+    return (
+        f"<p class='grpo-token-legend'><b>colour</b>: {html.escape(_MEANING[quantity])} "
+        "(scaled per completion; hover a token for its value).</p>"
+    )
 
 
 def _number(value) -> str:

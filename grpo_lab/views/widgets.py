@@ -84,21 +84,32 @@ class CurvesView(_View):
 
 
 class CompletionsView(_View):
-    """The current batch, one prompt group at a time, tokens coloured by a chosen quantity."""
+    """The current batch, one prompt group at a time, tokens coloured by a chosen quantity
+    ("vllm_logprob_gap" is offered only for a rollout with sampling and old log-probs)."""
 
     events = ("generate", "score", "advantages", "loss", "update")
 
     def __init__(self, session):
         self.group = widgets.Dropdown(description="group", options=[], layout={"width": "60%"})
-        self.quantity = widgets.Dropdown(description="colour by", options=list(data.TOKEN_QUANTITIES), value="logprob")
+        self.quantity = widgets.Dropdown(description="colour by", options=data.token_quantities(session.rollout),
+                                         value="logprob")
         self.overview = widgets.HTML()
         self.table = widgets.HTML()
         super().__init__(session, [widgets.HBox([self.group, self.quantity]), self.overview, self.table])
         self.add_class("grpo-completions-view")
         self._updating = False
         self.group.observe(lambda change: None if self._updating else self.refresh(), names="value")
-        self.quantity.observe(lambda change: self.refresh(), names="value")
+        self.quantity.observe(lambda change: None if self._updating else self.refresh(), names="value")
         self.refresh()
+
+    def _set_options(self, dropdown: widgets.Dropdown, options, values) -> None:
+        """Replace a dropdown's options without a refresh, keeping its value while it is still offered."""
+        current, self._updating = dropdown.value, True
+        try:
+            dropdown.options = options
+            dropdown.value = current if current in values else values[0]
+        finally:
+            self._updating = False
 
     @_guarded
     def refresh(self) -> None:
@@ -119,16 +130,15 @@ class CompletionsView(_View):
             marks += f" [{row.truncated} truncated]" if row.truncated else ""
             options.append((f"{row.group}: {row.prompt}{marks}", int(row.group)))
         if list(self.group.options) != options:
-            current, self._updating = self.group.value, True
-            try:
-                self.group.options = options
-                self.group.value = current if current in {v for _, v in options} else options[0][1]
-            finally:
-                self._updating = False
+            self._set_options(self.group, options, [v for _, v in options])
+        quantities = data.token_quantities(self.session.rollout)
+        if tuple(self.quantity.options) != quantities:
+            self._set_options(self.quantity, quantities, quantities)
         zero = int(flags["std_zero"].sum()) if "std_zero" in flags else 0
         self.overview.value = (
             f"<p>step {self.session.global_step}, next stage <b>{self.session.next_stage}()</b>: {len(frame)} completions "
             f"in {len(flags)} groups; {zero} group(s) with equal rewards; {int(frame['truncated'].sum())} truncated.</p>"
+            f"{render.token_legend(self.quantity.value)}"
         )
         group = self.group.value
         rows = data.group_table(frame, group)

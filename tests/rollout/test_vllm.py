@@ -20,6 +20,7 @@ from grpo_lab import GRPOSession, ops
 from grpo_lab.models import load_tokenizer
 from grpo_lab.rollout.prompts import render_prompts
 from grpo_lab.rollout.vllm_client import ServerError, VLLMServerBackend
+from grpo_lab.views import data
 from grpo_lab.tasks import TINY_MODEL_DIR, default_task
 
 pytestmark = pytest.mark.vllm
@@ -107,6 +108,13 @@ def test_colocated_vllm_session_learns_with_a_new_adapter_each_step(task, tmp_pa
         base = session.loss().loss
         rollout.importance_weights_BT = rollout.importance_weights_BT * 2
         assert session.loss().loss == pytest.approx(2 * base, rel=1e-5)
+
+        # The token view can colour this batch by the trainer/vLLM gap, one finite value per real token.
+        assert "vllm_logprob_gap" in data.token_quantities(rollout)
+        tokens = data.token_values(session, 0, "vllm_logprob_gap")
+        assert len(tokens) == int(rollout.completion_mask_BT[0].sum())
+        gap = rollout.old_logprobs_BT[0] - rollout.sampling_logprobs_BT[0]
+        assert [value for _, value in tokens] == pytest.approx(gap[: len(tokens)].tolist())
     finally:
         session.engine.close()
 
@@ -139,7 +147,8 @@ def test_server_mode_session_learns_and_generates_from_the_trainers_step(task, s
 
 
 def test_an_adapter_update_changes_what_the_server_generates(task, server, tmp_path):
-    """Same seeds, same prompts: the untrained adapter reproduces its completions, a changed one does not."""
+    """Same seeds, same prompts: the untrained adapter reproduces its completions, a changed one does
+    not, even when it is pushed under a version number the server has seen."""
     config = task.config(max_steps=1, use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
                          output_dir=str(tmp_path))
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
@@ -156,11 +165,10 @@ def test_an_adapter_update_changes_what_the_server_generates(task, server, tmp_p
         for name, parameter in session.model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
+    backend.sync_weights(session.model, 0)  # the same version number again: still the new weights
+    assert sample() != first
     backend.sync_weights(session.model, 7)
-    changed = backend.generate(prompts, config)
-    assert changed.policy_version == 7
-    torch.manual_seed(0)
-    assert backend.generate(prompts, config).completion_ids_BT.tolist() != first
+    assert backend.generate(prompts, config).policy_version == 7
 
 
 def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):

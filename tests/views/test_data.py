@@ -90,3 +90,34 @@ def test_token_values_are_the_loss_tensors(stepped):
     assert "".join(t for t, _ in tokens) == stepped.tokenizer.decode(stepped.rollout.completion_ids_BT[position][mask])
     with pytest.raises(ValueError, match="quantity must be one of"):
         data.token_values(stepped, position, "nope")
+
+
+def test_vllm_logprob_gap_is_trainer_minus_sampler_on_completion_tokens():
+    class Rollout:
+        old_logprobs_BT = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -3.0, -0.2]])
+        sampling_logprobs_BT = torch.tensor([[-0.7, -0.9, -2.0], [-0.4, -1.0, -5.0]])
+        completion_mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+    gap_BT = data.vllm_logprob_gap(Rollout())
+    # -0.5 + 0.7 = 0.2, -1.0 + 0.9 = -0.1, -2 + 2 = 0; -0.1 + 0.4 = 0.3, -3 + 1 = -2, padding -> NaN
+    assert gap_BT[0].tolist() == pytest.approx([0.2, -0.1, 0.0])
+    assert gap_BT[1, :2].tolist() == pytest.approx([0.3, -2.0]) and math.isnan(gap_BT[1, 2])
+    assert "vllm_logprob_gap" in data.token_quantities(Rollout())
+    Rollout.sampling_logprobs_BT = None  # completions from transformers
+    assert "vllm_logprob_gap" not in data.token_quantities(Rollout()) and "logprob" in data.token_quantities(None)
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        data.vllm_logprob_gap(Rollout())
+
+
+def test_token_values_show_the_sampling_gap_of_completion_tokens_only(stepped, monkeypatch):
+    rollout = stepped.rollout
+    B, T = rollout.completion_ids_BT.shape
+    mask_BT = torch.ones(B, T, dtype=rollout.completion_mask_BT.dtype)
+    mask_BT[0, 5:] = 0  # the last tokens of completion 0 are padding
+    monkeypatch.setattr(rollout, "completion_mask_BT", mask_BT)
+    monkeypatch.setattr(rollout, "old_logprobs_BT", torch.full((B, T), -1.0))
+    # emulated vLLM log-probs -1.0 - 0.1 t: the gap -1 - (-1 - 0.1 t) = 0.1 t
+    monkeypatch.setattr(rollout, "sampling_logprobs_BT", -1.0 - 0.1 * torch.arange(T).float().expand(B, T))
+    tokens = data.token_values(stepped, 0, "vllm_logprob_gap")
+    assert [v for _, v in tokens] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert "".join(t for t, _ in tokens) == stepped.tokenizer.decode(rollout.completion_ids_BT[0][:5])

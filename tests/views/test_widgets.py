@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -65,3 +66,22 @@ def test_a_failing_view_never_stops_training(session, monkeypatch):
     monkeypatch.setattr(data, "curve_panels", broken)
     row = session.step()
     assert row["step"] == 1 and "broken panel" in view.error.value
+
+
+def test_completions_view_offers_the_vllm_gap_only_with_sampling_logprobs(session):
+    view = session.completions_view()
+    session.generate()
+    assert "vllm_logprob_gap" not in view.quantity.options  # transformers: no sampling log-probs
+    rollout = session.rollout
+    rollout.old_logprobs_BT = torch.full(rollout.completion_ids_BT.shape, -1.0)
+    rollout.sampling_logprobs_BT = torch.full(rollout.completion_ids_BT.shape, -1.25)  # emulated vLLM output
+    view.refresh()
+    view.quantity.value = "vllm_logprob_gap"
+    assert "log π_trainer − log π_vLLM" in view.overview.value
+    group_B = rollout.group_index_B == view.group.value
+    # every completion token of the group, and no padding token, shows -1 - (-1.25) = 0.25
+    assert view.table.value.count('title="vllm_logprob_gap = 0.25"') == int(rollout.completion_mask_BT[group_B].sum())
+    rollout.sampling_logprobs_BT = None
+    view.refresh()
+    assert "vllm_logprob_gap" not in view.quantity.options and view.quantity.value == "logprob"
+    assert view.error.value == ""
