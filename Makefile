@@ -9,7 +9,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-main test-vllm setup clean
+.PHONY: demo test test-main test-vllm setup setup-vllm clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,8 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	touch $(VLLM_STAMP)
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/grpo-lab demo
