@@ -11,7 +11,9 @@ including EOS). Needs vLLM, so run it from the vLLM environment:
 Cases: ``tiny``, the shipped 0.9M model, 64 prompts x 8 completions of at most 8 tokens (the
 demo's generation batch); ``large``, a random 30M-parameter Llama (as in bench_trl.py), 4 prompts
 x 8 completions of exactly 128 tokens (EOS ignored, so that both backends do the same work).
-Both sample at temperature 1 in float32; vLLM also returns each token's log-prob.
+Both sample at temperature 1 in float32; vLLM also returns each token's log-prob. ``--lora R``
+generates through a LoRA adapter of rank R on both sides, as training with ``peft_config`` does
+(on CPU the only way to train with vLLM).
 """
 
 from __future__ import annotations
@@ -52,8 +54,17 @@ def _case(name: str, workdir: Path) -> dict:
                 fixed_length=True)
 
 
-def _generator(backend: str, case: dict, tokenizer):
+def _adapter(model, rank: int):
+    """A LoRA adapter of ``rank`` on every linear layer, as training with peft_config would add."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def _generator(backend: str, case: dict, tokenizer, lora: int):
     """A function generating the case's batch once and returning the number of completion tokens."""
+    import tempfile
+
     import torch
 
     from grpo_lab.rollout.batch import draw_seeds, prompt_token_lists
@@ -66,20 +77,27 @@ def _generator(backend: str, case: dict, tokenizer):
         from grpo_lab.rollout.hf import generate, sampling_config
 
         model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32)
+        model = _adapter(model, lora) if lora else model
         extra = {"min_new_tokens": case["max_tokens"]} if case["fixed_length"] else {}
         config = sampling_config(tokenizer, max_new_tokens=case["max_tokens"], generation_kwargs=extra)
         return lambda: int(generate(model, tokenizer, texts, config).completion_mask_BT.sum())
 
     from grpo_lab.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(case["model"], dtype="float32")
+    engine = VLLMEngine(case["model"], dtype="float32", max_lora_rank=lora)
+    if lora:
+        from transformers import AutoModelForCausalLM
+
+        with tempfile.TemporaryDirectory() as directory:
+            _adapter(AutoModelForCausalLM.from_pretrained(case["model"]), lora).save_pretrained(directory)
+            engine.load_adapter(directory, 0)
     _, _, prompts = prompt_token_lists(tokenizer, texts)
     settings = dict(max_tokens=case["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                     generation_kwargs={"min_tokens": case["max_tokens"]} if case["fixed_length"] else None)
     return lambda: sum(len(ids) for ids in engine.generate(prompts, settings, draw_seeds(len(prompts)))[0])
 
 
-def child(backend: str, case_name: str, calls: int, workdir: str) -> None:
+def child(backend: str, case_name: str, calls: int, workdir: str, lora: int) -> None:
     import torch
 
     from grpo_lab.models import load_tokenizer
@@ -87,7 +105,7 @@ def child(backend: str, case_name: str, calls: int, workdir: str) -> None:
     case = _case(case_name, Path(workdir))
     tokenizer = load_tokenizer(case["model"])
     torch.manual_seed(0)
-    run = _generator(backend, case, tokenizer)
+    run = _generator(backend, case, tokenizer, lora)
     run()  # warm-up
     times, tokens = [], []
     for _ in range(calls):
@@ -102,11 +120,12 @@ def main() -> None:
     parser.add_argument("--case", choices=["tiny", "large"], default="tiny")
     parser.add_argument("--calls", type=int, default=5, help="timed generation calls per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each backend, alternating")
+    parser.add_argument("--lora", type=int, default=0, help="generate through a LoRA adapter of this rank (0: none)")
     parser.add_argument("--workdir", default="outputs/bench_generation")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "CASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.calls, args.workdir)
+        child(args.child[0], args.child[1], args.calls, args.workdir, args.lora)
         return
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     _case(args.case, Path(args.workdir))  # build the large model once, outside the timed runs
@@ -115,7 +134,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         for backend in BACKENDS:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", backend, args.case, "--calls", str(args.calls), "--workdir", args.workdir],
+                [sys.executable, __file__, "--child", backend, args.case, "--calls", str(args.calls), "--workdir", args.workdir,
+                 "--lora", str(args.lora)],
                 capture_output=True, text=True, env=env,
             )
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -126,7 +146,8 @@ def main() -> None:
             tokens = statistics.median(result["tokens"])
             runs[backend].append((median, tokens))
             print(f"repeat {repeat + 1} {backend:12s} median {median * 1000:8.1f} ms  {tokens / median:9.0f} tokens/s", flush=True)
-    print(f"\ncase {args.case}: median over {args.repeats} runs of the per-run median ({args.calls} calls each)")
+    adapter = f", LoRA rank {args.lora}" if args.lora else ""
+    print(f"\ncase {args.case}{adapter}: median over {args.repeats} runs of the per-run median ({args.calls} calls each)")
     base = None
     for backend in BACKENDS:
         median = statistics.median(m for m, _ in runs[backend])

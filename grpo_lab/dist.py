@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 
 
 def _has_accelerator_device() -> bool:
@@ -54,6 +54,15 @@ def gather_list(accelerator: Accelerator, items: list) -> list:
     if accelerator.num_processes == 1:
         return list(items)
     return gather_object(list(items))
+
+
+def from_main(accelerator: Accelerator, value):
+    """The main process's ``value`` (any picklable object) on every process."""
+    if accelerator.num_processes == 1:
+        return value
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 def total(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:

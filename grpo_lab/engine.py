@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import shutil
 import tempfile
+import weakref
 
 import torch
 from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
@@ -84,7 +86,7 @@ class Engine:
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_init_kwargs)
         self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
-        self._vllm_model_dir = None
+        self._remove_model_copy = lambda: None
         vllm_model = self._vllm_model_source(model, policy) if config.use_vllm and config.vllm_mode == "colocate" else None
         if peft_config is not None:
             from peft import get_peft_model
@@ -144,33 +146,42 @@ class Engine:
         lora_rank = int(getattr(peft_config, "r", 0) or 0) if self.is_peft else 0
         if self.is_peft and not lora_rank:
             lora_rank = max(int(c.r) for c in self.unwrapped_model.peft_config.values())
-        self.rollout_backend = make_backend(
-            config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
-            vllm_model=vllm_model, lora_rank=lora_rank,
-        )
+        try:
+            self.rollout_backend = make_backend(
+                config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
+                vllm_model=vllm_model, lora_rank=lora_rank,
+            )
+        except BaseException:
+            self._remove_model_copy()
+            raise
 
     def _vllm_model_source(self, model, policy) -> str:
-        """What colocated vLLM loads: the model's path or hub id, or a saved copy of a model object."""
-        if not isinstance(model, PreTrainedModel):
+        """What colocated vLLM loads: the model's path or hub id; the base model of a PEFT model (its
+        adapter follows with every request); or a copy of a model object, saved to a temporary
+        directory that is removed with the engine."""
+        if isinstance(model, (str, os.PathLike)):
             return str(model)
-        if getattr(policy, "is_quantized", False) or hasattr(policy, "peft_config"):
+        if hasattr(policy, "peft_config"):
+            name = next(iter(policy.peft_config.values())).base_model_name_or_path
+        elif getattr(policy, "is_quantized", False):
             name = getattr(policy.config, "_name_or_path", "")
-            if not name:
-                raise ValueError(
-                    "use_vllm=True with a quantized or PEFT model object needs its base model's path: pass the "
-                    "model as a path or hub id (with model_init_kwargs), or set model.config._name_or_path."
-                )
-            return name
-        self._vllm_model_dir = tempfile.mkdtemp(prefix="grpo_lab_vllm_model_")
-        policy.save_pretrained(self._vllm_model_dir)
-        self.tokenizer.save_pretrained(self._vllm_model_dir)
-        return self._vllm_model_dir
+        else:
+            directory = tempfile.mkdtemp(prefix="grpo_lab_vllm_model_")
+            self._remove_model_copy = weakref.finalize(self, shutil.rmtree, directory, True)
+            policy.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+            return directory
+        if not name:
+            raise ValueError(
+                "use_vllm=True with a quantized or PEFT model object needs its base model's path: pass the "
+                "model as a path or hub id (with model_init_kwargs), or set the base model's path in its config."
+            )
+        return name
 
     def close(self) -> None:
         """Release the generation backend (a vLLM engine holds memory until then)."""
         self.rollout_backend.close()
-        if self._vllm_model_dir is not None:
-            shutil.rmtree(self._vllm_model_dir, ignore_errors=True)
+        self._remove_model_copy()
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:
@@ -260,15 +271,15 @@ class Engine:
             prompts = rows.pop("prompt")
             texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs)
             batch = self.rollout_backend.generate(texts, config)
+            if batch.policy_version is not None and batch.policy_version != self.global_step:
+                raise RuntimeError(
+                    f"The {self.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
+                    f"but the trainer is at step {self.global_step}: the server was restarted (resume the run from "
+                    "its last checkpoint, which pushes the policy again) or another run shares it (give each its own)."
+                )
         except BaseException:
             self.sampler.load_state_dict(sampler_state)
             raise
-        if batch.policy_version is not None and batch.policy_version != self.global_step:
-            raise RuntimeError(
-                f"The {self.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
-                f"but the trainer is at step {self.global_step}. Is another run sending updates to the same vLLM "
-                "server? Give each run its own server."
-            )
         completion_texts = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
         rollout = Rollout(
             prompts=prompts,

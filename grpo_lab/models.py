@@ -58,12 +58,15 @@ def prepare_tokenizer(tokenizer):
 
 
 def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedModel:
-    """A causal LM from a path / hub id (with ``model_init_kwargs``) or the model itself."""
-    if isinstance(model, PreTrainedModel):
+    """A causal LM from a path / hub id (with ``model_init_kwargs``) or the model itself (a
+    ``PreTrainedModel``, or a PEFT model wrapping one)."""
+    from peft import PeftModel
+
+    if isinstance(model, (PreTrainedModel, PeftModel)):
         return model
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
-            f"model must be a path, a hub id or a PreTrainedModel, got {type(model).__name__}."
+            f"model must be a path, a hub id, a PreTrainedModel or a PeftModel, got {type(model).__name__}."
         )
     name = str(model)
     check_model_reference(name)

@@ -31,7 +31,7 @@ STAGES = ("generate", "score", "advantages", "loss", "update")
 
 _BUILD_TIME_FIELDS = {
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
-    "vllm_server_port", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
 }
 """Config fields read once, when the generation backend is built."""
 
@@ -286,6 +286,10 @@ class GRPOSession:
             f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations}, "
             f"generation={self.engine.rollout_backend.name!r})"
         )
+
+    def close(self) -> None:
+        """Release the generation backend: a colocated vLLM engine keeps its memory until then."""
+        self.engine.close()
 
     # ------------------------------------------------------------------ views (ipywidgets, imported on demand)
     def show(self):

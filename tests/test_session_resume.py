@@ -71,3 +71,26 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
     else:
         raise AssertionError("an incomplete checkpoint was accepted")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]  # no temporary leftovers
+
+
+def test_a_lora_session_resumes_exactly(task, tmp_path):
+    from peft import LoraConfig
+
+    from tests.conftest import SMALL
+
+    def make():
+        config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "learning_rate": 5e-3})
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+        return GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+
+    uninterrupted = make()
+    uninterrupted.run(4, progress=False)
+    first = make()
+    first.run(2, progress=False)
+    first.save(tmp_path / "checkpoint")
+    resumed = GRPOSession.load(tmp_path / "checkpoint")  # the saved adapter comes back as a PEFT model
+    resumed.run(2, progress=False)
+    pd.testing.assert_frame_equal(_comparable(resumed.history), _comparable(uninterrupted.history), check_dtype=False)
+    for name, value in _weights(uninterrupted.model).items():
+        if "lora_" in name:
+            torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=0, atol=0, msg=name)

@@ -35,7 +35,8 @@ def batch_from_token_lists(
     eos_token_ids: set[int],
     policy_version: int | None = None,
 ) -> GeneratedBatch:
-    """A padded batch from completions given as token lists (an inference engine's output).
+    """A padded batch from completions given as token lists (an inference engine's output), every
+    tensor on the device of the prompt tensors.
 
     Every token the engine returned counts (engines stop at EOS, which is kept); a completion whose
     last token is not an EOS is truncated, as in the transformers backend.
@@ -50,7 +51,11 @@ def batch_from_token_lists(
         if logprobs_BT is not None:
             logprobs_BT[row, :len(ids)] = torch.tensor(logprobs[row], dtype=torch.float32)
     is_truncated_B = torch.tensor([not ids or ids[-1] not in eos_token_ids for ids in completions])
-    return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, ids_BT, mask_BT, is_truncated_B, logprobs_BT, policy_version)
+    device = prompt_ids_BP.device
+    return GeneratedBatch(
+        prompt_ids_BP, prompt_mask_BP, ids_BT.to(device), mask_BT.to(device), is_truncated_B.to(device),
+        None if logprobs_BT is None else logprobs_BT.to(device), policy_version,
+    )
 
 
 def prompt_token_lists(tokenizer, prompt_texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:

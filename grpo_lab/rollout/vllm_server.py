@@ -2,12 +2,16 @@
 
 Endpoints (JSON unless noted):
 
-- ``GET /health``: ``{"status": "ok", "model", "version", "max_lora_rank", "accepts_full_weights"}``;
+- ``GET /health``: ``{"status": "ok", "server": "grpo-lab", "model", "vocab_size", "version", "run",
+  "max_lora_rank", "accepts_full_weights"}``;
 - ``POST /generate``: ``{"prompt_token_ids": [[int]], "settings": {...}, "seeds": [int]}`` ->
-  ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int}``;
-- ``POST /adapter``: ``{"version": int, "files": {name: base64}}``: a PEFT adapter directory
-  (``adapter_config.json``, ``adapter_model.safetensors``) used for every later request;
-- ``POST /weights?version=N``: body = full weights in safetensors format (GPU engines only).
+  ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int, "run": str}``;
+- ``POST /adapter``: ``{"version": int, "run": str, "files": {name: base64}}``: a PEFT adapter
+  directory (``adapter_config.json``, ``adapter_model.safetensors``) used for every later request;
+- ``POST /weights?version=N&run=ID``: body = full weights in safetensors format (GPU engines only).
+
+``run`` identifies the training run that pushed the current policy, so that a trainer notices when
+another run shares its server.
 
 Errors answer ``{"error": message}`` with status 400 (bad request) or 500. Requests are served one at
 a time (one engine). Weights travel over HTTP, which suits adapters and models up to a few billion
@@ -20,6 +24,7 @@ import argparse
 import base64
 import json
 import shutil
+import signal
 import tempfile
 import threading
 import traceback
@@ -40,11 +45,13 @@ class GenerationService:
     def __init__(self, engine, model: str, max_lora_rank: int):
         self.engine, self.model, self.max_lora_rank = engine, model, max_lora_rank
         self.lock = threading.Lock()
+        self.run = None
 
     def health(self) -> dict:
         return {
-            "status": "ok", "model": self.model, "version": self.engine.version,
-            "max_lora_rank": self.max_lora_rank, "accepts_full_weights": on_gpu(),
+            "status": "ok", "server": "grpo-lab", "model": self.model, "vocab_size": self.engine.vocab_size(),
+            "version": self.engine.version, "run": self.run, "max_lora_rank": self.max_lora_rank,
+            "accepts_full_weights": on_gpu(),
         }
 
     def generate(self, request: dict) -> dict:
@@ -56,7 +63,8 @@ class GenerationService:
             raise BadRequest(f"{len(prompts)} prompts but {len(seeds)} seeds: give one seed per prompt.")
         with self.lock:
             ids, logprobs, version = self.engine.generate(prompts, settings, seeds)
-        return {"completion_ids": ids, "logprobs": logprobs, "version": version}
+            run = self.run
+        return {"completion_ids": ids, "logprobs": logprobs, "version": version, "run": run}
 
     def load_adapter(self, request: dict) -> dict:
         if not self.max_lora_rank:
@@ -69,15 +77,17 @@ class GenerationService:
                 (directory / name).write_bytes(base64.b64decode(content))
             with self.lock:
                 self.engine.load_adapter(directory, int(request["version"]))
+                self.run = request.get("run")
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return {"version": self.engine.version}
 
-    def load_weights(self, body: bytes, version: int) -> dict:
+    def load_weights(self, body: bytes, version: int, run: str | None) -> dict:
         from safetensors.torch import load
 
         with self.lock:
             self.engine.load_weights(load(body).items(), version)
+            self.run = run
         return {"version": self.engine.version}
 
 
@@ -116,8 +126,9 @@ def make_handler(service: GenerationService):
             elif url.path == "/adapter":
                 self._serve(lambda: service.load_adapter(json.loads(self._body())))
             elif url.path == "/weights":
-                version = int(parse_qs(url.query).get("version", ["0"])[0])
-                self._serve(lambda: service.load_weights(self._body(), version))
+                query = parse_qs(url.query)
+                version, run = int(query.get("version", ["0"])[0]), query.get("run", [None])[0]
+                self._serve(lambda: service.load_weights(self._body(), version, run))
             else:
                 self._answer(404, {"error": f"No endpoint POST {url.path}; try /generate, /adapter or /weights."})
 
@@ -145,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum, frame) -> None:
+    """SIGTERM (a job scheduler, a test) stops the server as Ctrl-C does, so that the engine is closed."""
+    raise KeyboardInterrupt
+
+
 def serve(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     engine = VLLMEngine(
@@ -154,6 +170,7 @@ def serve(argv: list[str] | None = None) -> None:
     )
     service = GenerationService(engine, args.model, args.max_lora_rank)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(service))
+    signal.signal(signal.SIGTERM, _interrupt)
     print(f"grpo-lab vllm-serve: {args.model} ready on http://{args.host}:{args.port}", flush=True)
     try:
         server.serve_forever()

@@ -12,7 +12,7 @@ import torch
 from grpo_lab import GRPOConfig, GRPOSession
 from grpo_lab.rollout.batch import batch_from_token_lists, draw_seeds, prompt_token_lists
 from grpo_lab.rollout.prompts import render_prompts
-from grpo_lab.rollout.vllm_engine import lora_rank_for, sampling_settings
+from grpo_lab.rollout.vllm_engine import lora_rank_for, sampling_kwargs, sampling_settings
 from tests.conftest import SMALL
 
 
@@ -28,6 +28,14 @@ def test_token_lists_become_a_padded_batch_with_truncation_and_sampling_logprobs
     assert batch.is_truncated_B.tolist() == [False, True]
     assert batch.sampling_logprobs_BT.tolist() == [[-0.5, -1.0, -0.25], [-2.0, 0.0, 0.0]]
     assert batch.policy_version == 3 and batch.prompt_ids_BP is prompt_ids
+
+
+def test_the_batch_lives_on_the_device_of_the_prompts():
+    on = torch.device("meta")  # any device but the CPU the lists are read on
+    batch = batch_from_token_lists(torch.zeros(1, 2, dtype=torch.long, device=on), torch.ones(1, 2, dtype=torch.long, device=on),
+                                   [[3, 2]], [[-0.1, -0.2]], pad_token_id=0, eos_token_ids={2})
+    tensors = [batch.completion_ids_BT, batch.completion_mask_BT, batch.is_truncated_B, batch.sampling_logprobs_BT]
+    assert all(t.device == on for t in tensors)
 
 
 def test_an_empty_completion_is_one_masked_position_and_truncated():
@@ -63,6 +71,15 @@ def test_sampling_settings_use_vllms_names_and_conventions():
         "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
         "repetition_penalty": 1.1, "regex": "a+", "generation_kwargs": {"stop": ["x"]},
     }
+
+
+def test_generation_kwargs_override_the_sampling_fields_but_not_the_trainers_own():
+    settings = sampling_settings(GRPOConfig(max_completion_length=7, generation_kwargs={"max_tokens": 5, "min_tokens": 2}))
+    kwargs = sampling_kwargs(settings)
+    assert kwargs["max_tokens"] == 5 and kwargs["min_tokens"] == 2 and "generation_kwargs" not in kwargs
+    for name in ("n", "logprobs", "seed"):
+        with pytest.raises(ValueError, match=f"may not set '{name}'"):
+            sampling_kwargs(sampling_settings(GRPOConfig(generation_kwargs={name: 1})))
 
 
 @pytest.mark.parametrize(("rank", "allowed"), [(1, 1), (2, 8), (8, 8), (9, 16), (300, 320)])
@@ -111,6 +128,31 @@ def test_a_server_that_accepts_but_never_answers_does_not_hang(task, tmp_path):
     finally:
         listener.close()
     assert accepted and time.monotonic() - started < 8
+
+
+def test_a_server_that_is_not_grpo_lab_is_named_as_such(task, tmp_path):
+    """Another program's generation server (here one answering /health as TRL's does) is refused."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class OtherServer(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OtherServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match=r"not a `grpo-lab vllm-serve` server.*trl vllm-serve"):
+            _session(task, tmp_path, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
+                     vllm_server_port=server.server_address[1], vllm_server_timeout=5)
+    finally:
+        server.shutdown()
 
 
 def test_the_backend_cannot_be_switched_between_steps(task, tmp_path):

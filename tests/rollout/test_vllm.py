@@ -116,20 +116,48 @@ def test_colocated_vllm_session_learns_with_a_new_adapter_each_step(task, tmp_pa
         gap = rollout.old_logprobs_BT[0] - rollout.sampling_logprobs_BT[0]
         assert [value for _, value in tokens] == pytest.approx(gap[: len(tokens)].tolist())
     finally:
-        session.engine.close()
+        session.close()
 
 
-def test_structured_outputs_regex_constrains_generations(task, tmp_path):
+def test_structured_outputs_regex_and_the_older_cap_name(task, tmp_path):
     config = task.config(
-        max_steps=1, use_vllm=True, vllm_structured_outputs_regex=r"<answer>[0-9]{1,3}</answer>", output_dir=str(tmp_path)
+        max_steps=1, use_vllm=True, vllm_structured_outputs_regex=r"<answer>[0-9]{1,3}</answer>",
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_cap=1.001, output_dir=str(tmp_path),
     )
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
     try:
         rollout = session.generate()
         pattern = re.compile(r"<answer>[0-9]{1,3}</answer>")
         assert all(pattern.fullmatch(text) for text in rollout.completion_texts), rollout.completion_texts
+        # vllm_importance_sampling_cap stands for clip_max (3.0 by default): token weights are capped at 1.001.
+        expected = ops.vllm_importance_weights(
+            rollout.old_logprobs_BT, rollout.sampling_logprobs_BT, rollout.completion_mask_BT, mode="token_truncate",
+            clip_max=1.001,
+        )
+        torch.testing.assert_close(rollout.importance_weights_BT, expected)
+        assert rollout.importance_weights_BT.shape == rollout.completion_ids_BT.shape
     finally:
-        session.engine.close()
+        session.close()
+
+
+def test_a_colocated_lora_run_resumes_and_pushes_its_adapter_again(task, tmp_path):
+    config = task.config(max_steps=10, learning_rate=5e-4, use_vllm=True, output_dir=str(tmp_path / "out"))
+    first = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    first.run(2, progress=False)
+    first.save(tmp_path / "checkpoint")
+    first.step()
+    first.close()
+    resumed = GRPOSession.load(tmp_path / "checkpoint")
+    try:
+        assert resumed.engine.rollout_backend.engine.version == 2
+        rollout = resumed.generate()
+        assert rollout.policy_version == 2
+        row = resumed.step()
+        assert resumed.global_step == 3 and resumed.engine.rollout_backend.engine.version == 3
+        # The resumed step saw the same completions as the original third step (same adapter, same seeds).
+        assert row["reward"] == first.history["reward"].iloc[2]
+    finally:
+        resumed.close()
 
 
 def test_server_mode_session_learns_and_generates_from_the_trainers_step(task, server, tmp_path):
@@ -171,6 +199,17 @@ def test_an_adapter_update_changes_what_the_server_generates(task, server, tmp_p
     assert backend.generate(prompts, config).policy_version == 7
 
 
+def test_a_batch_from_another_policy_version_is_refused_and_the_prompts_kept(task, server, tmp_path):
+    config = task.config(use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
+                         output_dir=str(tmp_path))
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    sampler = session.engine.sampler.state_dict()
+    session.engine.rollout_backend.sync_weights(session.model, 5)  # as if the server had been left at step 5
+    with pytest.raises(RuntimeError, match="policy of step 5, but the trainer is at step 0"):
+        session.generate()
+    assert session.engine.sampler.state_dict() == sampler
+
+
 def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
     config = task.config(use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
                          output_dir=str(tmp_path))
@@ -183,7 +222,7 @@ def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
     backend = session.engine.rollout_backend
     assert isinstance(backend, VLLMServerBackend)
     with pytest.raises(ServerError, match=r"HTTP 400.*one seed per prompt"):
-        backend._request("/generate", {"prompt_token_ids": [[5, 6]], "settings": {"max_tokens": 2}, "seeds": []})
+        backend._call("/generate", {"prompt_token_ids": [[5, 6]], "settings": {"max_tokens": 2}, "seeds": []})
 
 
 def test_full_weight_training_with_vllm_on_cpu_is_refused_with_the_fix(task, tmp_path):
