@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from large_model import large_model
+
 BACKENDS = ("transformers", "vllm")
 
 
@@ -37,20 +39,7 @@ def _case(name: str, workdir: Path) -> dict:
     if name == "tiny":
         return dict(model=task.model, prompts=task.train_dataset.select(range(64))["prompt"], repeat=8, max_tokens=8,
                     fixed_length=False)
-    model_dir = workdir / "large_model"
-    if not model_dir.exists():
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(task.model)
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                             num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
-                             tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-        LlamaForCausalLM(config).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-    return dict(model=str(model_dir), prompts=task.train_dataset.select(range(4))["prompt"], repeat=8, max_tokens=128,
+    return dict(model=large_model(workdir, task.model), prompts=task.train_dataset.select(range(4))["prompt"], repeat=8, max_tokens=128,
                 fixed_length=True)
 
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from large_model import large_model
+
 FRAMEWORKS = ("trl", "grpo_lab_trainer", "grpo_lab_session")
 
 
@@ -39,20 +41,7 @@ def _case(name: str, workdir: Path) -> dict:
     if name == "tiny":
         return dict(task=task, model=task.model, config=dict(common, per_device_train_batch_size=64,
                                                              max_completion_length=8))
-    model_dir = workdir / "large_model"
-    if not model_dir.exists():
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(task.model)
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                             num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
-                             tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-        LlamaForCausalLM(config).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-    return dict(task=task, model=str(model_dir), config=dict(common, per_device_train_batch_size=16,
+    return dict(task=task, model=large_model(workdir, task.model), config=dict(common, per_device_train_batch_size=16,
                                                              max_completion_length=128))
 
 
