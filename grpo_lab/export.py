@@ -166,6 +166,11 @@ def export_session(session, path: str | Path) -> Path:
     if has_eval:
         engine.eval_dataset.save_to_disk(str(data_dir / "eval"))
     config = "dict(\n" + "".join(f"    {k}={v!r},\n" for k, v in sorted(session.config.diff().items())) + ")"
+    peft = ""
+    if engine.is_peft:  # the adapter's config travels as adapter_config.json beside the data
+        engine.unwrapped_model.peft_config["default"].save_pretrained(str(data_dir / "peft"))
+        imports.append("from peft import PeftConfig")
+        peft = "        peft_config=PeftConfig.from_pretrained(str(DATA / 'peft')),"
     model = repr(engine.model_reference)
     if engine.model_reference == str(TINY_MODEL_DIR):
         imports.append("from grpo_lab.tasks import TINY_MODEL_DIR")
@@ -191,6 +196,7 @@ def export_session(session, path: str | Path) -> Path:
         "        MODEL, REWARD_FUNCS, args=config,",
         "        train_dataset=load_from_disk(str(DATA / 'train')),",
         f"        eval_dataset={'load_from_disk(str(DATA / ' + repr('eval') + '))' if has_eval else 'None'},",
+        *([peft] if peft else []),
         "    )",
         "    trainer.train(resume_from_checkpoint=resume_from)",
         "    trainer.save_model()",

@@ -48,6 +48,24 @@ def test_exported_session_script_reproduces_the_first_step_and_takes_overrides(m
     assert _rows(tmp_path / "lr" / "metrics.jsonl")[0]["learning_rate"] == 1e-5
 
 
+def test_an_exported_lora_session_trains_the_same_adapter(task, tmp_path):
+    from peft import LoraConfig
+
+    from grpo_lab import GRPOSession
+    from tests.conftest import SMALL
+
+    config = task.config(**{**SMALL, "max_steps": 1, "output_dir": str(tmp_path / "out")})
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+    script = session.export_script(tmp_path / "train.py")
+    first = session.step()
+    assert "peft_config=PeftConfig.from_pretrained" in script.read_text()
+    _run([sys.executable, str(script), "--output_dir", str(tmp_path / "run")], cwd=tmp_path)
+    (row,) = _rows(tmp_path / "run" / "metrics.jsonl")
+    _same(row, first)
+    assert (tmp_path / "run" / "adapter_config.json").exists()  # save_model wrote the adapter, not a full model
+
+
 def test_exported_script_continues_from_a_saved_session(make_session, tmp_path):
     session = make_session(max_steps=3)
     session.run(2, progress=False)
