@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return args.handler(args)
-    except (FileNotFoundError, ValueError, TypeError, NotImplementedError) as error:
+    except (FileNotFoundError, ImportError, ValueError, TypeError, NotImplementedError) as error:
         print(f"grpo-lab {args.command}: error: {error}", file=sys.stderr)
         return 2
 

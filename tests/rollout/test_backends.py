@@ -103,6 +103,14 @@ def test_colocated_vllm_without_vllm_says_how_to_install_it(task, tmp_path):
         _session(task, tmp_path, use_vllm=True, vllm_mode="colocate")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this environment")
+def test_vllm_serve_without_vllm_is_one_error_line(capsys):
+    from grpo_lab.cli import main
+
+    assert main(["vllm-serve", "--model", "any"]) == 2
+    assert "grpo-lab vllm-serve: error: Generating with vLLM" in capsys.readouterr().err
+
+
 def test_a_server_that_is_not_there_is_reported_within_the_timeout(task, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
