@@ -13,14 +13,16 @@ import json
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+import warnings
 from pathlib import Path
 
 from grpo_lab import dist
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
-from grpo_lab.rollout.vllm_engine import sampling_settings
+from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype
 
 
 class ServerError(RuntimeError):
@@ -51,11 +53,19 @@ class VLLMServerBackend:
                 f"trained model has {vocab_size}: they are not the same base model. Restart the server with "
                 "--model set to the trained model's base."
             )
+        port = urllib.parse.urlparse(self.url).port
         if lora_rank and health["max_lora_rank"] < lora_rank:
+            accepts = f"accepts LoRA adapters up to rank {health['max_lora_rank']}" if health["max_lora_rank"] else "was started without LoRA"
             raise ValueError(
-                f"The vLLM server at {self.url} accepts LoRA adapters up to rank {health['max_lora_rank']}, "
-                f"but the trained adapter has rank {lora_rank}. Restart it with `grpo-lab vllm-serve --model "
-                f"{health['model']} --max-lora-rank {lora_rank}`."
+                f"The vLLM server at {self.url} {accepts}, but the trained adapter has rank {lora_rank}. Restart it "
+                f"with `grpo-lab vllm-serve --model {health['model']} --port {port} --max-lora-rank {lora_rank}`."
+            )
+        if health["dtype"] != training_dtype(config):
+            warnings.warn(
+                f"The vLLM server at {self.url} samples in {health['dtype']} while training runs in "
+                f"{training_dtype(config)}: expect wider sampling/sampling_logp_difference and more masked samples. "
+                f"Restart it with --dtype {training_dtype(config)} to match.",
+                stacklevel=2,
             )
         if not lora_rank and not health["accepts_full_weights"]:
             raise ValueError(

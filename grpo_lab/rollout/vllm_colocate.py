@@ -7,18 +7,20 @@ model (GPU). With ``vllm_enable_sleep_mode`` vLLM frees its GPU memory between g
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
-from grpo_lab.rollout.vllm_engine import VLLMEngine, import_vllm, on_gpu, sampling_settings
+from grpo_lab.rollout.vllm_engine import VLLMEngine, import_vllm, on_gpu, sampling_settings, training_dtype
 
 
 class VLLMColocateBackend:
     name = "vllm-colocate"
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, vllm_model: str, lora_rank: int):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a notebook cell, not a server log (read at import)
         import_vllm()  # a missing vLLM is the first thing to fix
         if accelerator.num_processes > 1:
             raise NotImplementedError(
@@ -42,9 +44,10 @@ class VLLMColocateBackend:
             max_model_len=config.vllm_max_model_length,
             tensor_parallel_size=config.vllm_tensor_parallel_size,
             model_impl=config.vllm_model_impl,
-            dtype=_vllm_dtype(config),
+            dtype=training_dtype(config),  # the same precision on both sides keeps their log-probs close
         )
         self.enable_sleep_mode = config.vllm_enable_sleep_mode
+        self.engine.sampling_params(sampling_settings(config), seed=0)  # bad generation_kwargs fail here, not later
         self.sync_weights(model_fn(), 0)
 
     def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
@@ -75,7 +78,3 @@ class VLLMColocateBackend:
         self.engine.close()
 
 
-def _vllm_dtype(config) -> str:
-    """vLLM samples in the training precision, so that the sampling and training log-probs agree."""
-    precision = config.resolved_precision()
-    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]

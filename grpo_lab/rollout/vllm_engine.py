@@ -16,6 +16,7 @@ import gc
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -100,6 +101,9 @@ class VLLMEngine:
         self.sleeping = False
         self.version = 0
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_lab_adapters_"))
+        # Removed by close(), or when the engine is collected or the interpreter exits (an error, a
+        # forgotten close(), a notebook kernel restart).
+        self._remove_adapters = weakref.finalize(self, shutil.rmtree, self._adapter_dir, True)
         self._lora_request = None
         self._adapters_loaded = 0
 
@@ -148,9 +152,11 @@ class VLLMEngine:
         try:
             return self._SamplingParams(n=n, logprobs=0, seed=seed, **kwargs)
         except TypeError as error:
+            hints = [f"{name} -> {vllm_name}" for name, vllm_name in _TRANSFORMERS_NAMES.items() if name in kwargs]
             raise ValueError(
                 f"vLLM's SamplingParams refused these settings ({error}). Under use_vllm=True, generation_kwargs "
-                "go to vLLM's SamplingParams: use its names (max_tokens, min_tokens, stop, ...), not transformers'."
+                "go to vLLM's SamplingParams: use its names (max_tokens, min_tokens, stop, ...), not transformers'"
+                + (f" ({', '.join(hints)})." if hints else ".")
             ) from error
 
     def generate(self, prompt_token_ids: list[list[int]], settings: dict, seeds: list[int]):
@@ -186,7 +192,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down and free its memory (and the adapter copies)."""
-        shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self._remove_adapters()
         if self.llm is None:
             return
         self.llm = None
@@ -196,6 +202,15 @@ class VLLMEngine:
 
     def vocab_size(self) -> int:
         return self.llm.llm_engine.model_config.get_vocab_size()
+
+    def dtype(self) -> str:
+        """The weights' dtype in vLLM, e.g. "float32" (``auto`` picks bfloat16 for float32 weights on CPU)."""
+        return str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+
+def training_dtype(config) -> str:
+    """The dtype name of the training precision, as vLLM's ``dtype`` option takes it."""
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[config.resolved_precision()]
 
 
 def sampling_settings(config) -> dict:
@@ -211,6 +226,12 @@ def sampling_settings(config) -> dict:
         "generation_kwargs": config.generation_kwargs,
     }
 
+
+_TRANSFORMERS_NAMES = {
+    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "do_sample": "temperature=0 for greedy",
+    "num_return_sequences": "num_generations", "eos_token_id": "stop_token_ids",
+}
+"""transformers' generation names a user may bring, and what vLLM calls them."""
 
 _RESERVED = {"n": "num_generations", "logprobs": "the importance-sampling correction", "seed": "the trainer's seed"}
 

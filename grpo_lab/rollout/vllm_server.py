@@ -2,7 +2,7 @@
 
 Endpoints (JSON unless noted):
 
-- ``GET /health``: ``{"status": "ok", "server": "grpo-lab", "model", "vocab_size", "version", "run",
+- ``GET /health``: ``{"status": "ok", "server": "grpo-lab", "model", "vocab_size", "dtype", "version", "run",
   "max_lora_rank", "accepts_full_weights"}``;
 - ``POST /generate``: ``{"prompt_token_ids": [[int]], "settings": {...}, "seeds": [int]}`` ->
   ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int, "run": str}``;
@@ -50,6 +50,7 @@ class GenerationService:
     def health(self) -> dict:
         return {
             "status": "ok", "server": "grpo-lab", "model": self.model, "vocab_size": self.engine.vocab_size(),
+            "dtype": self.engine.dtype(),
             "version": self.engine.version, "run": self.run, "max_lora_rank": self.max_lora_rank,
             "accepts_full_weights": on_gpu(),
         }
@@ -144,13 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve generations from vLLM for a GRPO run with use_vllm=True, vllm_mode='server'.",
     )
     parser.add_argument("--model", required=True, help="Base model: a local path or a hub id (the trained model's base).")
-    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0; 127.0.0.1 for loopback only).")
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="Address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 lets trainers on other machines in, "
+        "with no authentication).",
+    )
     parser.add_argument("--port", type=int, default=8000, help="Port (default 8000; the trainer's vllm_server_port).")
     parser.add_argument("--max-lora-rank", type=int, default=0, help="Accept LoRA adapters up to this rank (0: full weights only).")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="Share of GPU memory vLLM may take.")
     parser.add_argument("--max-model-len", type=int, default=None, help="Context window (default: the model's).")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over.")
-    parser.add_argument("--dtype", default="auto", help="Weight dtype: auto, bfloat16, float16 or float32.")
+    parser.add_argument(
+        "--dtype", default="auto",
+        help="Weight dtype: auto, bfloat16, float16 or float32. Match the training precision (float32 on a CPU): "
+        "auto turns float32 weights into bfloat16 on a CPU.",
+    )
     parser.add_argument("--model-impl", default="vllm", choices=["vllm", "transformers", "auto"], help="vLLM's model implementation.")
     parser.add_argument("--seed", type=int, default=0, help="Engine seed (each request also carries its own seed).")
     return parser

@@ -215,7 +215,7 @@ def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
                          output_dir=str(tmp_path))
     from peft import LoraConfig
 
-    with pytest.raises(ValueError, match="--max-lora-rank 32"):
+    with pytest.raises(ValueError, match=rf"--port {server} --max-lora-rank 32"):
         GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                     peft_config=LoraConfig(r=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
@@ -223,6 +223,19 @@ def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
     assert isinstance(backend, VLLMServerBackend)
     with pytest.raises(ServerError, match=r"HTTP 400.*one seed per prompt"):
         backend._call("/generate", {"prompt_token_ids": [[5, 6]], "settings": {"max_tokens": 2}, "seeds": []})
+
+
+def test_transformers_generation_kwargs_fail_at_construction_with_vllms_names(task, tmp_path):
+    config = task.config(use_vllm=True, generation_kwargs={"max_new_tokens": 4}, output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"max_new_tokens -> max_tokens"):
+        GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+
+
+def test_a_server_in_another_precision_is_pointed_out(task, server, tmp_path):
+    config = task.config(use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
+                         bf16=True, output_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="samples in float32 while training runs in bfloat16.*--dtype bfloat16"):
+        GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
 
 
 def test_full_weight_training_with_vllm_on_cpu_is_refused_with_the_fix(task, tmp_path):
