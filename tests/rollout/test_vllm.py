@@ -79,10 +79,10 @@ def learn(task, session, steps=40):
     return before, after
 
 
-def check_sampling_metrics(history, clip_max=3.0):
-    """The importance-sampling stats are logged every step and lie where the mode puts them."""
+def check_sampling_metrics(history):
+    """The importance-sampling stats are logged every step and ordered as their names say."""
     low, mean, high = (history[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max"))
-    assert ((0 <= low) & (low <= mean) & (mean <= high) & (high <= clip_max)).all()
+    assert ((0 <= low) & (low <= mean) & (mean <= high)).all()
     gap_mean, gap_max = history["sampling/sampling_logp_difference/mean"], history["sampling/sampling_logp_difference/max"]
     assert ((0 <= gap_mean) & (gap_mean <= gap_max)).all()
     # The engines agree closely (same fp32 weights): mean ratios stay near 1.
