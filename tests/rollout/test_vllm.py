@@ -94,7 +94,7 @@ def test_colocated_vllm_session_learns_with_a_new_adapter_each_step(task, tmp_pa
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
     try:
         before, after = learn(task, session)
-        # Measured: 29% -> 86% greedy accuracy on these 100 problems.
+        # Measured: 29% -> 90% greedy accuracy on these 100 problems (float32 on both sides).
         assert after >= before + 0.3, (before, after)
         check_sampling_metrics(session.history)
 
@@ -167,7 +167,7 @@ def test_server_mode_session_learns_and_generates_from_the_trainers_step(task, s
     )
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
     before, after = learn(task, session)
-    # Measured: 29% -> 87% greedy accuracy on these 100 problems.
+    # Measured: 29% -> 87% greedy accuracy on these 100 problems (with a bfloat16 server).
     assert after >= before + 0.3, (before, after)
     check_sampling_metrics(session.history)
     health = session.engine.rollout_backend.wait_until_ready()
