@@ -77,9 +77,9 @@ def _generator(backend: str, case: dict, tokenizer, lora: int):
     if lora:
         from transformers import AutoModelForCausalLM
 
-        with tempfile.TemporaryDirectory() as directory:
-            _adapter(AutoModelForCausalLM.from_pretrained(case["model"]), lora).save_pretrained(directory)
-            engine.load_adapter(directory, 0)
+        directory = tempfile.mkdtemp()
+        _adapter(AutoModelForCausalLM.from_pretrained(case["model"]), lora).save_pretrained(directory)
+        engine.load_adapter(directory, 0)  # moves the directory into the engine's own
     _, _, prompts = prompt_token_lists(tokenizer, texts)
     settings = dict(max_tokens=case["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                     generation_kwargs={"min_tokens": case["max_tokens"]} if case["fixed_length"] else None)

@@ -109,13 +109,14 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ policy versions
     def load_adapter(self, source_dir: str | os.PathLike, version: int) -> None:
-        """Generate with the PEFT adapter saved in ``source_dir`` from now on (a copy is kept)."""
+        """Generate with the PEFT adapter saved in ``source_dir`` from now on. The directory is moved
+        into the engine's own (callers hand over a temporary directory; no copy per step)."""
         if not self.uses_lora:
             raise ValueError("This vLLM engine was started without LoRA; start it with a max LoRA rank to load adapters.")
         target = self._adapter_dir / f"v{version}"
         if target.exists():
             shutil.rmtree(target)
-        shutil.copytree(source_dir, target)
+        shutil.move(str(source_dir), target)
         previous = self._lora_request
         # A new id per load, never reused: vLLM caches adapters by id, so a reused id (a run restarted
         # at the same version) would serve stale weights.
