@@ -321,6 +321,12 @@ class GRPOConfig:
     """Recompute activations in the backward pass to save memory (TRL's GRPO default)."""
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Arguments of gradient checkpointing; None uses {"use_reentrant": False}."""
+    share_prompt_prefix: bool = True
+    """grpo_lab only (TRL runs every prompt once per completion): in the log-prob passes, run each
+    distinct prompt once and reuse its keys and values for all completions of its group (the same
+    log-probs and gradients, fewer tokens). Applies to models with a plain key/value cache and, in
+    the training pass, only without gradient checkpointing (transformers drops the cache there);
+    otherwise the plain pass runs."""
     report_to: str | list[str] = "none"
     """Where metrics go besides output_dir/metrics.jsonl: "none", "tensorboard", "all", ..."""
     use_cpu: bool = False

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 from grpo_lab import dist, ops
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import load_causal_lm, load_tokenizer, prepare_tokenizer
+from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import prepare_reward_funcs, score_completions
 from grpo_lab.rollout import make_backend
@@ -98,11 +99,17 @@ class Engine:
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
         if config.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-            )
+            kwargs = config.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
+                policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             if self.is_peft:
                 policy.enable_input_require_grads()
+        # from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing
+        # and dropout; the policy trains in training mode (generation switches to eval and back).
+        policy.train()
+        self.prefix_sharing = PrefixSharing()
         self.ref_model = None
         if config.beta > 0 and not self.is_peft:
             self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(self.accelerator.device)
@@ -226,21 +233,15 @@ class Engine:
         """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``.
 
         Logits are divided by the sampling temperature first, so the log-probs are those of the
-        distribution the completions were sampled from (as TRL does).
+        distribution the completions were sampled from (as TRL does). A group's shared prompt is
+        run once where the model allows it (``share_prompt_prefix``).
         """
-        prompt_ids = rollout.prompt_ids_BP[index_B]
-        prompt_mask = rollout.prompt_mask_BP[index_B]
         completion_ids = rollout.completion_ids_BT[index_B]
-        completion_mask = rollout.completion_mask_BT[index_B]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # same positions as generate()
-        num_completion_tokens = completion_ids.shape[1]
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            logits_to_keep=num_completion_tokens + 1,
-        ).logits
-        logits_BTV = logits[:, :-1, :].float() / self.config.temperature
+        logits = self.prefix_sharing.logits(
+            model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], completion_ids,
+            rollout.completion_mask_BT[index_B], enabled=self.config.share_prompt_prefix,
+        )
+        logits_BTV = logits.float() / self.config.temperature
         logprobs_BT = ops.selective_log_softmax(logits_BTV, completion_ids)
         entropies_BT = None
         if with_entropy:

@@ -1,0 +1,121 @@
+"""The logits that score each completion token, with a group's shared prompt run once.
+
+The G completions of a GRPO group share their prompt, yet a plain forward pass over
+``[prompt, completion]`` rows runs that prompt G times. With prefix sharing the prompt rows are
+run once per distinct prompt, their keys and values are indexed out to every completion of the
+group, and only the completion tokens are run on top of them: ``U x P + B x T`` tokens instead of
+``B x (P + T)`` (U distinct prompts, B completions). The gradient is the same: indexing the
+keys/values is differentiable, and the backward pass sums each completion's contribution into the
+shared prompt activations.
+
+It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
+``DynamicCache`` with full-attention layers) and the model is not gradient-checkpointing in
+training mode (transformers drops the cache there). Anywhere else the plain pass runs, and
+``PrefixSharing.disabled_reason`` says why.
+
+Shapes: B completions, U distinct prompts, P prompt tokens (left padded), T completion tokens
+(right padded), V vocabulary entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids(attention_mask_BL: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate()`` assigns them: ``cumsum(mask) - 1``, >= 0."""
+    return (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row per distinct prompt, and for every completion the index of its prompt among them.
+
+    Returns:
+        first_U: (U,) the first completion row with each distinct prompt.
+        inverse_B: (B,) index into ``first_U`` of each completion's prompt.
+    """
+    keys_BK = torch.cat([prompt_ids_BP, prompt_mask_BP.to(prompt_ids_BP.dtype)], dim=1)
+    _, inverse_B = torch.unique(keys_BK, dim=0, return_inverse=True)
+    rows_B = torch.arange(len(inverse_B), device=inverse_B.device)
+    first_U = torch.full((int(inverse_B.max()) + 1,), len(inverse_B), device=inverse_B.device)
+    return first_U.scatter_reduce(0, inverse_B, rows_B, reduce="amin"), inverse_B
+
+
+def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
+    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
+    input_ids = torch.cat([prompt_ids_BP, completion_ids_BT], dim=1)
+    attention_mask = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
+    num_completion_tokens = completion_ids_BT.shape[1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+        logits_to_keep=num_completion_tokens + 1, use_cache=False,
+    ).logits
+    return logits[:, :-1, :]
+
+
+def _plain_cache_reason(cache, prompt_length: int) -> str | None:
+    """Why ``cache`` cannot be shared (None when it can): only plain concatenating layers can."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if type(cache) is not DynamicCache:
+        return f"the model's cache is a {type(cache).__name__}, not a plain DynamicCache"
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if kinds:
+        return f"the model's cache has {', '.join(sorted(kinds))} layers (sliding-window or recurrent state)"
+    if cache.get_seq_length() != prompt_length:
+        return "the model did not keep the prompt's keys and values"
+    return None
+
+
+class PrefixSharing:
+    """Computes completion logits with each distinct prompt run once; falls back to the plain pass.
+
+    One instance per engine: after the first call on a model whose cache cannot be shared, the plain pass is
+    used for that model from then on, and ``disabled_reason`` records why.
+    """
+
+    def __init__(self):
+        self.disabled_reason: dict[int, str] = {}
+
+    def _skip_reason(self, model) -> str | None:
+        if model.training and _is_gradient_checkpointing(model):
+            return "gradient checkpointing drops the key/value cache in training mode"
+        return self.disabled_reason.get(id(model))
+
+    def logits(
+        self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True
+    ) -> torch.Tensor:
+        """(B, T, V) logits predicting each completion token (the same values as ``full_logits``);
+        ``enabled=False`` always runs the plain pass."""
+        args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
+        if not enabled or self._skip_reason(model) is not None:
+            return full_logits(*args)
+        first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+        if len(first_U) == len(inverse_B):
+            return full_logits(*args)
+        prompt_length, num_completion_tokens = prompt_ids_BP.shape[1], completion_ids_BT.shape[1]
+        attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
+        positions_BL = position_ids(attention_mask_BL)
+        prefill = model(
+            input_ids=prompt_ids_BP[first_U], attention_mask=prompt_mask_BP[first_U],
+            position_ids=positions_BL[first_U, :prompt_length], use_cache=True, logits_to_keep=1,
+        )
+        reason = _plain_cache_reason(prefill.past_key_values, prompt_length)
+        if reason is not None:
+            self.disabled_reason[id(model)] = reason
+            return full_logits(*args)
+        first_token_B1V = prefill.logits[inverse_B]
+        if num_completion_tokens == 1:
+            return first_token_B1V
+        cache = prefill.past_key_values
+        cache.batch_select_indices(inverse_B)
+        end = prompt_length + num_completion_tokens - 1
+        rest_BTV = model(
+            input_ids=completion_ids_BT[:, :-1], attention_mask=attention_mask_BL[:, :end],
+            position_ids=positions_BL[:, prompt_length:end], past_key_values=cache, use_cache=True,
+        ).logits
+        return torch.cat([first_token_B1V, rest_BTV], dim=1)
+
+
+def _is_gradient_checkpointing(model) -> bool:
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
