@@ -6,7 +6,9 @@ run once per distinct prompt, their keys and values are indexed out to every com
 group, and only the completion tokens are run on top of them: ``U x P + B x T`` tokens instead of
 ``B x (P + T)`` (U distinct prompts, B completions). The gradient is the same: indexing the
 keys/values is differentiable, and the backward pass sums each completion's contribution into the
-shared prompt activations.
+shared prompt activations. Generation with transformers does the same for the prompt's
+pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed cache to
+``model.generate``.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
 ``DynamicCache`` with full-attention layers) and the model is not gradient-checkpointing in
@@ -82,6 +84,18 @@ class PrefixSharing:
             return "gradient checkpointing drops the key/value cache in training mode"
         return self.disabled_reason.get(id(model))
 
+    def _prefill(self, model, prompt_ids_UP, prompt_mask_UP, positions_UP):
+        """The forward pass over distinct prompts, or None (and the reason kept) if its cache cannot be shared."""
+        out = model(
+            input_ids=prompt_ids_UP, attention_mask=prompt_mask_UP, position_ids=positions_UP, use_cache=True,
+            logits_to_keep=1,
+        )
+        reason = _plain_cache_reason(out.past_key_values, prompt_ids_UP.shape[1])
+        if reason is not None:
+            self.disabled_reason[id(model)] = reason
+            return None
+        return out
+
     def logits(
         self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True
     ) -> torch.Tensor:
@@ -96,13 +110,10 @@ class PrefixSharing:
         prompt_length, num_completion_tokens = prompt_ids_BP.shape[1], completion_ids_BT.shape[1]
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
-        prefill = model(
-            input_ids=prompt_ids_BP[first_U], attention_mask=prompt_mask_BP[first_U],
-            position_ids=positions_BL[first_U, :prompt_length], use_cache=True, logits_to_keep=1,
+        prefill = self._prefill(
+            model, prompt_ids_BP[first_U], prompt_mask_BP[first_U], positions_BL[first_U, :prompt_length]
         )
-        reason = _plain_cache_reason(prefill.past_key_values, prompt_length)
-        if reason is not None:
-            self.disabled_reason[id(model)] = reason
+        if prefill is None:
             return full_logits(*args)
         first_token_B1V = prefill.logits[inverse_B]
         if num_completion_tokens == 1:
@@ -115,6 +126,23 @@ class PrefixSharing:
             position_ids=positions_BL[:, prompt_length:end], past_key_values=cache, use_cache=True,
         ).logits
         return torch.cat([first_token_B1V, rest_BTV], dim=1)
+
+    @torch.no_grad()
+    def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
+        """A key/value cache of every prompt but its last token, computed once per distinct prompt and
+        indexed out to all B rows, for ``model.generate(..., past_key_values=cache)``; None where
+        nothing would be saved or the cache cannot be shared."""
+        if self._skip_reason(model) is not None or prompt_ids_BP.shape[1] < 2:
+            return None
+        first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+        if len(first_U) == len(inverse_B):
+            return None
+        ids_UP, mask_UP = prompt_ids_BP[first_U, :-1], prompt_mask_BP[first_U, :-1]
+        prefill = self._prefill(model, ids_UP, mask_UP, position_ids(mask_UP))
+        if prefill is None:
+            return None
+        prefill.past_key_values.batch_select_indices(inverse_B)
+        return prefill.past_key_values
 
 
 def _is_gradient_checkpointing(model) -> bool:

@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_lab.ops.masks import completion_mask_from_ids
+from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.rollout.batch import GeneratedBatch
 
 
@@ -35,7 +36,8 @@ def sampling_config(
         repetition_penalty=repetition_penalty,
     )
     if do_sample:
-        settings.update(temperature=temperature, top_p=top_p, top_k=top_k or None, min_p=min_p)
+        # top_k=0 disables top-k (as in TRL); None would let transformers fill in its default of 50.
+        settings.update(temperature=temperature, top_p=top_p, top_k=top_k or 0, min_p=min_p)
     else:
         settings.update(temperature=None, top_p=None, top_k=None)
     settings.update(generation_kwargs or {})
@@ -62,17 +64,38 @@ def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:
         )
 
 
+def _reuses_a_given_cache(generation_config: GenerationConfig) -> bool:
+    """Plain sampling or greedy search, which continues a cache handed to ``generate``."""
+    return (
+        (generation_config.num_beams or 1) == 1
+        and generation_config.cache_implementation is None
+        and generation_config.use_cache is not False
+        and generation_config.prompt_lookup_num_tokens is None
+        and getattr(generation_config, "assistant_early_exit", None) is None
+    )
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig) -> GeneratedBatch:
-    """Sample one completion per prompt text (repeat a prompt to get several)."""
+def generate(
+    model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig,
+    prefix_sharing: PrefixSharing | None = None,
+) -> GeneratedBatch:
+    """Sample one completion per prompt text (repeat a prompt to get several).
+
+    With ``prefix_sharing``, a repeated prompt is pre-filled once and its cache reused by its copies.
+    """
     device = next(model.parameters()).device
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
     check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
     was_training = model.training
     model.eval()
     try:
+        cache = None
+        if prefix_sharing is not None and _reuses_a_given_cache(generation_config):
+            cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
         sequences = model.generate(
-            input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config
+            input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
+            **({} if cache is None else {"past_key_values": cache}),
         )
     finally:
         model.train(was_training)
@@ -92,6 +115,7 @@ class TransformersBackend:
 
     def __init__(self, model_fn, tokenizer, accelerator):
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
+        self.prefix_sharing = PrefixSharing()
 
     def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
         settings = sampling_config(
@@ -100,7 +124,10 @@ class TransformersBackend:
             repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
         )
         with self.accelerator.autocast():
-            return generate(self._model_fn(), self.tokenizer, prompt_texts, settings)
+            return generate(
+                self._model_fn(), self.tokenizer, prompt_texts, settings,
+                self.prefix_sharing if config.share_prompt_prefix else None,
+            )
 
     def sync_weights(self, model, version: int) -> None:
         """Nothing to do: generation uses the trained model itself."""

@@ -175,3 +175,21 @@ def test_the_backend_cannot_be_switched_between_steps(task, tmp_path):
 def test_weight_transfer_through_an_nccl_group_is_not_offered():
     with pytest.raises(NotImplementedError, match="over HTTP"):
         GRPOConfig(vllm_group_port=1234)
+
+
+def test_top_k_zero_samples_from_the_whole_vocabulary(task):
+    """top_k=0 disables top-k, as in TRL (transformers' own default would keep the 50 likeliest tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lab.models import load_tokenizer, prepare_tokenizer
+    from grpo_lab.rollout.hf import generate, sampling_config
+
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
+    text = render_prompts([task.train_dataset[0]["prompt"]], tokenizer)[0]
+    torch.manual_seed(0)
+    batch = generate(model, tokenizer, [text] * 256, sampling_config(tokenizer, max_new_tokens=1, temperature=4.0, top_k=0))
+    with torch.no_grad():
+        logits_V = model(input_ids=batch.prompt_ids_BP[:1]).logits[0, -1]
+    rank_V = logits_V.argsort(descending=True).argsort()
+    assert rank_V[batch.completion_ids_BT[:, 0]].max() >= 50

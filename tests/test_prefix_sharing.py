@@ -1,0 +1,192 @@
+"""Prefix sharing: each distinct prompt runs once, and the logits, gradients and generations are those
+of the plain pass. The shipped tiny Llama is the model; a token counter on its embedding layer shows
+which pass ran."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.prefix_sharing import PrefixSharing, distinct_prompts, full_logits
+from grpo_lab.rollout.hf import generate, sampling_config
+from grpo_lab.rollout.prompts import render_prompts
+
+GROUP = 4
+
+
+def test_distinct_prompts_by_hand():
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9], [0, 5, 6]])
+    # The last row has the ids of row 0 but its first token is real, not padding: another prompt.
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    first_U, inverse_B = distinct_prompts(ids, mask)
+    assert sorted(first_U.tolist()) == [0, 2, 5]
+    assert first_U[inverse_B].tolist() == [0, 0, 2, 0, 2, 5]
+
+
+class TokenCounter:
+    """Counts the token positions a model's embedding layer sees."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.get_input_embeddings().register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += args[0].numel()
+
+    def during(self, fn):
+        before = self.count
+        result = fn()
+        return result, self.count - before
+
+
+@pytest.fixture
+def model(task):
+    model = AutoModelForCausalLM.from_pretrained(task.model).train()
+    return model, TokenCounter(model)
+
+
+@pytest.fixture
+def batch(task):
+    """3 prompts of different lengths (left padded), 4 completions each of 1 to 6 tokens (right padded)."""
+    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
+    texts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) + ["12+3="]
+    encoded = tokenizer([t for t in texts for _ in range(GROUP)], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
+    generator = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(3, 200, (len(texts) * GROUP, 6), generator=generator)
+    lengths = torch.tensor([6, 1, 3, 5] * len(texts))
+    completion_mask = (torch.arange(6) < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    assert encoded["attention_mask"].min() == 0, "the prompts should need padding"
+    return encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask
+
+
+def _logprob_sum(logits_BTV, completion_ids, completion_mask):
+    logprobs_BT = torch.log_softmax(logits_BTV, -1).gather(-1, completion_ids[..., None])[..., 0]
+    return (logprobs_BT * completion_mask).sum()
+
+
+def _logits_and_grads(model, fn, completion_ids, completion_mask):
+    model.zero_grad()
+    logits = fn()
+    _logprob_sum(logits, completion_ids, completion_mask).backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_shared_prompts_give_the_plain_logits_and_gradients_with_fewer_tokens(model, batch):
+    model, counter = model
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    sharing = PrefixSharing()
+    (plain, plain_grads), plain_tokens = counter.during(
+        lambda: _logits_and_grads(model, lambda: full_logits(model, *batch), completion_ids, completion_mask))
+    (shared, shared_grads), shared_tokens = counter.during(
+        lambda: _logits_and_grads(model, lambda: sharing.logits(model, *batch), completion_ids, completion_mask))
+
+    B, P = prompt_ids.shape
+    T = completion_ids.shape[1]
+    assert plain_tokens == B * (P + T)
+    # 3 distinct prompts once, then every completion's tokens but the last (it predicts nothing).
+    assert shared_tokens == 3 * P + B * (T - 1)
+    mask = completion_mask.bool()
+    assert shared.shape == plain.shape
+    torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
+    scale = max(g.abs().max() for g in plain_grads)
+    for got, expected in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(got / scale, expected / scale, atol=1e-5, rtol=0)
+    assert sharing.disabled_reason == {}
+
+
+def test_one_token_completions_need_only_the_prompt_pass(model, batch):
+    model, counter = model
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    one = (prompt_ids, prompt_mask, completion_ids[:, :1], completion_mask[:, :1])
+    with torch.no_grad():
+        shared, tokens = counter.during(lambda: PrefixSharing().logits(model, *one))
+        plain = full_logits(model, *one)
+    assert tokens == 3 * prompt_ids.shape[1]
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batch):
+    """transformers drops the cache of a checkpointed layer in training mode: sharing must not be tried."""
+    model, counter = model
+    B, P = batch[0].shape
+    T = batch[2].shape[1]
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    sharing = PrefixSharing()
+    with torch.no_grad():
+        logits, tokens = counter.during(lambda: sharing.logits(model, *batch))
+        torch.testing.assert_close(logits, full_logits(model, *batch))
+        assert tokens == B * (P + T)
+        model.eval()  # no checkpointing in eval mode: shared again
+        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
+        assert tokens == 3 * P + B * (T - 1)
+
+
+def test_distinct_prompts_only_or_sharing_off_run_the_plain_pass(model, batch):
+    model, counter = model
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    B, P = prompt_ids.shape
+    T = completion_ids.shape[1]
+    one_each = [t[::GROUP] for t in batch]
+    with torch.no_grad():
+        _, tokens = counter.during(lambda: PrefixSharing().logits(model, *one_each))
+        assert tokens == 3 * (P + T)
+        _, tokens = counter.during(lambda: PrefixSharing().logits(model, *batch, enabled=False))
+        assert tokens == B * (P + T)
+
+
+def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)
+    model = MistralForCausalLM(config).eval()
+    counter = TokenCounter(model)
+    sharing = PrefixSharing()
+    B, P = batch[0].shape
+    T = batch[2].shape[1]
+    with torch.no_grad():
+        logits = sharing.logits(model, *batch)
+        torch.testing.assert_close(logits, full_logits(model, *batch))
+        assert "DynamicSlidingWindowLayer" in sharing.disabled_reason[id(model)]
+        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
+    assert tokens == B * (P + T)  # no second attempt at the shared pass
+
+
+def test_generation_with_a_shared_prompt_cache_samples_the_same_tokens(task, model):
+    model, counter = model
+    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
+    texts = [t for t in render_prompts([task.train_dataset[i]["prompt"] for i in range(4)], tokenizer)
+             for _ in range(8)]
+    settings = sampling_config(tokenizer, max_new_tokens=8)
+    runs = {}
+    for sharing in (None, PrefixSharing()):
+        torch.manual_seed(0)
+        runs[sharing is not None] = counter.during(lambda: generate(model, tokenizer, texts, settings, sharing))
+    (plain, plain_tokens), (shared, shared_tokens) = runs[False], runs[True]
+    assert torch.equal(shared.completion_ids_BT, plain.completion_ids_BT)
+    assert torch.equal(shared.completion_mask_BT, plain.completion_mask_BT)
+    assert model.training, "generate() puts the model back in training mode"
+    P = plain.prompt_ids_BP.shape[1]
+    # The pre-fill of 32 prompts becomes 4 distinct prompts without their last token, plus that token for all 32.
+    assert plain_tokens - shared_tokens == 32 * P - (4 * (P - 1) + 32)
+
+
+def test_the_session_loss_is_the_same_with_and_without_sharing(make_session):
+    session = make_session(num_generations=4, per_device_train_batch_size=8)
+    counter = TokenCounter(session.engine.unwrapped_model)
+    session.generate()
+    session.score()
+    session.advantages()
+    results = {}
+    for enabled in (True, False):
+        session.config.share_prompt_prefix = enabled
+        result, tokens = counter.during(session.loss)
+        grads = [p.grad.clone() for p in session.engine.unwrapped_model.parameters()]
+        results[enabled] = result, tokens, grads
+    (shared, shared_tokens, shared_grads), (plain, plain_tokens, plain_grads) = results[True], results[False]
+    assert shared_tokens < plain_tokens
+    assert shared.loss == pytest.approx(plain.loss, rel=1e-5, abs=1e-7)
+    scale = max(g.abs().max() for g in plain_grads)
+    for got, expected in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(got / scale, expected / scale, atol=1e-5, rtol=0)
