@@ -322,11 +322,11 @@ class GRPOConfig:
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Arguments of gradient checkpointing; None uses {"use_reentrant": False}."""
     share_prompt_prefix: bool = True
-    """grpo_lab only (TRL runs every prompt once per completion): in the log-prob passes, run each
-    distinct prompt once and reuse its keys and values for all completions of its group (the same
-    log-probs and gradients, fewer tokens). Applies to models with a plain key/value cache and, in
-    the training pass, only without gradient checkpointing (transformers drops the cache there);
-    otherwise the plain pass runs."""
+    """grpo_lab only (TRL runs every prompt once per completion): in transformers generation and in
+    the log-prob passes, run each distinct prompt once and reuse its keys and values for all
+    completions of its group (the same samples, log-probs and gradients, fewer tokens). Applies to
+    models with a plain key/value cache and, in the training pass, only without gradient
+    checkpointing (transformers drops the cache there); otherwise the plain pass runs."""
     report_to: str | list[str] = "none"
     """Where metrics go besides output_dir/metrics.jsonl: "none", "tensorboard", "all", ..."""
     use_cpu: bool = False

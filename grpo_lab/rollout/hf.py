@@ -50,8 +50,11 @@ def tokenize_prompts(tokenizer, prompt_texts: list[str], device) -> tuple[torch.
             f"The tokenizer pads on the {tokenizer.padding_side!r}; generation needs left padding so that "
             "every prompt ends where its completion starts. Set tokenizer.padding_side = 'left'."
         )
-    encoded = tokenizer(prompt_texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    distinct = list(dict.fromkeys(prompt_texts))  # each text once; the copies of a group are rows of it
+    encoded = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+    row_of = {text: row for row, text in enumerate(distinct)}
+    row_B = torch.tensor([row_of[text] for text in prompt_texts], dtype=torch.long)
+    return encoded["input_ids"][row_B].to(device), encoded["attention_mask"][row_B].to(device)
 
 
 def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:

@@ -20,10 +20,15 @@ def is_conversational(prompt: Any) -> bool:
 
 
 def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None) -> list[str]:
-    """Prompt texts ready for tokenization; conversational prompts go through the chat template."""
+    """Prompt texts ready for tokenization; conversational prompts go through the chat template.
+
+    A prompt equal to the one before it (the copies of a group) reuses that rendering.
+    """
     texts = []
-    for prompt in prompts:
-        if is_conversational(prompt):
+    for position, prompt in enumerate(prompts):
+        if position > 0 and prompt == prompts[position - 1]:
+            texts.append(texts[-1])
+        elif is_conversational(prompt):
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ValueError(
                     "The dataset has conversational prompts but the tokenizer has no chat_template. "
