@@ -21,6 +21,8 @@ Shapes: B completions, U distinct prompts, P prompt tokens (left padded), T comp
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -57,8 +59,10 @@ def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, complet
 
 def _plain_cache_reason(cache, prompt_length: int) -> str | None:
     """Why ``cache`` cannot be shared (None when it can): only plain concatenating layers can."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:
+        return "this transformers version has no per-layer key/value cache"
     if type(cache) is not DynamicCache:
         return f"the model's cache is a {type(cache).__name__}, not a plain DynamicCache"
     kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
@@ -93,6 +97,7 @@ class PrefixSharing:
         reason = _plain_cache_reason(out.past_key_values, prompt_ids_UP.shape[1])
         if reason is not None:
             self.disabled_reason[id(model)] = reason
+            warnings.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.", stacklevel=3)
             return None
         return out
 

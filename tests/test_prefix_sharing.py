@@ -145,8 +145,9 @@ def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
     sharing = PrefixSharing()
     B, P = batch[0].shape
     T = batch[2].shape[1]
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match="sharing is off for this model: .*DynamicSlidingWindowLayer"):
         logits = sharing.logits(model, *batch)
+    with torch.no_grad():
         torch.testing.assert_close(logits, full_logits(model, *batch))
         assert "DynamicSlidingWindowLayer" in sharing.disabled_reason[id(model)]
         _, tokens = counter.during(lambda: sharing.logits(model, *batch))
