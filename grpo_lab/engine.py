@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 
 from grpo_lab import dist, ops
 from grpo_lab.config import GRPOConfig
-from grpo_lab.models import load_causal_lm, load_tokenizer, prepare_tokenizer
+from grpo_lab.models import enable_gradient_checkpointing, load_causal_lm, load_tokenizer, prepare_tokenizer
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import prepare_reward_funcs, score_completions
@@ -99,11 +99,7 @@ class Engine:
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
         if config.gradient_checkpointing:
-            kwargs = config.gradient_checkpointing_kwargs or {"use_reentrant": False}
-            if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
-                policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_gradient_checkpointing(policy, config.gradient_checkpointing_kwargs or {"use_reentrant": False})
             if self.is_peft:
                 policy.enable_input_require_grads()
         # from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing

@@ -71,3 +71,11 @@ def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedMo
     name = str(model)
     check_model_reference(name)
     return AutoModelForCausalLM.from_pretrained(name, **(model_init_kwargs or {}))
+
+
+def enable_gradient_checkpointing(model, kwargs: dict) -> None:
+    """Turn on activation recomputation under the name this transformers version uses."""
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name (recent transformers 5 releases)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
-from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.models import enable_gradient_checkpointing, load_tokenizer, prepare_tokenizer
 from grpo_lab.prefix_sharing import PrefixSharing, distinct_prompts, full_logits
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
@@ -112,7 +112,7 @@ def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batc
     model, counter = model
     B, P = batch[0].shape
     T = batch[2].shape[1]
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_gradient_checkpointing(model, {"use_reentrant": False})
     sharing = PrefixSharing()
     with torch.no_grad():
         logits, tokens = counter.during(lambda: sharing.logits(model, *batch))
