@@ -11,7 +11,10 @@ warm-up), generated tokens per second and peak memory, and the ratios grpo_lab /
 
 Cases: ``tiny`` is the embedded task on the shipped 0.9M-parameter model (8 prompts x 8
 completions, up to 8 tokens); ``large`` is a randomly initialised Llama of about 30M parameters
-with the shipped tokenizer, 2 prompts x 8 completions of 128 tokens, where compute dominates.
+with the shipped tokenizer, 2 prompts x 8 completions of 128 tokens, where compute dominates;
+``long_prompt`` is the larger model on prompts that open with a system message (about 160 prompt
+tokens), 4 prompts x 8 completions of up to 32 tokens: the shape of few-shot or instruction-heavy
+RL, where a group's shared prompt is most of each sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from large_model import large_model
 FRAMEWORKS = ("trl", "grpo_lab_trainer", "grpo_lab_session")
 
 
+INSTRUCTIONS = ("You add two whole numbers. Read both numbers, add them digit by digit from the right, "
+                "carry where a column passes nine, and answer with the sum only.")
+"""The ``long_prompt`` case's system message: about 160 prompt tokens with the chat template."""
+
+
 def _case(name: str, workdir: Path) -> dict:
     from grpo_lab.tasks import default_task
 
@@ -39,10 +47,16 @@ def _case(name: str, workdir: Path) -> dict:
     common = dict(learning_rate=1e-4, num_generations=8, beta=0.0, loss_type="dapo", temperature=1.0,
                   gradient_checkpointing=False, seed=0, logging_steps=1)
     if name == "tiny":
-        return dict(task=task, model=task.model, config=dict(common, per_device_train_batch_size=64,
-                                                             max_completion_length=8))
-    return dict(task=task, model=large_model(workdir, task.model), config=dict(common, per_device_train_batch_size=16,
-                                                             max_completion_length=128))
+        return dict(task=task, model=task.model, dataset=task.train_dataset,
+                    config=dict(common, per_device_train_batch_size=64, max_completion_length=8))
+    model = large_model(workdir, task.model)
+    if name == "large":
+        return dict(task=task, model=model, dataset=task.train_dataset,
+                    config=dict(common, per_device_train_batch_size=16, max_completion_length=128))
+    system = {"role": "system", "content": INSTRUCTIONS}
+    dataset = task.train_dataset.map(lambda row: {"prompt": [system, *row["prompt"]]})
+    return dict(task=task, model=model, dataset=dataset,
+                config=dict(common, per_device_train_batch_size=32, max_completion_length=32))
 
 
 def _peak_rss_mib() -> float:
@@ -66,7 +80,7 @@ def run_trl(case: dict, steps: int, output_dir: str) -> tuple[list[float], list[
     config = GRPOConfig(output_dir=output_dir, max_steps=steps, use_cpu=True, bf16=False, report_to="none",
                         save_strategy="no", disable_tqdm=True, **case["config"])
     trainer = GRPOTrainer(model=case["model"], reward_funcs=case["task"].reward_funcs, args=config,
-                          train_dataset=case["task"].train_dataset, callbacks=[Clock()])
+                          train_dataset=case["dataset"], callbacks=[Clock()])
     trainer.train()
     return [b - a for a, b in zip(stamps, stamps[1:])], tokens
 
@@ -78,7 +92,7 @@ def run_grpo_lab(case: dict, steps: int, output_dir: str, *, session: bool) -> t
 
     config = GRPOConfig(output_dir=output_dir, max_steps=steps, save_steps=10**9, disable_tqdm=True, **case["config"])
     args = (case["model"], case["task"].reward_funcs)
-    kwargs = dict(args=config, train_dataset=case["task"].train_dataset)
+    kwargs = dict(args=config, train_dataset=case["dataset"])
     runner = GRPOSession(*args, **kwargs) if session else GRPOTrainer(*args, **kwargs).session
     times = []
     for _ in range(steps):
@@ -101,7 +115,7 @@ def child(framework: str, case_name: str, steps: int, workdir: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["tiny", "large"], default="tiny")
+    parser.add_argument("--case", choices=["tiny", "large", "long_prompt"], default="tiny")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     parser.add_argument("--repeats", type=int, default=3)
