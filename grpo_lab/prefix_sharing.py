@@ -11,9 +11,10 @@ pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed 
 ``model.generate``.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
-``DynamicCache`` with full-attention layers) and the model is not gradient-checkpointing in
-training mode (transformers drops the cache there). Anywhere else the plain pass runs, and
-``PrefixSharing.disabled_reason`` says why.
+``DynamicCache`` with full-attention layers) and, in training mode, the model neither checkpoints
+activations (transformers drops the cache there) nor drops out (the copies of a prompt would share
+one dropout mask). Anywhere else the plain pass runs; a cache that cannot be shared is named in a
+warning and in ``PrefixSharing.disabled_reason``.
 
 Shapes: B completions, U distinct prompts, P prompt tokens (left padded), T completion tokens
 (right padded), V vocabulary entries.
@@ -84,8 +85,12 @@ class PrefixSharing:
         self.disabled_reason: dict[int, str] = {}
 
     def _skip_reason(self, model) -> str | None:
-        if model.training and _is_gradient_checkpointing(model):
-            return "gradient checkpointing drops the key/value cache in training mode"
+        if model.training:
+            modules = list(model.modules())
+            if any(_checkpoints(module) for module in modules):
+                return "gradient checkpointing drops or re-writes the key/value cache in training mode"
+            if any(_drops_out(module) for module in modules):
+                return "dropout in training mode would give a group's copies of the prompt one mask"
         return self.disabled_reason.get(id(model))
 
     def _prefill(self, model, prompt_ids_UP, prompt_mask_UP, positions_UP):
@@ -109,9 +114,9 @@ class PrefixSharing:
         args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
         if not enabled or self._skip_reason(model) is not None:
             return full_logits(*args)
+        # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
+        # must make as many forward calls as the others (each call may synchronise).
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
-        if len(first_U) == len(inverse_B):
-            return full_logits(*args)
         prompt_length, num_completion_tokens = prompt_ids_BP.shape[1], completion_ids_BT.shape[1]
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
@@ -120,28 +125,23 @@ class PrefixSharing:
         )
         if prefill is None:
             return full_logits(*args)
-        first_token_B1V = prefill.logits[inverse_B]
-        if num_completion_tokens == 1:
-            return first_token_B1V
         cache = prefill.past_key_values
         cache.batch_select_indices(inverse_B)
-        end = prompt_length + num_completion_tokens - 1
         rest_BTV = model(
-            input_ids=completion_ids_BT[:, :-1], attention_mask=attention_mask_BL[:, :end],
-            position_ids=positions_BL[:, prompt_length:end], past_key_values=cache, use_cache=True,
+            input_ids=completion_ids_BT, attention_mask=attention_mask_BL, position_ids=positions_BL[:, prompt_length:],
+            past_key_values=cache, use_cache=True, logits_to_keep=num_completion_tokens,
         ).logits
-        return torch.cat([first_token_B1V, rest_BTV], dim=1)
+        # The last completion token predicts nothing; it is run so that the pass is never empty.
+        return torch.cat([prefill.logits[inverse_B], rest_BTV[:, :-1]], dim=1)
 
     @torch.no_grad()
     def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
         """A key/value cache of every prompt but its last token, computed once per distinct prompt and
         indexed out to all B rows, for ``model.generate(..., past_key_values=cache)``; None where
-        nothing would be saved or the cache cannot be shared."""
+        the cache cannot be shared or the prompts are single tokens."""
         if self._skip_reason(model) is not None or prompt_ids_BP.shape[1] < 2:
             return None
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
-        if len(first_U) == len(inverse_B):
-            return None
         ids_UP, mask_UP = prompt_ids_BP[first_U, :-1], prompt_mask_BP[first_U, :-1]
         prefill = self._prefill(model, ids_UP, mask_UP, position_ids(mask_UP))
         if prefill is None:
@@ -150,5 +150,17 @@ class PrefixSharing:
         return prefill.past_key_values
 
 
-def _is_gradient_checkpointing(model) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+def _checkpoints(module) -> bool:
+    """transformers' gradient checkpointing, or torch's checkpoint wrapper (accelerate's FSDP option)."""
+    return bool(getattr(module, "gradient_checkpointing", False)) or hasattr(module, "_checkpoint_wrapped_module")
+
+
+def _drops_out(module) -> bool:
+    """A dropout layer, or a model whose config drops out inside attention (no module to see)."""
+    if isinstance(module, torch.nn.Dropout):
+        return module.p > 0
+    config = getattr(module, "config", None)
+    settings = vars(config).items() if config is not None and hasattr(config, "__dict__") else ()
+    return any(
+        isinstance(value, float) and value > 0 and name.endswith(("dropout", "pdrop")) for name, value in settings
+    )

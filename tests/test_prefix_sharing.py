@@ -27,11 +27,12 @@ class TokenCounter:
     """Counts the token positions a model's embedding layer sees."""
 
     def __init__(self, model):
-        self.count = 0
+        self.count = self.calls = 0
         model.get_input_embeddings().register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
         self.count += args[0].numel()
+        self.calls += 1
 
     def during(self, fn):
         before = self.count
@@ -85,8 +86,8 @@ def test_shared_prompts_give_the_plain_logits_and_gradients_with_fewer_tokens(mo
     B, P = prompt_ids.shape
     T = completion_ids.shape[1]
     assert plain_tokens == B * (P + T)
-    # 3 distinct prompts once, then every completion's tokens but the last (it predicts nothing).
-    assert shared_tokens == 3 * P + B * (T - 1)
+    # 3 distinct prompts once, then every completion's tokens on top of them.
+    assert shared_tokens == 3 * P + B * T
     mask = completion_mask.bool()
     assert shared.shape == plain.shape
     torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
@@ -96,15 +97,20 @@ def test_shared_prompts_give_the_plain_logits_and_gradients_with_fewer_tokens(mo
     assert sharing.disabled_reason == {}
 
 
-def test_one_token_completions_need_only_the_prompt_pass(model, batch):
+def test_every_batch_takes_the_same_two_calls(model, batch):
+    """Under DDP, FSDP or ZeRO-3 each forward call may synchronise the processes, so the number of
+    calls must not depend on what a process's batch holds: one-token completions, or no prompt shared."""
     model, counter = model
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
-    one = (prompt_ids, prompt_mask, completion_ids[:, :1], completion_mask[:, :1])
+    one_token = (prompt_ids, prompt_mask, completion_ids[:, :1], completion_mask[:, :1])
+    one_each = tuple(t[::GROUP] for t in batch)
+    sharing = PrefixSharing()
     with torch.no_grad():
-        shared, tokens = counter.during(lambda: PrefixSharing().logits(model, *one))
-        plain = full_logits(model, *one)
-    assert tokens == 3 * prompt_ids.shape[1]
-    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+        for args in (batch, one_token, one_each):
+            before = counter.calls
+            shared = sharing.logits(model, *args)
+            assert counter.calls - before == 2
+            torch.testing.assert_close(shared, full_logits(model, *args), atol=1e-5, rtol=1e-5)
 
 
 def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batch):
@@ -120,20 +126,38 @@ def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batc
         assert tokens == B * (P + T)
         model.eval()  # no checkpointing in eval mode: shared again
         _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == 3 * P + B * (T - 1)
+        assert tokens == 3 * P + B * T
 
 
-def test_distinct_prompts_only_or_sharing_off_run_the_plain_pass(model, batch):
+def test_torch_checkpoint_wrappers_and_dropout_in_training_mode_run_the_plain_pass(model, batch):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     model, counter = model
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
-    B, P = prompt_ids.shape
-    T = completion_ids.shape[1]
-    one_each = [t[::GROUP] for t in batch]
+    B, P = batch[0].shape
+    T = batch[2].shape[1]
+    sharing = PrefixSharing()
+    layers = model.model.layers
+    original = layers[0]
+    layers[0] = checkpoint_wrapper(original)  # what accelerate's FSDP activation checkpointing does
     with torch.no_grad():
-        _, tokens = counter.during(lambda: PrefixSharing().logits(model, *one_each))
-        assert tokens == 3 * (P + T)
-        _, tokens = counter.during(lambda: PrefixSharing().logits(model, *batch, enabled=False))
+        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
         assert tokens == B * (P + T)
+        layers[0] = original
+        model.config.attention_dropout = 0.1  # Llama drops out inside attention, without a Dropout module
+        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
+        assert tokens == B * (P + T)
+        model.config.attention_dropout = 0.0
+        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
+        assert tokens == 3 * P + B * T
+
+
+def test_sharing_off_runs_the_plain_pass(model, batch):
+    model, counter = model
+    B, P = batch[0].shape
+    T = batch[2].shape[1]
+    with torch.no_grad():
+        _, tokens = counter.during(lambda: PrefixSharing().logits(model, *batch, enabled=False))
+    assert tokens == B * (P + T)
 
 
 def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
@@ -171,6 +195,23 @@ def test_generation_with_a_shared_prompt_cache_samples_the_same_tokens(task, mod
     P = plain.prompt_ids_BP.shape[1]
     # The pre-fill of 32 prompts becomes 4 distinct prompts without their last token, plus that token for all 32.
     assert plain_tokens - shared_tokens == 32 * P - (4 * (P - 1) + 32)
+
+
+@pytest.mark.parametrize("setting", [dict(num_return_sequences=2), dict(cache_implementation="dynamic"), dict(num_beams=2)])
+def test_generation_settings_that_need_their_own_cache_run_without_sharing(task, model, setting):
+    """Set in the model's own generation config (which generate() falls back to) or passed in."""
+    model, _ = model
+    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
+    texts = [t for t in render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) for _ in range(4)]
+    for key, value in setting.items():
+        setattr(model.generation_config, key, value)
+    for extra in ({}, setting):
+        torch.manual_seed(0)
+        plain = generate(model, tokenizer, texts, sampling_config(tokenizer, max_new_tokens=4, generation_kwargs=extra))
+        torch.manual_seed(0)
+        shared = generate(model, tokenizer, texts, sampling_config(tokenizer, max_new_tokens=4, generation_kwargs=extra),
+                          PrefixSharing())
+        assert torch.equal(shared.completion_ids_BT, plain.completion_ids_BT)
 
 
 def test_the_session_loss_is_the_same_with_and_without_sharing(make_session):

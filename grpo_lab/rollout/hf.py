@@ -67,14 +67,21 @@ def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:
         )
 
 
-def _reuses_a_given_cache(generation_config: GenerationConfig) -> bool:
-    """Plain sampling or greedy search, which continues a cache handed to ``generate``."""
+def _reuses_a_given_cache(model, generation_config: GenerationConfig) -> bool:
+    """One sample per row by plain sampling or greedy search, which continues a cache handed to
+    ``generate``. Unset fields take the model's own generation defaults, as ``generate`` does."""
+
+    def setting(name):
+        value = getattr(generation_config, name, None)
+        return value if value is not None else getattr(getattr(model, "generation_config", None), name, None)
+
     return (
-        (generation_config.num_beams or 1) == 1
-        and generation_config.cache_implementation is None
-        and generation_config.use_cache is not False
-        and generation_config.prompt_lookup_num_tokens is None
-        and getattr(generation_config, "assistant_early_exit", None) is None
+        (setting("num_beams") or 1) == 1
+        and (setting("num_return_sequences") or 1) == 1
+        and setting("cache_implementation") is None
+        and setting("use_cache") is not False
+        and setting("prompt_lookup_num_tokens") is None
+        and setting("assistant_early_exit") is None
     )
 
 
@@ -94,7 +101,7 @@ def generate(
     model.eval()
     try:
         cache = None
-        if prefix_sharing is not None and _reuses_a_given_cache(generation_config):
+        if prefix_sharing is not None and _reuses_a_given_cache(model, generation_config):
             cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
         sequences = model.generate(
             input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
