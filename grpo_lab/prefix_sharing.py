@@ -127,12 +127,14 @@ class PrefixSharing:
             return full_logits(*args)
         cache = prefill.past_key_values
         cache.batch_select_indices(inverse_B)
+        # The last completion token predicts nothing; it is run only when it is the only one, so
+        # that the second call is never empty.
+        end = prompt_length + max(num_completion_tokens - 1, 1)
         rest_BTV = model(
-            input_ids=completion_ids_BT, attention_mask=attention_mask_BL, position_ids=positions_BL[:, prompt_length:],
-            past_key_values=cache, use_cache=True, logits_to_keep=num_completion_tokens,
+            input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
+            position_ids=positions_BL[:, prompt_length:end], past_key_values=cache, use_cache=True,
         ).logits
-        # The last completion token predicts nothing; it is run so that the pass is never empty.
-        return torch.cat([prefill.logits[inverse_B], rest_BTV[:, :-1]], dim=1)
+        return torch.cat([prefill.logits[inverse_B], rest_BTV[:, : num_completion_tokens - 1]], dim=1)
 
     @torch.no_grad()
     def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):

@@ -86,8 +86,8 @@ def test_shared_prompts_give_the_plain_logits_and_gradients_with_fewer_tokens(mo
     B, P = prompt_ids.shape
     T = completion_ids.shape[1]
     assert plain_tokens == B * (P + T)
-    # 3 distinct prompts once, then every completion's tokens on top of them.
-    assert shared_tokens == 3 * P + B * T
+    # 3 distinct prompts once, then every completion's tokens but the last (it predicts nothing).
+    assert shared_tokens == 3 * P + B * (T - 1)
     mask = completion_mask.bool()
     assert shared.shape == plain.shape
     torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
@@ -126,7 +126,7 @@ def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batc
         assert tokens == B * (P + T)
         model.eval()  # no checkpointing in eval mode: shared again
         _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == 3 * P + B * T
+        assert tokens == 3 * P + B * (T - 1)
 
 
 def test_torch_checkpoint_wrappers_and_dropout_in_training_mode_run_the_plain_pass(model, batch):
@@ -148,7 +148,7 @@ def test_torch_checkpoint_wrappers_and_dropout_in_training_mode_run_the_plain_pa
         assert tokens == B * (P + T)
         model.config.attention_dropout = 0.0
         _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == 3 * P + B * T
+        assert tokens == 3 * P + B * (T - 1)
 
 
 def test_sharing_off_runs_the_plain_pass(model, batch):
