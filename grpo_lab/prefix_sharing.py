@@ -3,8 +3,8 @@
 The G completions of a GRPO group share their prompt, yet a plain forward pass over
 ``[prompt, completion]`` rows runs that prompt G times. With prefix sharing the prompt rows are
 run once per distinct prompt, their keys and values are indexed out to every completion of the
-group, and only the completion tokens are run on top of them: ``U x P + B x T`` tokens instead of
-``B x (P + T)`` (U distinct prompts, B completions). The gradient is the same: indexing the
+group, and only the completion tokens are run on top of them: ``U x P + B x (T - 1)`` tokens
+instead of ``B x (P + T)`` (U distinct prompts, B completions; the last token predicts nothing). The gradient is the same: indexing the
 keys/values is differentiable, and the backward pass sums each completion's contribution into the
 shared prompt activations. Generation with transformers does the same for the prompt's
 pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed cache to
@@ -77,8 +77,8 @@ def _plain_cache_reason(cache, prompt_length: int) -> str | None:
 class PrefixSharing:
     """Computes completion logits with each distinct prompt run once; falls back to the plain pass.
 
-    One instance per engine: after the first call on a model whose cache cannot be shared, the plain pass is
-    used for that model from then on, and ``disabled_reason`` records why.
+    After the first call on a model whose cache cannot be shared, the plain pass is used for that
+    model from then on, and ``disabled_reason`` records why.
     """
 
     def __init__(self):

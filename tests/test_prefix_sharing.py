@@ -193,24 +193,28 @@ def test_generation_with_a_shared_prompt_cache_samples_the_same_tokens(task, mod
     assert torch.equal(shared.completion_mask_BT, plain.completion_mask_BT)
     assert model.training, "generate() puts the model back in training mode"
     P = plain.prompt_ids_BP.shape[1]
-    # The pre-fill of 32 prompts becomes 4 distinct prompts without their last token, plus that token for all 32.
+    # The pre-fill of 32 prompts becomes 4 distinct prompts without their last token, then that token for 32.
     assert plain_tokens - shared_tokens == 32 * P - (4 * (P - 1) + 32)
 
 
-@pytest.mark.parametrize("setting", [dict(num_return_sequences=2), dict(cache_implementation="dynamic"), dict(num_beams=2)])
+NEEDS_OWN_CACHE = [dict(num_return_sequences=2), dict(cache_implementation="dynamic"), dict(num_beams=2)]
+
+
+@pytest.mark.parametrize("setting", NEEDS_OWN_CACHE)
 def test_generation_settings_that_need_their_own_cache_run_without_sharing(task, model, setting):
     """Set in the model's own generation config (which generate() falls back to) or passed in."""
     model, _ = model
     tokenizer = prepare_tokenizer(load_tokenizer(task.model))
-    texts = [t for t in render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) for _ in range(4)]
+    prompts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer)
+    texts = [text for text in prompts for _ in range(4)]
     for key, value in setting.items():
         setattr(model.generation_config, key, value)
     for extra in ({}, setting):
+        settings = sampling_config(tokenizer, max_new_tokens=4, generation_kwargs=extra)
         torch.manual_seed(0)
-        plain = generate(model, tokenizer, texts, sampling_config(tokenizer, max_new_tokens=4, generation_kwargs=extra))
+        plain = generate(model, tokenizer, texts, settings)
         torch.manual_seed(0)
-        shared = generate(model, tokenizer, texts, sampling_config(tokenizer, max_new_tokens=4, generation_kwargs=extra),
-                          PrefixSharing())
+        shared = generate(model, tokenizer, texts, settings, PrefixSharing())
         assert torch.equal(shared.completion_ids_BT, plain.completion_ids_BT)
 
 
