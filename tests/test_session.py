@@ -230,3 +230,22 @@ def test_completions_log_and_evaluate(make_session):
     metrics = session.evaluate()
     assert set(metrics) >= {"eval_reward", "eval_rewards/correctness_reward/mean", "eval_completions/mean_length"}
     assert 0.0 <= metrics["eval_rewards/correctness_reward/mean"] <= 1.0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_policy_trains_in_training_mode_so_gradient_checkpointing_recomputes(make_session, checkpointing):
+    """from_pretrained returns a model in eval mode, where transformers skips checkpointing: the
+    engine must switch the policy to training mode, and generation must leave it there."""
+    session = make_session(gradient_checkpointing=checkpointing, share_prompt_prefix=False)
+    model = session.engine.unwrapped_model
+    layer_calls = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: layer_calls.append(1))
+    session.generate()
+    session.score()
+    session.advantages()
+    assert model.training
+    before = len(layer_calls)
+    session.loss()
+    # One forward pass over the micro-batch; with checkpointing the backward pass runs the layer (and
+    # its MLP) again.
+    assert len(layer_calls) - before == (2 if checkpointing else 1)
