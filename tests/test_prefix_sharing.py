@@ -62,6 +62,13 @@ def batch(task):
     return encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask
 
 
+def _expected_tokens(batch) -> tuple[int, int]:
+    """Tokens the embedding sees in the plain pass, and in the shared pass (3 distinct prompts once,
+    then every completion's tokens but the last, which predicts nothing)."""
+    (B, P), T = batch[0].shape, batch[2].shape[1]
+    return B * (P + T), 3 * P + B * (T - 1)
+
+
 def _logprob_sum(logits_BTV, completion_ids, completion_mask):
     logprobs_BT = torch.log_softmax(logits_BTV, -1).gather(-1, completion_ids[..., None])[..., 0]
     return (logprobs_BT * completion_mask).sum()
@@ -83,11 +90,7 @@ def test_shared_prompts_give_the_plain_logits_and_gradients_with_fewer_tokens(mo
     (shared, shared_grads), shared_tokens = counter.during(
         lambda: _logits_and_grads(model, lambda: sharing.logits(model, *batch), completion_ids, completion_mask))
 
-    B, P = prompt_ids.shape
-    T = completion_ids.shape[1]
-    assert plain_tokens == B * (P + T)
-    # 3 distinct prompts once, then every completion's tokens but the last (it predicts nothing).
-    assert shared_tokens == 3 * P + B * (T - 1)
+    assert (plain_tokens, shared_tokens) == _expected_tokens(batch)
     mask = completion_mask.bool()
     assert shared.shape == plain.shape
     torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
@@ -116,48 +119,41 @@ def test_every_batch_takes_the_same_two_calls(model, batch):
 def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batch):
     """transformers drops the cache of a checkpointed layer in training mode: sharing must not be tried."""
     model, counter = model
-    B, P = batch[0].shape
-    T = batch[2].shape[1]
+    plain, shared = _expected_tokens(batch)
     enable_gradient_checkpointing(model, {"use_reentrant": False})
     sharing = PrefixSharing()
     with torch.no_grad():
         logits, tokens = counter.during(lambda: sharing.logits(model, *batch))
         torch.testing.assert_close(logits, full_logits(model, *batch))
-        assert tokens == B * (P + T)
+        assert tokens == plain
         model.eval()  # no checkpointing in eval mode: shared again
-        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == 3 * P + B * (T - 1)
+        assert counter.during(lambda: sharing.logits(model, *batch))[1] == shared
 
 
 def test_torch_checkpoint_wrappers_and_dropout_in_training_mode_run_the_plain_pass(model, batch):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model, counter = model
-    B, P = batch[0].shape
-    T = batch[2].shape[1]
+    plain, shared = _expected_tokens(batch)
     sharing = PrefixSharing()
+    tokens = lambda: counter.during(lambda: sharing.logits(model, *batch))[1]  # noqa: E731
     layers = model.model.layers
     original = layers[0]
     layers[0] = checkpoint_wrapper(original)  # what accelerate's FSDP activation checkpointing does
     with torch.no_grad():
-        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == B * (P + T)
+        assert tokens() == plain
         layers[0] = original
         model.config.attention_dropout = 0.1  # Llama drops out inside attention, without a Dropout module
-        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == B * (P + T)
+        assert tokens() == plain
         model.config.attention_dropout = 0.0
-        _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-        assert tokens == 3 * P + B * (T - 1)
+        assert tokens() == shared
 
 
 def test_sharing_off_runs_the_plain_pass(model, batch):
     model, counter = model
-    B, P = batch[0].shape
-    T = batch[2].shape[1]
     with torch.no_grad():
         _, tokens = counter.during(lambda: PrefixSharing().logits(model, *batch, enabled=False))
-    assert tokens == B * (P + T)
+    assert tokens == _expected_tokens(batch)[0]
 
 
 def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
@@ -167,15 +163,13 @@ def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
     model = MistralForCausalLM(config).eval()
     counter = TokenCounter(model)
     sharing = PrefixSharing()
-    B, P = batch[0].shape
-    T = batch[2].shape[1]
     with torch.no_grad(), pytest.warns(UserWarning, match="sharing is off for this model: .*DynamicSlidingWindowLayer"):
         logits = sharing.logits(model, *batch)
     with torch.no_grad():
         torch.testing.assert_close(logits, full_logits(model, *batch))
         assert "DynamicSlidingWindowLayer" in sharing.disabled_reason[id(model)]
         _, tokens = counter.during(lambda: sharing.logits(model, *batch))
-    assert tokens == B * (P + T)  # no second attempt at the shared pass
+    assert tokens == _expected_tokens(batch)[0]  # no second attempt at the shared pass
 
 
 def test_generation_with_a_shared_prompt_cache_samples_the_same_tokens(task, model):
