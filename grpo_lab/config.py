@@ -28,6 +28,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_MODES = ("colocate", "server")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORTERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
 
 NOT_YET_IMPLEMENTED = {
@@ -294,6 +295,10 @@ class GRPOConfig:
     warmup_steps: float = 0
     """Warm-up steps when >= 1 (takes precedence over warmup_ratio); a value in (0, 1) is a fraction
     of the run, as in transformers 5."""
+    optim: str = "adamw_torch_fused"
+    """The optimizer, by its transformers name: adamw_torch_fused (TRL's default; one fused kernel
+    updates all parameters, on a CPU or a GPU) or adamw_torch. For any other optimizer, pass one to
+    ``optimizers=``."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -373,6 +378,7 @@ class GRPOConfig:
         _one_of("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
         _one_of("vllm_mode", self.vllm_mode, VLLM_MODES)
+        _one_of("optim", self.optim, OPTIMIZERS, extra=" (or an optimizer passed to optimizers=)")
         _one_of("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, VLLM_IS_MODES)
         if self.report_to is None:
             object.__setattr__(self, "report_to", "none")

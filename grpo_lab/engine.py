@@ -118,6 +118,7 @@ class Engine:
                 betas=(config.adam_beta1, config.adam_beta2),
                 eps=config.adam_epsilon,
                 weight_decay=config.weight_decay,
+                fused=config.optim == "adamw_torch_fused",
             )
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset

@@ -126,7 +126,7 @@ class PrefixSharing:
         if prefill is None:
             return full_logits(*args)
         cache = prefill.past_key_values
-        cache.batch_select_indices(inverse_B)
+        _select_rows(cache, inverse_B)
         # The last completion token predicts nothing; it is run only when it is the only one, so
         # that the second call is never empty.
         end = prompt_length + max(num_completion_tokens - 1, 1)
@@ -134,7 +134,7 @@ class PrefixSharing:
             input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
             position_ids=positions_BL[:, prompt_length:end], past_key_values=cache, use_cache=True,
         ).logits
-        return torch.cat([prefill.logits[inverse_B], rest_BTV[:, : num_completion_tokens - 1]], dim=1)
+        return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1)
 
     @torch.no_grad()
     def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
@@ -148,8 +148,16 @@ class PrefixSharing:
         prefill = self._prefill(model, ids_UP, mask_UP, position_ids(mask_UP))
         if prefill is None:
             return None
-        prefill.past_key_values.batch_select_indices(inverse_B)
-        return prefill.past_key_values
+        return _select_rows(prefill.past_key_values, inverse_B)
+
+
+def _select_rows(cache, index_B: torch.Tensor):
+    """Index every layer's keys and values to the rows ``index_B`` (``batch_select_indices`` by
+    ``index_select``, whose backward, an index_add, is about 3x faster on a CPU than the index_put
+    of advanced indexing). Returns ``cache``."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, index_B), layer.values.index_select(0, index_B)
+    return cache
 
 
 def _checkpoints(module) -> bool:

@@ -69,7 +69,7 @@ class GRPOSession:
         self.loss_result: LossResult | None = None
         self.batch_step = 0
         self._history: list[dict] = []
-        self._completion_log: list[pd.DataFrame] = []
+        self._completion_log: list[dict[str, list]] = []  # columns of each batch's completions
         self._listeners: list[Callable[[str, object], None]] = []
         self._step_started: float | None = None
         self._last_stage: str | None = None
@@ -107,7 +107,8 @@ class GRPOSession:
     @property
     def completions_log(self) -> pd.DataFrame:
         """Every scored completion of every step: step, prompt, completion, rewards, advantage."""
-        return pd.concat(self._completion_log, ignore_index=True) if self._completion_log else pd.DataFrame()
+        frames = [pd.DataFrame(columns) for columns in self._completion_log]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     @property
     def next_stage(self) -> str:
@@ -238,9 +239,8 @@ class GRPOSession:
             row["step_time"] = time.perf_counter() - self._step_started
         self._history.append(row)
         if self.batch_step == 0:
-            log = self.advantages_result.to_pandas()
-            log.insert(0, "step", self.global_step)
-            self._completion_log.append(log)
+            columns = self.advantages_result.to_dict()
+            self._completion_log.append({"step": [self.global_step] * len(columns["group"]), **columns})
         self.loss_result = None
         self.batch_step += 1
         if self.batch_step >= self.engine.steps_per_batch:
@@ -336,7 +336,7 @@ class GRPOSession:
         history, config and any half-finished stage results to ``path``, atomically."""
         extra = {
             "history": self._history,
-            "completion_log": [frame.to_dict("list") for frame in self._completion_log],
+            "completion_log": self._completion_log,
             "config_changes": self.config_changes,
             "applied_config": self._applied_config,
             "batch_step": self.batch_step,
@@ -396,7 +396,7 @@ class GRPOSession:
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         restore_engine(session.engine, state)
         session._history = extra["history"]
-        session._completion_log = [pd.DataFrame(frame) for frame in extra["completion_log"]]
+        session._completion_log = extra["completion_log"]
         session.config_changes = extra["config_changes"]
         session._applied_config = extra["applied_config"]
         session.batch_step = extra["batch_step"]

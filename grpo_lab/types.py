@@ -2,8 +2,8 @@
 
 B completions in the (local) generation batch, G completions per prompt, P prompt tokens, T
 completion tokens, F reward functions. Every result renders as a table in a notebook
-(``_repr_html_``), prints a one-paragraph summary (``__repr__``) and converts to a pandas
-DataFrame with one row per completion (``to_pandas()``).
+(``_repr_html_``), prints a one-paragraph summary (``__repr__``) and converts to columns with one
+value per completion (``to_dict()``) or a pandas DataFrame of them (``to_pandas()``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ _HTML_ROWS = 16
 class _Table:
     """Shared display: a summary line plus the per-completion table."""
 
-    def to_pandas(self) -> pd.DataFrame:
+    def to_dict(self) -> dict[str, list]:
+        """The table as columns: name -> one value per row."""
         raise NotImplementedError
+
+    def to_pandas(self) -> pd.DataFrame:
+        return pd.DataFrame(self.to_dict())
 
     def summary(self) -> str:
         raise NotImplementedError
@@ -75,16 +79,14 @@ class Rollout(_Table):
             f"mean length {lengths.mean():.2f} tokens, {int(self.is_truncated_B.sum())} truncated"
         )
 
-    def to_pandas(self) -> pd.DataFrame:
-        return pd.DataFrame(
-            {
-                "group": self.group_index_B.tolist(),
-                "prompt": [_text(p) for p in self.prompts],
-                "completion": self.completion_texts,
-                "length": self.completion_lengths_B.tolist(),
-                "truncated": self.is_truncated_B.tolist(),
-            }
-        )
+    def to_dict(self) -> dict[str, list]:
+        return {
+            "group": self.group_index_B.tolist(),
+            "prompt": [_text(p) for p in self.prompts],
+            "completion": list(self.completion_texts),
+            "length": self.completion_lengths_B.tolist(),
+            "truncated": self.is_truncated_B.tolist(),
+        }
 
 
 @dataclass(repr=False)
@@ -103,13 +105,12 @@ class Scores(_Table):
         )
         return f"{len(self.rollout)} completions scored; mean reward per function: {means}"
 
-    def to_pandas(self) -> pd.DataFrame:
-        frame = self.rollout.to_pandas()
+    def to_dict(self) -> dict[str, list]:
+        columns = self.rollout.to_dict()
         for i, name in enumerate(self.reward_names):
-            frame[f"rewards/{name}"] = self.rewards_BF[:, i].tolist()
-        for name, values in self.extras.items():
-            frame[name] = values
-        return frame
+            columns[f"rewards/{name}"] = self.rewards_BF[:, i].tolist()
+        columns.update((name, list(values)) for name, values in self.extras.items())
+        return columns
 
 
 @dataclass(repr=False)
@@ -131,12 +132,12 @@ class Advantages(_Table):
             "groups with equal rewards (no signal)"
         )
 
-    def to_pandas(self) -> pd.DataFrame:
-        frame = self.scores.to_pandas()
-        frame["reward"] = self.rewards_B.tolist()
-        frame["advantage"] = self.advantages_B.tolist()
-        frame["group_std_zero"] = self.is_std_zero_B.tolist()
-        return frame
+    def to_dict(self) -> dict[str, list]:
+        columns = self.scores.to_dict()
+        columns["reward"] = self.rewards_B.tolist()
+        columns["advantage"] = self.advantages_B.tolist()
+        columns["group_std_zero"] = self.is_std_zero_B.tolist()
+        return columns
 
 
 @dataclass(repr=False)
@@ -160,14 +161,19 @@ class LossResult(_Table):
         shown = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items() if k in {"entropy", "clip_ratio/region_mean", "kl"})
         return f"loss {self.loss:.6g} over {len(self.sample_index_B)} completions; {shown}"
 
-    def to_pandas(self) -> pd.DataFrame:
-        frame = self.advantages.to_pandas().iloc[self.sample_index_B.tolist()].copy()
+    def to_dict(self) -> dict[str, list]:
+        rows = self.sample_index_B.tolist()
+        columns = {name: [values[row] for row in rows] for name, values in self.advantages.to_dict().items()}
         mask_BT = self.advantages.scores.rollout.completion_mask_BT[self.sample_index_B].to(self.ratio_BT.dtype)
         tokens = mask_BT.sum(1).clamp(min=1)
-        frame["ratio"] = ((self.ratio_BT * mask_BT).sum(1) / tokens).tolist()
-        frame["clipped_fraction"] = ((self.clipped_BT.to(mask_BT.dtype) * mask_BT).sum(1) / tokens).tolist()
-        frame["entropy"] = ((self.entropies_BT * mask_BT).sum(1) / tokens).tolist()
-        return frame
+        columns["ratio"] = ((self.ratio_BT * mask_BT).sum(1) / tokens).tolist()
+        columns["clipped_fraction"] = ((self.clipped_BT.to(mask_BT.dtype) * mask_BT).sum(1) / tokens).tolist()
+        columns["entropy"] = ((self.entropies_BT * mask_BT).sum(1) / tokens).tolist()
+        return columns
+
+    def to_pandas(self) -> pd.DataFrame:
+        """Indexed by the completions' rows in the generation batch."""
+        return pd.DataFrame(self.to_dict(), index=self.sample_index_B.tolist())
 
 
 def _text(prompt) -> str:

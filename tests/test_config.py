@@ -128,6 +128,7 @@ def test_default_config_builds_on_cpu_and_resolves_to_fp32():
         ({"reward_weights": [1.0, "a"]}, ValueError, ["reward_weights must be a list of numbers"]),
         ({"generation_kwargs": "{bad"}, ValueError, ["generation_kwargs is not valid JSON"]),
         ({"report_to": "tensorbord"}, ValueError, ["Did you mean 'tensorboard'"]),
+        ({"optim": "adamw_8bit"}, ValueError, ["optim='adamw_8bit'", "'adamw_torch_fused'", "optimizers="]),
     ],
 )
 def test_bad_values_raise_at_construction_with_the_fix(kwargs, error, fragments):

@@ -13,8 +13,10 @@ from grpo_lab import ops
 from grpo_lab.session import StageOrderError
 
 
-def test_stages_return_numbers_that_match_an_independent_recomputation(make_session, task):
-    session = make_session()
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_stages_return_numbers_that_match_an_independent_recomputation(make_session, task, optim):
+    session = make_session(optim=optim)
+    assert session.engine.optimizer.optimizer.defaults["fused"] is (optim == "adamw_torch_fused")
     assert session.next_stage == "generate"
 
     rollout = session.generate()

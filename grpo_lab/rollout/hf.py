@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.rollout.batch import GeneratedBatch
+from grpo_lab.rollout.kv_buffer import buffer_cache
 
 
 def sampling_config(
@@ -92,7 +93,8 @@ def generate(
 ) -> GeneratedBatch:
     """Sample one completion per prompt text (repeat a prompt to get several).
 
-    With ``prefix_sharing``, a repeated prompt is pre-filled once and its cache reused by its copies.
+    With ``prefix_sharing``, a repeated prompt is pre-filled once and its cache reused by its copies;
+    that cache then takes each decoding step's keys and values in place (``kv_buffer``).
     """
     device = next(model.parameters()).device
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
@@ -103,6 +105,8 @@ def generate(
         cache = None
         if prefix_sharing is not None and _reuses_a_given_cache(model, generation_config):
             cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
+            if cache is not None:
+                buffer_cache(cache, capacity=prompt_ids_BP.shape[1] + generation_config.max_new_tokens)
         sequences = model.generate(
             input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
             **({} if cache is None else {"past_key_values": cache}),

@@ -64,12 +64,24 @@ def test_entropy_hand_two_way_example():
     assert expected == pytest.approx(0.562335, abs=1e-6)
 
 
-def test_entropy_chunking_does_not_change_result():
+@pytest.mark.parametrize("max_elements", [1, 36, 72, 100])
+def test_chunking_whole_sequences_does_not_change_results_or_gradients(max_elements):
+    # Each sequence holds 4 x 9 = 36 logits: chunks of 1, 1, 2 and 2 sequences (3 sequences in all).
     generator = torch.Generator().manual_seed(1)
-    logits_BTV = torch.randn(3, 4, 9, generator=generator, dtype=torch.float64)
-    assert_close(entropy_from_logits(logits_BTV, chunk_size=1), entropy_from_logits(logits_BTV))
-    assert_close(entropy_from_logits(logits_BTV, chunk_size=5), entropy_from_logits(logits_BTV))
+    logits_BTV = torch.randn(3, 4, 9, generator=generator, dtype=torch.float64, requires_grad=True)
+    index_BT = torch.randint(0, 9, (3, 4), generator=generator)
+    assert_close(entropy_from_logits(logits_BTV, max_elements), entropy_from_logits(logits_BTV))
+    (chunked_grad,) = torch.autograd.grad(selective_log_softmax(logits_BTV, index_BT, max_elements).sum(), logits_BTV)
+    (whole_grad,) = torch.autograd.grad(selective_log_softmax(logits_BTV, index_BT).sum(), logits_BTV)
+    assert_close(chunked_grad, whole_grad)
+    # d/dz_v sum_t log p_t(x_t) = onehot(x_t)_v - p_t,v
+    expected_grad = torch.nn.functional.one_hot(index_BT, 9).double() - torch.softmax(logits_BTV.detach(), -1)
+    assert_close(chunked_grad, expected_grad)
+    half_BTV = logits_BTV.detach().bfloat16()
+    assert_close(selective_log_softmax(half_BTV, index_BT, max_elements), selective_log_softmax(half_BTV, index_BT))
 
 
-def test_entropy_of_empty_input_has_right_shape():
+def test_empty_inputs_have_the_right_shapes():
     assert entropy_from_logits(torch.zeros(2, 0, 4)).shape == (2, 0)
+    assert entropy_from_logits(torch.zeros(0, 3, 4)).shape == (0, 3)
+    assert selective_log_softmax(torch.zeros(0, 3, 4), torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3)
