@@ -330,8 +330,9 @@ class GRPOConfig:
     """grpo_lab only (TRL runs every prompt once per completion): in transformers generation and in
     the log-prob passes, run each distinct prompt once and reuse its keys and values for all
     completions of its group (the same samples, log-probs and gradients, fewer tokens). Applies to
-    models with a plain key/value cache and, in training mode, only without gradient checkpointing
-    (transformers drops the cache there) or dropout; otherwise the plain pass runs."""
+    models with a plain key/value cache and, in training mode, without dropout; the pass with
+    gradients also needs gradient_checkpointing=False (transformers drops the cache there), the
+    passes without them run in eval mode. Otherwise the plain pass runs."""
     report_to: str | list[str] = "none"
     """Where metrics go besides output_dir/metrics.jsonl: "none", "tensorboard", "all", ..."""
     use_cpu: bool = False
