@@ -153,7 +153,7 @@ class Engine:
         try:
             self.rollout_backend = make_backend(
                 config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
-                vllm_model=vllm_model, lora_rank=lora_rank,
+                vllm_model=vllm_model, lora_rank=lora_rank, prefix_sharing=self.prefix_sharing,
             )
         except BaseException:
             self._remove_model_copy()

@@ -33,14 +33,15 @@ def task():
 def make_session(task, tmp_path):
     from grpo_lab import GRPOSession
 
-    def make(reward_funcs=None, train_dataset=None, **overrides):
+    def make(reward_funcs=None, train_dataset=None, model=None, processing_class=None, **overrides):
         config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), **overrides})
         return GRPOSession(
-            task.model,
+            task.model if model is None else model,
             task.reward_funcs if reward_funcs is None else reward_funcs,
             args=config,
             train_dataset=task.train_dataset if train_dataset is None else train_dataset,
             eval_dataset=task.eval_dataset,
+            processing_class=processing_class,
         )
 
     return make

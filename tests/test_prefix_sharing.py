@@ -2,6 +2,8 @@
 of the plain pass. The shipped tiny Llama is the model; a token counter on its embedding layer shows
 which pass ran."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
@@ -185,6 +187,22 @@ def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
         assert "DynamicSlidingWindowLayer" in sharing.disabled_reason[id(model)]
         _, tokens = counter.during(lambda: sharing.logits(model, *batch))
     assert tokens == _expected_tokens(batch)[0]  # no second attempt at the shared pass
+
+
+def test_a_session_warns_once_about_a_cache_it_cannot_share(make_session, task):
+    """Generation and the log-prob passes use the trainer's one PrefixSharing: the model is tried,
+    and warned about, once."""
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)
+    session = make_session(model=MistralForCausalLM(config), processing_class=load_tokenizer(task.model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session.generate(), session.score(), session.advantages(), session.loss()
+    assert [str(w.message) for w in caught if "sharing is off" in str(w.message)] == [
+        "Prompt prefix sharing is off for this model: the model's cache has DynamicSlidingWindowLayer layers "
+        "(sliding-window or recurrent state). The plain pass runs."
+    ]
 
 
 def test_generation_with_a_shared_prompt_cache_samples_the_same_tokens(task, model):

@@ -31,13 +31,17 @@ class RolloutBackend(Protocol):
         """Release the backend's resources."""
 
 
-def make_backend(config, *, model_fn, tokenizer, accelerator, vllm_model: str | None, lora_rank: int) -> RolloutBackend:
+def make_backend(
+    config, *, model_fn, tokenizer, accelerator, vllm_model: str | None, lora_rank: int, prefix_sharing=None
+) -> RolloutBackend:
     """The backend ``config`` asks for. ``vllm_model`` is what colocated vLLM loads (a path or hub
-    id of the base model); ``lora_rank`` the rank of the trained adapter (0: full weights)."""
+    id of the base model); ``lora_rank`` the rank of the trained adapter (0: full weights);
+    ``prefix_sharing`` the trainer's ``PrefixSharing``, which transformers generation shares (so
+    that a model whose cache cannot be shared is found out, and warned about, once)."""
     if not config.use_vllm:
         from grpo_lab.rollout.hf import TransformersBackend
 
-        return TransformersBackend(model_fn, tokenizer, accelerator)
+        return TransformersBackend(model_fn, tokenizer, accelerator, prefix_sharing)
     if config.vllm_mode == "server":
         from grpo_lab.rollout.vllm_client import VLLMServerBackend
 

@@ -127,9 +127,9 @@ class TransformersBackend:
 
     name = "transformers"
 
-    def __init__(self, model_fn, tokenizer, accelerator):
+    def __init__(self, model_fn, tokenizer, accelerator, prefix_sharing: PrefixSharing | None = None):
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
-        self.prefix_sharing = PrefixSharing()
+        self.prefix_sharing = PrefixSharing() if prefix_sharing is None else prefix_sharing
 
     def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
         settings = sampling_config(
