@@ -2,8 +2,10 @@
 
 Each (framework, repetition) trains in a fresh subprocess, in alternating order, so that peak
 memory (the process's maximum resident set size) is measured per run and slow phases of a shared
-machine hit every framework alike. The report gives the median step time (first steps excluded as
-warm-up), generated tokens per second and peak memory, and the ratios grpo_lab / TRL.
+machine hit every framework alike. TRL's and grpo_lab's trainers run their whole ``train()`` loop,
+clocked at the end of each optimizer step; the session is stepped with ``step()``. The report gives
+the median step time (first steps excluded as warm-up), generated tokens per second and peak
+memory, and the ratios grpo_lab / TRL.
 
     pip install trl==1.16.0          # benchmark-only dependency
     python benchmarks/bench_trl.py --case tiny --steps 12 --repeats 3
@@ -93,12 +95,22 @@ def run_grpo_lab(case: dict, steps: int, output_dir: str, *, session: bool) -> t
     config = GRPOConfig(output_dir=output_dir, max_steps=steps, save_steps=10**9, disable_tqdm=True, **case["config"])
     args = (case["model"], case["task"].reward_funcs)
     kwargs = dict(args=config, train_dataset=case["dataset"])
-    runner = GRPOSession(*args, **kwargs) if session else GRPOTrainer(*args, **kwargs).session
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        runner.step()
-        times.append(time.perf_counter() - start)
+    if session:
+        runner = GRPOSession(*args, **kwargs)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            runner.step()
+            times.append(time.perf_counter() - start)
+    else:
+        # The whole train() loop (metrics file, progress, logging), clocked at the end of every
+        # optimizer step as the TRL run is.
+        trainer = GRPOTrainer(*args, **kwargs)
+        runner = trainer.session
+        stamps = [time.perf_counter()]
+        runner.on(lambda stage, result: stamps.append(time.perf_counter()) if stage == "update" else None)
+        trainer.train()
+        times = [b - a for a, b in zip(stamps, stamps[1:])]
     history = runner.history
     return times, list(history["completions/mean_length"] * case["config"]["per_device_train_batch_size"])
 
