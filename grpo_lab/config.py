@@ -330,9 +330,9 @@ class GRPOConfig:
     """grpo_lab only (TRL runs every prompt once per completion): in transformers generation and in
     the log-prob passes, run each distinct prompt once and reuse its keys and values for all
     completions of its group (the same samples, log-probs and gradients, fewer tokens). Applies to
-    models with a plain key/value cache and, in training mode, without dropout; the pass with
-    gradients also needs gradient_checkpointing=False (transformers drops the cache there), the
-    passes without them run in eval mode. Otherwise the plain pass runs."""
+    models with a plain key/value cache and, in training mode, only without gradient checkpointing
+    (transformers drops the cache there) or dropout (and router jitter); otherwise the plain pass
+    runs."""
     report_to: str | list[str] = "none"
     """Where metrics go besides output_dir/metrics.jsonl: "none", "tensorboard", "all", ..."""
     use_cpu: bool = False
@@ -379,7 +379,7 @@ class GRPOConfig:
         _one_of("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
         _one_of("vllm_mode", self.vllm_mode, VLLM_MODES)
-        _one_of("optim", self.optim, OPTIMIZERS, extra=" (or an optimizer passed to optimizers=)")
+        _one_of("optim", self.optim, OPTIMIZERS, extra="; for any other optimizer, pass it to optimizers=")
         _one_of("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, VLLM_IS_MODES)
         if self.report_to is None:
             object.__setattr__(self, "report_to", "none")

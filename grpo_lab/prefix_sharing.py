@@ -11,13 +11,12 @@ pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed 
 ``model.generate``.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
-``DynamicCache`` with full-attention layers) and, in training mode, nothing random runs (dropout
-or router jitter would give the copies of a prompt one mask) and no layer is checkpointed while
-gradients are on (transformers drops the cache there; torch's checkpoint wrapper re-runs layers
-without it). Without gradients (the old-policy and reference passes), a model that checkpoints
-with transformers runs the shared pass in eval mode, which computes the same numbers. Anywhere
-else the plain pass runs; a cache that cannot be shared is named in a warning and in
-``PrefixSharing.disabled_reason``.
+``DynamicCache`` with full-attention layers) and, in training mode, the model neither checkpoints
+activations (transformers drops the cache there) nor draws anything random (the copies of a
+prompt would share one dropout or router-jitter draw). Anywhere else the plain pass runs; a cache
+that cannot be shared is named in a warning and in ``PrefixSharing.disabled_reason``. Without
+gradients a checkpointing model is not switched to eval mode to share: the old-policy pass must
+take the same path as the training pass, so that the first iteration's ratio is exactly 1.
 
 Shapes: B completions, U distinct prompts, P prompt tokens (left padded), T completion tokens
 (right padded), V vocabulary entries.
@@ -25,7 +24,6 @@ Shapes: B completions, U distinct prompts, P prompt tokens (left padded), T comp
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -88,40 +86,14 @@ class PrefixSharing:
     def __init__(self):
         self.disabled_reason: dict[int, str] = {}
 
-    def _plan(self, model) -> tuple[str | None, bool]:
-        """Why the plain pass must run (None if the shared one may), and whether the shared pass
-        runs with the model switched to eval mode."""
-        reason = self.disabled_reason.get(id(model))
-        if reason is not None or not model.training:
-            return reason, False
-        modules = list(model.modules())
-        if any(_random_in_training(module) for module in modules):
-            return "dropout in training mode would give a group's copies of the prompt one mask", False
-        if any(hasattr(module, "_checkpoint_wrapped_module") for module in modules):
-            return "torch's checkpoint wrapper re-runs layers without their key/value cache", False
-        if any(getattr(module, "gradient_checkpointing", False) for module in modules):
-            if torch.is_grad_enabled():
-                return "gradient checkpointing drops the key/value cache in training mode", False
-            # Without gradients (old-policy and reference passes) eval mode computes the same numbers,
-            # since nothing random runs in training mode, and transformers keeps the cache there.
-            return None, True
-        return None, False
-
-    @contextlib.contextmanager
-    def _shared_pass(self, model):
-        """Yields whether the shared pass may run, with the model in the mode it runs in; every
-        module's training flag is restored afterwards."""
-        reason, in_eval_mode = self._plan(model)
-        if not in_eval_mode:
-            yield reason is None
-            return
-        modes = [(module, module.training) for module in model.modules()]
-        model.eval()
-        try:
-            yield True
-        finally:
-            for module, training in modes:
-                module.training = training
+    def _skip_reason(self, model) -> str | None:
+        if model.training:
+            modules = list(model.modules())
+            if any(_checkpoints(module) for module in modules):
+                return "gradient checkpointing drops or re-writes the key/value cache in training mode"
+            if any(_random_in_training(module) for module in modules):
+                return "dropout or router jitter in training mode would give a group's copies of the prompt one mask"
+        return self.disabled_reason.get(id(model))
 
     def _prefill(self, model, prompt_ids_UP, prompt_mask_UP, positions_UP):
         """The forward pass over distinct prompts, or None (and the reason kept) if its cache cannot be shared."""
@@ -132,7 +104,7 @@ class PrefixSharing:
         reason = _plain_cache_reason(out.past_key_values, prompt_ids_UP.shape[1])
         if reason is not None:
             self.disabled_reason[id(model)] = reason
-            warnings.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.", stacklevel=4)
+            warnings.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.", stacklevel=3)
             return None
         return out
 
@@ -142,13 +114,8 @@ class PrefixSharing:
         """(B, T, V) logits predicting each completion token (the same values as ``full_logits``);
         ``enabled=False`` always runs the plain pass."""
         args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
-        if not enabled:
+        if not enabled or self._skip_reason(model) is not None:
             return full_logits(*args)
-        with self._shared_pass(model) as shared:
-            return self._shared_logits(*args) if shared else full_logits(*args)
-
-    def _shared_logits(self, *args):
-        model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT = args
         # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
         # must make as many forward calls as the others (each call may synchronise).
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
@@ -176,12 +143,8 @@ class PrefixSharing:
         """A key/value cache of every prompt but its last token, computed once per distinct prompt and
         indexed out to all B rows, for ``model.generate(..., past_key_values=cache)``; None where
         the cache cannot be shared or the prompts are single tokens."""
-        if prompt_ids_BP.shape[1] < 2:
+        if self._skip_reason(model) is not None or prompt_ids_BP.shape[1] < 2:
             return None
-        with self._shared_pass(model) as shared:
-            return self._prompt_cache(model, prompt_ids_BP, prompt_mask_BP) if shared else None
-
-    def _prompt_cache(self, model, prompt_ids_BP, prompt_mask_BP):
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         ids_UP, mask_UP = prompt_ids_BP[first_U, :-1], prompt_mask_BP[first_U, :-1]
         prefill = self._prefill(model, ids_UP, mask_UP, position_ids(mask_UP))
@@ -195,18 +158,30 @@ def _select_rows(cache, index_B: torch.Tensor):
     ``index_select``, whose backward, an index_add, is about 3x faster on a CPU than the index_put
     of advanced indexing). Returns ``cache``."""
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, index_B), layer.values.index_select(0, index_B)
+        if layer.keys is not None:  # None: a layer that holds nothing (shared key/values)
+            index = index_B.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
     return cache
 
 
+def _checkpoints(module) -> bool:
+    """transformers' gradient checkpointing, or torch's checkpoint wrapper (accelerate's FSDP option)."""
+    return bool(getattr(module, "gradient_checkpointing", False)) or hasattr(module, "_checkpoint_wrapped_module")
+
+
 def _random_in_training(module) -> bool:
-    """A dropout layer, or a model whose config drops out inside attention (no module to see) or
-    adds router jitter noise (mixture-of-experts) in training mode."""
+    """A dropout layer, or a model whose config (or a config nested in it) drops out inside
+    attention (no module to see) or jitters mixture-of-experts routing in training mode."""
     if isinstance(module, torch.nn.Dropout):
         return module.p > 0
     config = getattr(module, "config", None)
-    settings = vars(config).items() if config is not None and hasattr(config, "__dict__") else ()
+    settings = dict(vars(config)) if config is not None and hasattr(config, "__dict__") else {}
+    for nested in list(settings.values()):
+        if isinstance(nested, dict):
+            settings.update(nested)
+        elif hasattr(nested, "to_dict") and hasattr(nested, "model_type"):  # a sub-config
+            settings.update(vars(nested))
     return any(
-        isinstance(value, float) and value > 0 and name.endswith(("dropout", "pdrop", "jitter_noise"))
-        for name, value in settings
+        isinstance(value, float) and value > 0 and name.endswith(("dropout", "pdrop", "jitter_noise", "jitter_eps"))
+        for name, value in settings.items()
     )

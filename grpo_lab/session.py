@@ -32,8 +32,9 @@ STAGES = ("generate", "score", "advantages", "loss", "update")
 _BUILD_TIME_FIELDS = {
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
     "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "optim",
 }
-"""Config fields read once, when the generation backend is built."""
+"""Config fields read once, when the generation backend or the optimizer is built."""
 
 
 class StageOrderError(RuntimeError):
@@ -177,7 +178,8 @@ class GRPOSession:
                 setattr(self.config, name, self._applied_config[name])
             raise ValueError(
                 f"{', '.join(fixed)} cannot change after the session is built (they choose and start the "
-                "generation backend); the edit was undone. Build a new GRPOSession with the new value."
+                "generation backend or build the optimizer); the edit was undone. Build a new GRPOSession "
+                "with the new value."
             )
         for name, (old, new) in changed.items():
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})

@@ -128,3 +128,11 @@ def test_a_second_session_with_another_precision_in_the_same_process(make_sessio
     other = make_session(bf16=True)
     assert other.engine.accelerator.mixed_precision == "bf16"
     assert other.step()["step"] == 1
+
+
+def test_the_optimizer_cannot_be_switched_between_steps(make_session):
+    session = make_session()
+    session.config.optim = "adamw_torch"
+    with pytest.raises(ValueError, match="optim cannot change after the session is built"):
+        session.generate()
+    assert session.config.optim == "adamw_torch_fused" and session.config_changes == []

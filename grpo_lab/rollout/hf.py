@@ -106,7 +106,7 @@ def generate(
         if prefix_sharing is not None and _reuses_a_given_cache(model, generation_config):
             cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
             if cache is not None:
-                buffer_cache(cache, capacity=prompt_ids_BP.shape[1] + generation_config.max_new_tokens)
+                buffer_cache(cache, new_tokens=generation_config.max_new_tokens)
         sequences = model.generate(
             input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
             **({} if cache is None else {"past_key_values": cache}),

@@ -64,9 +64,10 @@ def test_entropy_hand_two_way_example():
     assert expected == pytest.approx(0.562335, abs=1e-6)
 
 
-@pytest.mark.parametrize("max_elements", [1, 36, 72, 100])
-def test_chunking_whole_sequences_does_not_change_results_or_gradients(max_elements):
-    # Each sequence holds 4 x 9 = 36 logits: chunks of 1, 1, 2 and 2 sequences (3 sequences in all).
+@pytest.mark.parametrize("max_elements", [1, 20, 36, 72, 100])
+def test_chunking_does_not_change_results_or_gradients(max_elements):
+    # Each sequence holds 4 x 9 = 36 logits: chunks of 1 position, 2 positions, then of 1, 2 and 2
+    # whole sequences (3 sequences in all).
     generator = torch.Generator().manual_seed(1)
     logits_BTV = torch.randn(3, 4, 9, generator=generator, dtype=torch.float64, requires_grad=True)
     index_BT = torch.randint(0, 9, (3, 4), generator=generator)

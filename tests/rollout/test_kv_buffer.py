@@ -20,9 +20,9 @@ def _steps(lengths, generator):
 
 def test_updates_return_the_concatenation_and_write_in_place_until_the_room_is_full():
     generator = torch.Generator().manual_seed(0)
-    plain, buffered = DynamicLayer(), BufferedLayer(capacity=8)
+    plain, buffered = DynamicLayer(), BufferedLayer(block=3)
     pointers = []
-    for keys, values in _steps([5, 1, 1, 1, 1, 1], generator):  # 5 + 3 fill the room of 8; then 2 beyond it
+    for keys, values in _steps([5, 1, 1, 1, 1, 1], generator):  # room 5 + 3, filled by 3 steps; then 9 + 3
         expected = plain.update(keys, values)
         got = buffered.update(keys, values)
         torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
@@ -30,13 +30,13 @@ def test_updates_return_the_concatenation_and_write_in_place_until_the_room_is_f
         assert buffered.get_seq_length() == plain.get_seq_length()
         pointers.append(buffered._keys_buffer.data_ptr())
     assert len(set(pointers[:4])) == 1, "no new allocation while the room lasts"
-    assert pointers[4] != pointers[3] and buffered._keys_buffer.shape[-2] == 2 * 9, "past it, room for twice the need"
+    assert pointers[4] != pointers[3] and buffered._keys_buffer.shape[-2] == 9 + 3, "past it, another block"
     assert pointers[5] == pointers[4]
 
 
 def test_a_cache_replaced_from_outside_is_taken_into_fresh_buffers():
     generator = torch.Generator().manual_seed(1)
-    plain, buffered = DynamicLayer(), BufferedLayer(capacity=16)
+    plain, buffered = DynamicLayer(), BufferedLayer(block=16)
     (k0, v0), (k1, v1), (k2, v2) = _steps([4, 1, 1], generator)
     for layer in (plain, buffered):
         layer.update(k0, v0)
@@ -47,13 +47,33 @@ def test_a_cache_replaced_from_outside_is_taken_into_fresh_buffers():
     torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
 
 
+def test_reset_and_offload_let_go_of_the_buffers():
+    generator = torch.Generator().manual_seed(2)
+    layer = BufferedLayer(block=4)
+    (k0, v0), (k1, v1) = _steps([2, 1], generator)
+    layer.update(k0, v0)
+    layer.reset()
+    assert layer._keys_buffer is None and layer.get_seq_length() == 0
+    layer.update(k0, v0)
+    layer.offload()
+    assert layer._keys_buffer is None and layer.get_seq_length() == 2
+    keys, _ = layer.update(k1, v1)
+    torch.testing.assert_close(keys, torch.cat([k0, k1], dim=-2), rtol=0, atol=0)
+
+
+def test_a_block_is_at_most_the_growth_block():
+    cache = DynamicCache()
+    cache.layers.append(DynamicLayer())
+    assert buffer_cache(cache, new_tokens=10_000).layers[0].block == 256
+
+
 def test_buffer_cache_keeps_what_a_prefilled_cache_holds(task):
     model = AutoModelForCausalLM.from_pretrained(task.model).eval()
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with torch.no_grad():
         cache = model(input_ids=ids[:, :3], use_cache=True).past_key_values
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        assert buffer_cache(cache, capacity=10) is cache
+        assert buffer_cache(cache, new_tokens=10) is cache
         assert all(type(layer) is BufferedLayer for layer in cache.layers)
         assert cache.get_seq_length() == 3
         step = model(input_ids=ids[:, 3:], past_key_values=cache, use_cache=True).logits
