@@ -111,6 +111,7 @@ class Engine:
             self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(self.accelerator.device)
 
         optimizer, scheduler = optimizers
+        self.owns_optimizer = optimizer is None
         if optimizer is None:
             optimizer = torch.optim.AdamW(
                 [p for p in policy.parameters() if p.requires_grad],
@@ -217,6 +218,15 @@ class Engine:
     def corrects_sampling(self) -> bool:
         """Whether completions come from an inference engine and are reweighted (vLLM IS correction)."""
         return self.config.use_vllm and self.config.vllm_importance_sampling_correction
+
+    def apply_adamw_settings(self) -> None:
+        """Apply the config's AdamW betas, epsilon and weight decay from the next optimizer step on
+        (to the optimizer grpo_lab built; one passed in ``optimizers=`` keeps its own)."""
+        if self.owns_optimizer:
+            config = self.config
+            for group in self.optimizer.param_groups:
+                group.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+                             weight_decay=config.weight_decay)
 
     def set_learning_rate(self, value: float) -> None:
         """Apply a new base learning rate from now on, keeping the schedule's current factor."""

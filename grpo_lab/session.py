@@ -36,6 +36,9 @@ _BUILD_TIME_FIELDS = {
 }
 """Config fields read once, when the generation backend or the optimizer is built."""
 
+_ADAMW_FIELDS = {"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay"}
+"""Config fields applied to grpo_lab's AdamW when they change between steps."""
+
 
 class StageOrderError(RuntimeError):
     """A stage was called before the stage it depends on."""
@@ -185,6 +188,8 @@ class GRPOSession:
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":
                 self.engine.set_learning_rate(new)
+        if set(changed) & _ADAMW_FIELDS:
+            self.engine.apply_adamw_settings()
         self._applied_config = current
 
     # ------------------------------------------------------------------ stages

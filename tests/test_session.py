@@ -206,6 +206,27 @@ def test_learning_rate_change_takes_effect_and_is_recorded(make_session):
         session.step()
 
 
+def test_adamw_settings_changed_between_steps_take_effect(make_session):
+    """Two sessions from one seed; in one, weight_decay goes to 0.5 after step 1. Step 2 has the same
+    batch and gradient in both, so AdamW's decoupled decay is the whole difference:
+    p2(decay) - p2(no decay) = -lr * 0.5 * p1."""
+    runs = {}
+    for weight_decay in (0.5, 0.0):  # one session after the other: each seeds the random state it samples with
+        session = make_session(lr_scheduler_type="constant")
+        session.step()
+        before = [p.detach().clone() for p in session.model.parameters()]
+        session.config.weight_decay, session.config.adam_epsilon = weight_decay, 1e-6
+        session.step()
+        group = session.engine.optimizer.param_groups[0]
+        assert (group["weight_decay"], group["eps"]) == (weight_decay, 1e-6)
+        runs[weight_decay] = session, before, [p.detach().clone() for p in session.model.parameters()]
+    (decayed_session, before, decayed), (_, before_plain, plain) = runs[0.5], runs[0.0]
+    for p1, p1_plain, a, b in zip(before, before_plain, decayed, plain, strict=True):
+        assert torch.equal(p1, p1_plain)
+        torch.testing.assert_close(a - b, -1e-3 * 0.5 * p1, atol=1e-7, rtol=1e-4)
+    assert {c["field"] for c in decayed_session.config_changes} == {"weight_decay", "adam_epsilon"}
+
+
 def test_run_stops_cleanly_on_keyboard_interrupt(make_session, task):
     calls = {"n": 0}
 
