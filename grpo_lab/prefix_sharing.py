@@ -91,7 +91,7 @@ class PrefixSharing:
             modules = list(model.modules())
             if any(_checkpoints(module) for module in modules):
                 return "gradient checkpointing drops or re-writes the key/value cache in training mode"
-            if any(_random_in_training(module) for module in modules):
+            if _random_in_training(modules):
                 return "dropout or router jitter in training mode would give a group's copies of the prompt one mask"
         return self.disabled_reason.get(id(model))
 
@@ -169,13 +169,22 @@ def _checkpoints(module) -> bool:
     return bool(getattr(module, "gradient_checkpointing", False)) or hasattr(module, "_checkpoint_wrapped_module")
 
 
-def _random_in_training(module) -> bool:
-    """A dropout layer, or a model whose config (or a config nested in it) drops out inside
-    attention (no module to see) or jitters mixture-of-experts routing in training mode."""
-    if isinstance(module, torch.nn.Dropout):
-        return module.p > 0
-    config = getattr(module, "config", None)
-    settings = dict(vars(config)) if config is not None and hasattr(config, "__dict__") else {}
+def _random_in_training(modules) -> bool:
+    """A dropout layer among ``modules``, or a config of theirs (or one nested in it) that drops out
+    inside attention (no module to see) or jitters mixture-of-experts routing in training mode.
+    Each distinct config is read once (a model's layers share one)."""
+    configs = {}
+    for module in modules:
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return True
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "__dict__"):
+            configs[id(config)] = config
+    return any(_config_is_random(config) for config in configs.values())
+
+
+def _config_is_random(config) -> bool:
+    settings = dict(vars(config))
     for nested in list(settings.values()):
         if isinstance(nested, dict):
             settings.update(nested)
