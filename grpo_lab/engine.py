@@ -123,6 +123,9 @@ class Engine:
             )
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        # Rows are read as Python lists whatever format the user set (indexing by a list of rows is
+        # about 6x faster than select().to_dict()).
+        self._train_rows = train_dataset.with_format(None)
         self.sampler = PromptSampler(
             dataset_size=len(train_dataset),
             prompts_per_batch=self.batching.generation_batch_size // config.num_generations,
@@ -275,7 +278,7 @@ class Engine:
             global_rows = [i for i in indices for _ in range(config.num_generations)]
             group_B = [position // config.num_generations for position in range(len(global_rows))]
             local = dist.local_slice(self.accelerator, len(global_rows))
-            rows = self.train_dataset.select(global_rows[local]).to_dict()
+            rows = self._train_rows[global_rows[local]]
             prompts = rows.pop("prompt")
             texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs)
             batch = self.rollout_backend.generate(texts, config)

@@ -255,6 +255,21 @@ def test_completions_log_and_evaluate(make_session):
     assert 0.0 <= metrics["eval_rewards/correctness_reward/mean"] <= 1.0
 
 
+def test_reward_functions_get_plain_lists_of_every_column_whatever_the_dataset_format(make_session, task):
+    seen = {}
+
+    def record(prompts, completions, answer, **kwargs):
+        seen.update(answer=answer, prompts=prompts)
+        return [0.0] * len(prompts)
+
+    formatted = task.train_dataset.with_format("numpy", columns=["answer"])
+    session = make_session(reward_funcs=[record], train_dataset=formatted)
+    session.generate()
+    session.score()
+    assert type(seen["answer"]) is list and all(type(a) is str for a in seen["answer"])
+    assert seen["prompts"] == session.rollout.prompts and isinstance(seen["prompts"][0], list)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_policy_trains_in_training_mode_so_gradient_checkpointing_recomputes(make_session, checkpointing):
     """from_pretrained returns a model in eval mode, where transformers skips checkpointing: the
