@@ -15,6 +15,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import os
 import sys
 import textwrap
@@ -309,12 +310,14 @@ class GRPOConfig:
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Clip the gradient to this global norm; 0 disables clipping."""
-    logging_steps: int = 10
-    """Optimizer steps between two metric records of the trainer (TRL's GRPO default)."""
+    logging_steps: float = 10
+    """Optimizer steps between two completion tables of the trainer (``log_completions``; metrics are
+    recorded every step); below 1, a fraction of the run, rounded up (TRL's GRPO default: 10)."""
     logging_dir: str | None = None
     """TensorBoard directory; None uses output_dir/runs."""
-    save_steps: int = 500
-    """Optimizer steps between two checkpoints of the trainer."""
+    save_steps: float = 500
+    """Optimizer steps between two checkpoints of the trainer; below 1, a fraction of the run,
+    rounded up (``save_steps=0.25`` checkpoints four times)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints (oldest deleted first); None keeps all."""
     bf16: bool | None = None
@@ -395,9 +398,14 @@ class GRPOConfig:
         if self.num_generations_eval is not None:
             _at_least("num_generations_eval", self.num_generations_eval, 1)
         for name in ("max_completion_length", "per_device_train_batch_size", "per_device_eval_batch_size",
-                     "gradient_accumulation_steps", "num_iterations", "logging_steps", "save_steps",
-                     "ref_model_sync_steps"):
+                     "gradient_accumulation_steps", "num_iterations", "ref_model_sync_steps"):
             _at_least(name, getattr(self, name), 1)
+        for name in ("logging_steps", "save_steps"):
+            value = getattr(self, name)
+            if not _number(value) or value <= 0 or (value > 1 and value != int(value)):
+                raise ValueError(
+                    f"{name} must be a whole number of steps >= 1, or a fraction of the run in (0, 1) (got {value!r})."
+                )
         for name in ("generation_batch_size", "steps_per_generation", "save_total_limit"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
@@ -702,17 +710,23 @@ def parse_value(name: str, raw: str):
     return text
 
 
+_STEPS_OR_FRACTION = {"warmup_steps", "logging_steps", "save_steps"}
+"""Fields that take a whole number of steps or a fraction of the run below 1."""
+
+
 def _plain(name: str, value):
     """A value as YAML can store it and as the checks expect it: numbers written as strings (YAML 1.1
-    reads ``1e-5`` as a string) parsed, whole floats for integer fields made ints, paths and torch
-    dtypes made strings."""
+    reads ``1e-5`` as a string) parsed, whole floats for integer fields (and whole step counts of
+    fields that also take a fraction, ``--warmup_steps 10``) made ints, paths and torch dtypes made
+    strings."""
     kind = _kind(name)
     if isinstance(value, str) and kind in ("int", "float") and value.strip().lower() not in ("none", "null"):
         try:
             value = parse_value(name, value)
         except ValueError:
             return value
-    if kind == "int" and isinstance(value, float) and value.is_integer():
+    whole = isinstance(value, float) and value.is_integer()
+    if whole and (kind == "int" or (name in _STEPS_OR_FRACTION and value >= 1)):
         return int(value)
     return _yaml_safe(value)
 
@@ -742,6 +756,12 @@ def _one_of(name: str, value, allowed: tuple[str, ...], extra: str = "") -> None
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"{name}={value!r} is not supported. Allowed values: {', '.join(map(repr, allowed))}{extra}.{hint}")
+
+
+def steps_between(value: float, total_steps: int) -> int:
+    """``logging_steps`` or ``save_steps`` in optimizer steps: a value below 1 is a fraction of the
+    run's ``total_steps``, rounded up (as transformers' Trainer reads it)."""
+    return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
 
 
 def _number(value) -> bool:

@@ -16,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from grpo_lab.config import GRPOConfig
+from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.progress import progress_bar
 from grpo_lab.session import GRPOSession
 
@@ -71,22 +71,24 @@ class GRPOTrainer:
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
         writer = self._tensorboard() if main else None
+        save_every = steps_between(self.args.save_steps, total)
+        log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}
         with progress_bar(total - self.session.global_step, enabled=main and self.args.disable_tqdm is not True) as bar:
             while self.session.global_step < total:
                 row = self.session.step()
                 bar.advance(row)
                 if main:
-                    self._log(row, writer)
-                if self.args.save_steps and row["step"] % int(self.args.save_steps) == 0:
+                    self._log(row, writer, log_every)
+                if row["step"] % save_every == 0:
                     self.save_checkpoint()
-        if row and row["step"] % int(self.args.save_steps):
+        if row and row["step"] % save_every:
             self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
         if writer is not None:
             writer.close()
         return row
 
-    def _log(self, row: dict, writer) -> None:
+    def _log(self, row: dict, writer, completions_every: int) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         with open(self.output_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -94,8 +96,7 @@ class GRPOTrainer:
             for key, value in row.items():
                 if key != "step":
                     writer.add_scalar(key, value, row["step"])
-        every = max(1, int(self.args.logging_steps))
-        if self.args.log_completions and row["step"] % every == 0:
+        if self.args.log_completions and row["step"] % completions_every == 0:
             self._print_completions(row["step"])
 
     def _print_completions(self, step: int) -> None:

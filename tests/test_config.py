@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from grpo_lab.config import NOT_YET_IMPLEMENTED, GRPOConfig
+from grpo_lab.config import NOT_YET_IMPLEMENTED, GRPOConfig, steps_between
 
 # TRL 1.16's GRPO-specific GRPOConfig fields with their defaults (fields beyond TrainingArguments).
 TRL_1_16_GRPO_DEFAULTS = {
@@ -221,6 +221,16 @@ def test_command_line_overrides_only_the_given_fields(tmp_path):
     path = tmp_path / "c.yaml"
     GRPOConfig(beta=0.01).to_yaml(path)
     assert GRPOConfig.from_args(["--config", str(path), "--seed", "3"]).diff() == {"beta": 0.01, "seed": 3}
+
+
+def test_step_counts_that_also_take_a_fraction_read_whole_numbers_as_steps():
+    config = GRPOConfig.from_args(["--warmup_steps", "10", "--save_steps", "0.25", "--logging_steps", "5.0"])
+    assert (config.warmup_steps, config.save_steps, config.logging_steps) == (10, 0.25, 5)
+    assert type(config.warmup_steps) is int and type(config.logging_steps) is int
+    assert [steps_between(value, 10) for value in (0.25, 0.01, 3)] == [3, 1, 3]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="a fraction of the run in"):
+            GRPOConfig(save_steps=bad)
 
 
 @pytest.mark.parametrize(

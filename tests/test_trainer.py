@@ -43,6 +43,17 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path):
     torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
 
 
+def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(task, tmp_path, capsys):
+    trainer = _trainer(task, tmp_path, max_steps=4, save_steps=0.5, logging_steps=0.6, log_completions=True,
+                       num_completions_to_print=1)
+    trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    printed = capsys.readouterr().out
+    assert [step for step in range(1, 5) if f"completions at step {step}" in printed] == [3]  # ceil(0.6 * 4)
+    _trainer(task, tmp_path / "tenth", max_steps=4, save_steps=0.1).train()
+    assert len(list((tmp_path / "tenth").glob("checkpoint-*"))) == 4  # ceil(0.1 * 4) = every step
+
+
 def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path):
     reference = _trainer(task, tmp_path / "ref", max_steps=4)
     reference.train()
