@@ -66,6 +66,7 @@ def save_engine(engine, directory: Path, extra: dict) -> None:
         "sampler": engine.sampler.state_dict(),
         "global_step": engine.global_step,
         "num_input_tokens_seen": engine.num_input_tokens_seen,
+        "entropy_control": {"coef": engine.entropy_coef, "last_step_entropy": engine.last_step_entropy},
         "ref_model": engine.ref_model.state_dict() if engine.ref_model is not None else None,
         "extra": extra,
     }
@@ -95,6 +96,9 @@ def restore_engine(engine, state: dict) -> None:
     engine.sampler.load_state_dict(state["sampler"])
     engine.global_step = state["global_step"]
     engine.num_input_tokens_seen = state["num_input_tokens_seen"]
+    control = state.get("entropy_control")  # absent from checkpoints written before the entropy bonus
+    if control is not None:
+        engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
     if state["ref_model"] is not None and engine.ref_model is not None:
         engine.ref_model.load_state_dict(state["ref_model"])
     set_rng_state(state["rng"])

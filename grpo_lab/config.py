@@ -40,14 +40,7 @@ NOT_YET_IMPLEMENTED = {
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
     "cache_implementation": "pass cache_implementation in generation_kwargs instead",
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
-    "entropy_coef": "the entropy bonus is not part of the objective yet",
-    "use_adaptive_entropy": "the entropy bonus is not part of the objective yet",
-    "entropy_coef_min": "the entropy bonus is not part of the objective yet",
-    "entropy_coef_max": "the entropy bonus is not part of the objective yet",
-    "entropy_coef_delta": "the entropy bonus is not part of the objective yet",
-    "entropy_target": "the entropy bonus is not part of the objective yet",
     "max_tool_calling_iterations": "tool calling during generation is not available yet",
-    "off_policy_mask_threshold": "off-policy sequence masking is not available yet",
     "log_unique_prompts": "completion logging always shows every completion",
     "log_completions_hub_repo": "nothing is uploaded to the Hub",
     "use_transformers_continuous_batching": "generation uses transformers' padded generate()",
@@ -232,21 +225,32 @@ class GRPOConfig:
     """Keep in the policy loss only the tokens in the top fraction rho of entropy (Beyond the 80/20
     Rule); 1.0 keeps all, 0.0 keeps only the highest-entropy tokens."""
     entropy_coef: float = 0.0
-    """Weight of an entropy bonus. Not implemented yet."""
+    """Weight c of an entropy bonus, ``loss = policy loss - c x H`` with H the mean entropy per
+    completion token over the optimizer step (over the tokens ``top_entropy_quantile`` keeps); it
+    rewards keeping the next-token distribution spread. 0 turns it off. With
+    ``use_adaptive_entropy``, the starting weight."""
     use_adaptive_entropy: bool = False
-    """Adapt the entropy bonus to an entropy target. Not implemented yet."""
+    """Adapt the entropy weight every optimizer step: up by ``entropy_coef_delta`` when the step's
+    mean token entropy is at most ``entropy_target``, down otherwise, within
+    [``entropy_coef_min``, ``entropy_coef_max``]; the bonus is applied only while the previous step's
+    entropy was at most the target."""
     entropy_coef_min: float = 0.0
-    """Lower bound of the adaptive entropy weight. Not implemented yet."""
+    """Lower bound of the adaptive entropy weight."""
     entropy_coef_max: float = 1.0
-    """Upper bound of the adaptive entropy weight. Not implemented yet."""
+    """Upper bound of the adaptive entropy weight."""
     entropy_coef_delta: float = 0.005
-    """Step of the adaptive entropy weight. Not implemented yet."""
+    """Change of the adaptive entropy weight per optimizer step."""
     entropy_target: float = 0.2
-    """Entropy the adaptive bonus aims at. Not implemented yet."""
+    """Mean token entropy (nats) the adaptive weight defends. The default 0.2 acts only near a
+    collapse; set it near the entropy of the first steps to act earlier."""
     max_tool_calling_iterations: int | None = None
     """Tool-call rounds per completion. Not implemented yet."""
     off_policy_mask_threshold: float | None = None
-    """Mask sequences too far off-policy. Not implemented yet."""
+    """Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss a completion with a
+    negative advantage whose mean per-token log-ratio log(pi_sampler / pi_theta) exceeds this many
+    nats (0.5 is a starting point). It acts only on completions the policy has moved away from:
+    reused batches (num_iterations > 1, steps_per_generation > gradient_accumulation_steps) or vLLM
+    samples. None turns it off."""
     use_bias_correction_kl: bool = True
     """Multiply the per-token KL by the importance ratio (DeepSeek-V3.2's unbiased estimator)."""
 
@@ -420,8 +424,16 @@ class GRPOConfig:
             _positive(name, getattr(self, name))
         if self.epsilon_high is not None:
             _positive("epsilon_high", self.epsilon_high)
-        for name in ("beta", "learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
+        for name in ("beta", "learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "entropy_coef",
+                     "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
             _non_negative(name, getattr(self, name))
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) is above entropy_coef_max ({self.entropy_coef_max}): "
+                "the adaptive entropy weight would have no room. Lower entropy_coef_min or raise entropy_coef_max."
+            )
+        if self.off_policy_mask_threshold is not None:
+            _positive("off_policy_mask_threshold", self.off_policy_mask_threshold)
         if not isinstance(self.num_train_epochs, (int, float)) or self.num_train_epochs <= 0:
             raise ValueError(f"num_train_epochs must be > 0 (got {self.num_train_epochs!r}), or set max_steps.")
         if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):

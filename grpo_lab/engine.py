@@ -123,9 +123,7 @@ class Engine:
             )
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        # Rows are read as Python lists whatever format the user set (indexing by a list of rows is
-        # about 6x faster than select().to_dict()).
-        self._train_rows = train_dataset.with_format(None)
+        self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
         self.sampler = PromptSampler(
             dataset_size=len(train_dataset),
             prompts_per_batch=self.batching.generation_batch_size // config.num_generations,
@@ -151,6 +149,11 @@ class Engine:
                 func.to(self.accelerator.device)
         self.global_step = 0
         self.num_input_tokens_seen = 0
+        # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
+        # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
+        self.entropy_coef = config.entropy_coef
+        self.last_step_entropy: float | None = None
+        self._pending_step_entropy: float | None = None
         lora_rank = int(getattr(peft_config, "r", 0) or 0) if self.is_peft else 0
         if self.is_peft and not lora_rank:
             lora_rank = max(int(c.r) for c in self.unwrapped_model.peft_config.values())
@@ -239,12 +242,14 @@ class Engine:
         self.scheduler.base_lrs = [value] * len(self.scheduler.base_lrs)
 
     # ------------------------------------------------------------------ log-probs
-    def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool):
+    def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,
+                          entropy_grad: bool = False):
         """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``.
 
         Logits are divided by the sampling temperature first, so the log-probs are those of the
         distribution the completions were sampled from (as TRL does). A group's shared prompt is
-        run once where the model allows it (``share_prompt_prefix``).
+        run once where the model allows it (``share_prompt_prefix``). Entropies carry their gradient
+        only with ``entropy_grad`` (for the entropy bonus).
         """
         completion_ids = rollout.completion_ids_BT[index_B]
         logits = self.prefix_sharing.logits(
@@ -255,7 +260,7 @@ class Engine:
         logprobs_BT = ops.selective_log_softmax(logits_BTV, completion_ids)
         entropies_BT = None
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropies_BT = ops.entropy_from_logits(logits_BTV)
         return logprobs_BT, entropies_BT
 
@@ -278,7 +283,7 @@ class Engine:
             global_rows = [i for i in indices for _ in range(config.num_generations)]
             group_B = [position // config.num_generations for position in range(len(global_rows))]
             local = dist.local_slice(self.accelerator, len(global_rows))
-            rows = self._train_rows[global_rows[local]]
+            rows = self._train_rows(global_rows[local])
             prompts = rows.pop("prompt")
             texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs)
             batch = self.rollout_backend.generate(texts, config)
@@ -317,6 +322,13 @@ class Engine:
         tokens = batch.prompt_mask_BP.sum() + batch.completion_mask_BT.sum()
         self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
         return rollout
+
+    def _train_rows(self, indices: list[int]) -> dict[str, list]:
+        """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
+        dataset has (indexing a format-free view by a list is about 6x faster than select().to_dict())."""
+        if self._rows_source is not self.train_dataset:
+            self._rows_source, self._rows_view = self.train_dataset, self.train_dataset.with_format(None)
+        return self._rows_view[indices]
 
     def _importance_weights(self, rollout: Rollout) -> None:
         """The vLLM importance-sampling weights pi_old / pi_sampler of the batch and their stats."""
@@ -404,16 +416,29 @@ class Engine:
         global_tokens = dist.total(self.accelerator, loss_mask_BT[step_index].sum())
         normalizer = (global_tokens / self.accelerator.num_processes).clamp(min=1.0)
         epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+        entropy_coef = ops.applied_entropy_coef(
+            self.entropy_coef, self.last_step_entropy, adaptive=config.use_adaptive_entropy, target=config.entropy_target,
+        )
         parts, total_loss = [], 0.0
+        entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
+        masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
         for k, index_B in enumerate(micro_batches):
             sync = k == len(micro_batches) - 1
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 with self.accelerator.autocast():
-                    logprobs_BT, entropies_BT = self.sequence_logprobs(self.model, rollout, index_B, with_entropy=True)
+                    logprobs_BT, entropies_BT = self.sequence_logprobs(
+                        self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
+                    )
                 mask_BT = loss_mask_BT[index_B]
                 entropy_mask_BT = None
                 if config.top_entropy_quantile < 1.0:
-                    entropy_mask_BT = ops.entropy_mask(entropies_BT, mask_BT, quantile=config.top_entropy_quantile)
+                    entropy_mask_BT = ops.entropy_mask(entropies_BT.detach(), mask_BT, quantile=config.top_entropy_quantile)
+                if config.use_adaptive_entropy:
+                    kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
+                    entropy_stats.append(torch.stack([(entropies_BT.detach() * kept_BT).sum(), kept_BT.sum()]))
+                off_policy_B1 = self._off_policy_mask(rollout, index_B, advantages, logprobs_BT, mask_BT)
+                if off_policy_B1 is not None:
+                    masked_sequences += (off_policy_B1 == 0).sum()
                 out = ops.policy_loss(
                     logprobs_BT,
                     None if rollout.old_logprobs_BT is None else rollout.old_logprobs_BT[index_B],
@@ -439,12 +464,36 @@ class Engine:
                     ),
                     max_completion_length=config.max_completion_length,
                     num_items_in_batch=normalizer,
+                    off_policy_mask_B1=off_policy_B1,
+                    entropies_BT=entropies_BT,
+                    entropy_coef=entropy_coef,
                 )
                 loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / len(micro_batches)
                 self.accelerator.backward(loss)
             total_loss += float(loss.detach())
-            parts.append((index_B, logprobs_BT.detach(), entropies_BT, out, mask_BT))
-        return self._loss_result(advantages, step_index, parts, total_loss)
+            parts.append((index_B, logprobs_BT.detach(), entropies_BT.detach(), out, mask_BT))
+        if config.use_adaptive_entropy:
+            entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
+            self._pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
+        result = self._loss_result(advantages, step_index, parts, total_loss)
+        if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
+            result.metrics["entropy_coef"] = entropy_coef
+        if config.off_policy_mask_threshold is not None:
+            sequences = dist.total(self.accelerator, torch.tensor(float(len(step_index)), device=masked_sequences.device))
+            result.metrics["off_policy_mask/masked_fraction"] = float(dist.total(self.accelerator, masked_sequences) / sequences)
+        return result
+
+    def _off_policy_mask(self, rollout: Rollout, index_B, advantages: Advantages, logprobs_BT, mask_BT):
+        """(B, 1) off-policy sequence mask (``off_policy_mask_threshold``) against the sampling policy:
+        vLLM's log-probs, else the old policy's; None when off or when the batch is on-policy."""
+        threshold = self.config.off_policy_mask_threshold
+        sampling_BT = rollout.sampling_logprobs_BT if rollout.sampling_logprobs_BT is not None else rollout.old_logprobs_BT
+        if threshold is None or sampling_BT is None:
+            return None
+        return ops.off_policy_mask(
+            advantages.advantages_B[index_B].to(logprobs_BT.device), logprobs_BT,
+            sampling_BT[index_B].to(logprobs_BT.device).float(), mask_BT, threshold=threshold,
+        )
 
     def _loss_result(self, advantages, step_index, parts, total_loss) -> LossResult:
         config = self.config
@@ -476,6 +525,12 @@ class Engine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        if config.use_adaptive_entropy and self._pending_step_entropy is not None:
+            self.entropy_coef = ops.adapt_entropy_coef(
+                self.entropy_coef, self._pending_step_entropy, target=config.entropy_target,
+                delta=config.entropy_coef_delta, coef_min=config.entropy_coef_min, coef_max=config.entropy_coef_max,
+            )
+            self.last_step_entropy, self._pending_step_entropy = self._pending_step_entropy, None
         self.rollout_backend.sync_weights(self.unwrapped_model, self.global_step)
         if config.sync_ref_model and self.ref_model is not None and self.global_step % config.ref_model_sync_steps == 0:
             self._mix_reference()

@@ -188,6 +188,8 @@ class GRPOSession:
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":
                 self.engine.set_learning_rate(new)
+            if name == "entropy_coef":
+                self.engine.entropy_coef = new  # also restarts the adaptive weight from the new value
         if set(changed) & _ADAMW_FIELDS:
             self.engine.apply_adamw_settings()
         self._applied_config = current

@@ -190,6 +190,54 @@ def test_rescore_and_recompute_without_regenerating(make_session):
     assert [c["field"] for c in session.config_changes] == ["scale_rewards", "epsilon"]
 
 
+def test_entropy_bonus_subtracts_coef_times_mean_token_entropy_from_the_step_loss(make_session):
+    session = make_session()
+    session.generate()
+    session.score()
+    session.advantages()
+    plain = session.loss()
+    plain_grads = [p.grad.clone() for p in session.model.parameters() if p.grad is not None]
+    session.config.entropy_coef = 0.3
+    bonus = session.loss()
+    # dapo, one micro-batch, one process: H = sum m H / N, the mean token entropy logged as "entropy".
+    assert bonus.loss == pytest.approx(plain.loss - 0.3 * plain.metrics["entropy"], rel=1e-5, abs=1e-7)
+    assert bonus.metrics["entropy_coef"] == 0.3 and "entropy_coef" not in plain.metrics
+    grads = [p.grad for p in session.model.parameters() if p.grad is not None]
+    assert any(not torch.allclose(a, b) for a, b in zip(plain_grads, grads))  # the bonus has a gradient
+    session.update()
+    assert session.history["entropy_coef"].tolist() == [0.3]
+
+
+@pytest.mark.parametrize(("target", "applied", "internal"), [(100.0, [0.02, 0.03, 0.04], 0.05), (0.0, [0.02, 0.0, 0.0], 0.0)])
+def test_adaptive_entropy_weight_follows_the_target_and_survives_save_and_load(make_session, tmp_path, target, applied, internal):
+    session = make_session(entropy_coef=0.02, use_adaptive_entropy=True, entropy_target=target, entropy_coef_delta=0.01)
+    session.run(3, progress=False)
+    # Entropy at most the target (100 nats): up by delta every step. Above it (0): the weight falls
+    # to entropy_coef_min and the bonus is off from the second step on.
+    assert session.history["entropy_coef"].tolist() == pytest.approx(applied)
+    assert session.engine.entropy_coef == pytest.approx(internal)
+    assert session.engine.last_step_entropy == pytest.approx(session.history["entropy"].iloc[-1], rel=1e-5)
+    from grpo_lab import GRPOSession
+
+    restored = GRPOSession.load(session.save(tmp_path / "saved"))
+    assert restored.engine.entropy_coef == session.engine.entropy_coef
+    assert restored.engine.last_step_entropy == session.engine.last_step_entropy
+
+
+def test_off_policy_mask_drops_drifted_negative_advantage_completions_of_a_reused_batch(make_session):
+    session = make_session(num_iterations=2, learning_rate=0.05, off_policy_mask_threshold=1e-4)
+    session.step()
+    assert session.history["off_policy_mask/masked_fraction"].tolist() == [0.0]  # first update: no drift yet
+    result = session.loss()
+    rollout = session.rollout
+    index = result.sample_index_B
+    mask = rollout.completion_mask_BT[index].float()
+    drift = ((rollout.old_logprobs_BT[index] - result.logprobs_BT) * mask).sum(1) / mask.sum(1)
+    expected = ((session.advantages_result.advantages_B[index] < 0) & (drift > 1e-4)).float().mean()
+    assert 0 < float(expected) < 1
+    assert result.metrics["off_policy_mask/masked_fraction"] == pytest.approx(float(expected))
+
+
 def test_learning_rate_change_takes_effect_and_is_recorded(make_session):
     session = make_session(lr_scheduler_type="constant")
     session.step()

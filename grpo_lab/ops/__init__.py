@@ -12,18 +12,23 @@ from grpo_lab.ops.policy import (
     CLIP_LOSSES,
     ClipDiagnostics,
     PolicyLossOutput,
+    adapt_entropy_coef,
     aggregate_loss,
+    applied_entropy_coef,
     clip_diagnostics,
+    entropy_bonus,
     k3_kl,
     log_importance_weights,
+    off_policy_mask,
     per_token_objective,
     policy_loss,
     vespo_weights,
 )
 
 __all__ = [
-    "AdvantageStats", "CLIP_LOSSES", "ClipDiagnostics", "IS_MODES", "PolicyLossOutput", "aggregate_loss",
-    "clip_diagnostics", "completion_mask_from_ids", "compute_advantages", "entropy_from_logits", "entropy_mask",
-    "importance_sampling_stats", "k3_kl", "log_importance_weights", "nanstd", "per_token_objective", "policy_loss",
+    "AdvantageStats", "CLIP_LOSSES", "ClipDiagnostics", "IS_MODES", "PolicyLossOutput", "adapt_entropy_coef",
+    "aggregate_loss", "applied_entropy_coef", "clip_diagnostics", "completion_mask_from_ids", "compute_advantages",
+    "entropy_bonus", "entropy_from_logits", "entropy_mask", "importance_sampling_stats", "k3_kl",
+    "log_importance_weights", "nanstd", "off_policy_mask", "per_token_objective", "policy_loss",
     "selective_log_softmax", "truncation_mask", "vespo_weights",
 ]

@@ -7,8 +7,9 @@ Shapes: B completions, T completion positions. ``ratio`` is the importance ratio
 Papers: GRPO arXiv:2402.03300; DAPO (decoupled clipping, token-level normalisation) arXiv:2503.14476;
 Dr. GRPO arXiv:2503.20783; GSPO (sequence-level ratio) arXiv:2507.18071; INTELLECT-2 (two-sided
 clipping, delta) arXiv:2505.07291; CISPO (MiniMax-M1) arXiv:2506.13585; SAPO arXiv:2511.20347;
-k3 KL estimator: J. Schulman, "Approximating KL divergence" (2020); bias-corrected KL:
-DeepSeek-V3.2 (arXiv:2512.02556).
+k3 KL estimator: J. Schulman, "Approximating KL divergence" (2020); bias-corrected KL and off-policy
+sequence masking: DeepSeek-V3.2 (arXiv:2512.02556); entropy bonus: the entropy regulariser of A3C
+and PPO (arXiv:1602.01783, arXiv:1707.06347).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class PolicyLossOutput:
     """(B, T) or (B, 1) importance ratio pi_theta / pi_old (before any clipping)."""
     kl_BT: torch.Tensor | None
     """(B, T) per-token KL estimate (bias-corrected when asked), or None when beta = 0."""
+    entropy_bonus: torch.Tensor | None = None
+    """Scalar entropy term H subtracted as ``entropy_coef x H`` (:func:`entropy_bonus`), or None."""
 
 
 @dataclass
@@ -94,6 +97,73 @@ def vespo_weights(
     lam_B1 = torch.where(nonnegative_B1, lambda_pos, lambda_neg).clamp(min=1e-4)
     phi_B1 = torch.exp(lam_B1 + k_B1 * log_w_B1 - lam_B1 * torch.exp(log_w_B1))
     return phi_B1.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def off_policy_mask(
+    advantages_B: torch.Tensor,
+    logprobs_BT: torch.Tensor,
+    sampling_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    threshold: float,
+) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556, eq. 9): a completion is dropped
+    from the policy term when its advantage is negative AND the policy has drifted from the one that
+    sampled it by more than ``threshold`` (delta) nats per token on average:
+
+        M_b = 0  if  A_b < 0  and  sum_t m_bt (log pi_s(y_bt) - log pi_theta(y_bt)) / max(|y_b|, 1) > delta
+        M_b = 1  otherwise
+
+    pi_s is the sampling policy (vLLM's log-probs, else pi_old); pi_theta is detached, so the mask
+    carries no gradient. Shapes: advantages (B,); logprobs, sampling log-probs, mask (B, T). Returns
+    (B, 1) in the log-probs' dtype.
+    """
+    mask_BT = mask_BT.to(logprobs_BT.dtype)
+    drift_B = ((sampling_logprobs_BT - logprobs_BT.detach()) * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+    keep_B = (advantages_B.reshape(-1) >= 0) | (drift_B <= threshold)
+    return keep_B.to(logprobs_BT.dtype).unsqueeze(-1)
+
+
+def entropy_bonus(
+    entropies_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    loss_type: str,
+    num_items_in_batch: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The entropy term H of ``L = L_policy - entropy_coef x H``, normalised so that over an optimizer
+    step it is the mean entropy per completion token, whatever the loss type:
+
+    - dapo, cispo, vespo: ``sum m H / N`` with N the optimizer step's tokens (as in
+      :func:`aggregate_loss`), which adds up over the step's micro-batches to the step's mean;
+    - every other loss type: ``sum m H / max(sum m, 1)``, this micro-batch's mean (the caller
+      averages micro-batches as it averages their losses).
+
+    Shapes: entropies (B, T) with gradient; mask (B, T) (with ``top_entropy_quantile`` < 1, the
+    entropy mask times the completion mask). Returns a scalar.
+    """
+    mask_BT = mask_BT.to(entropies_BT.dtype)
+    total = (entropies_BT * mask_BT).sum()
+    if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
+        return total / torch.as_tensor(num_items_in_batch).clamp(min=1.0)
+    return total / mask_BT.sum().clamp(min=1.0)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float | None, *, adaptive: bool, target: float) -> float:
+    """The entropy weight a step's loss uses. Static: ``coef``. Adaptive: ``coef`` while the previous
+    step's mean token entropy is at most ``target`` (and before any step), else 0, so the bonus acts
+    only once entropy has fallen to the target."""
+    if adaptive and last_entropy is not None and last_entropy > target:
+        return 0.0
+    return coef
+
+
+def adapt_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, coef_min: float, coef_max: float) -> float:
+    """One step of the adaptive entropy weight, from the step's mean token entropy H:
+    ``c' = min(c + delta, c_max)`` if ``H <= target``, else ``max(c - delta, c_min)``."""
+    if entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)
 
 
 def per_token_objective(
@@ -203,19 +273,25 @@ def policy_loss(
     importance_sampling_ratio_BT: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
+    off_policy_mask_B1: torch.Tensor | None = None,
+    entropies_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> PolicyLossOutput:
     """The GRPO loss of one micro-batch, in TRL's order of operations:
 
     1. ``r = exp(log_importance_weights(...))``; ``old_logprobs`` None means on-policy (r = 1, the
        gradient is still that of r);
     2. per-token objective for ``loss_type`` (:func:`per_token_objective`);
-    3. times the entropy mask (``top_entropy_quantile``), then times the vLLM importance-sampling
-       ratio (except vespo, which folds it into its weight);
+    3. times the off-policy mask (:func:`off_policy_mask`), then the entropy mask
+       (``top_entropy_quantile``), then the vLLM importance-sampling ratio (except vespo, which
+       folds it into its weight);
     4. plus ``beta x KL`` with KL = k3 (times r when ``use_bias_correction_kl``);
-    5. :func:`aggregate_loss` over ``mask``.
+    5. :func:`aggregate_loss` over ``mask``;
+    6. minus ``entropy_coef x H`` (:func:`entropy_bonus`, over the tokens the entropy mask keeps)
+       when ``entropy_coef`` is not 0; ``entropies`` must then carry their gradient.
 
-    Shapes: logprobs, old/ref logprobs, mask, entropy mask (B, T); advantages (B,);
-    importance_sampling_ratio (B, T) or (B, 1).
+    Shapes: logprobs, old/ref logprobs, mask, entropy mask, entropies (B, T); advantages (B,);
+    importance_sampling_ratio (B, T) or (B, 1); off-policy mask (B, 1).
     """
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     old_logprobs_BT = logprobs_BT.detach() if old_logprobs_BT is None else old_logprobs_BT
@@ -234,6 +310,8 @@ def policy_loss(
         epsilon_high=epsilon_high, delta=delta, sapo_temperature_pos=sapo_temperature_pos,
         sapo_temperature_neg=sapo_temperature_neg, vespo_weight_B1=vespo_weight_B1,
     )
+    if off_policy_mask_B1 is not None:
+        per_token = per_token * off_policy_mask_B1
     if entropy_mask_BT is not None:
         per_token = per_token * entropy_mask_BT
     if importance_sampling_ratio_BT is not None and loss_type != "vespo":
@@ -250,7 +328,16 @@ def policy_loss(
         per_token, mask_BT, loss_type=loss_type, max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch,
     )
-    return PolicyLossOutput(loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT)
+    bonus = None
+    if entropy_coef != 0.0:
+        if entropies_BT is None:
+            raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
+        kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
+        bonus = entropy_bonus(entropies_BT, kept_BT, loss_type=loss_type, num_items_in_batch=num_items_in_batch)
+        loss = loss - entropy_coef * bonus
+    return PolicyLossOutput(
+        loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT, entropy_bonus=bonus,
+    )
 
 
 def clip_diagnostics(

@@ -24,10 +24,14 @@ from torch.testing import assert_close
 
 from grpo_lab.ops import (
     CLIP_LOSSES,
+    adapt_entropy_coef,
     aggregate_loss,
+    applied_entropy_coef,
     clip_diagnostics,
+    entropy_bonus,
     k3_kl,
     log_importance_weights,
+    off_policy_mask,
     policy_loss,
     vespo_weights,
 )
@@ -231,6 +235,70 @@ def test_entropy_mask_multiplies_per_token_loss():
     entropy_mask_BT = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
     out = run("bnpo", entropy_mask_BT=entropy_mask_BT)
     assert_close(out.loss, scalar((-(R00 + 1.2) + 1.6) / 5))
+
+
+def test_off_policy_mask_hand_example():
+    # Sampling policy = OLD, so the drift (1/|y|) sum m (log pi_s - log pi) = -(masked mean of D):
+    #   row 0: -(0.1 - 0.3 + ln 1.5) / 3 = -0.06849;   row 1: -(0 + ln 0.5) / 2 = +0.34657.
+    # Row 1 has A = -2 < 0: masked when delta < 0.34657. Row 0 has A = 1: always kept.
+    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3), torch.tensor([[1.0], [0.0]], dtype=torch.float64))
+    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.35), torch.ones(2, 1, dtype=torch.float64))
+    # A negative advantage alone is not enough: row 0's drift is below any positive threshold.
+    both_negative = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    assert_close(off_policy_mask(both_negative, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3), torch.tensor([[1.0], [0.0]], dtype=torch.float64))
+    # The padding position (D = -2) is left out of row 1's mean: counted, the drift would be 0.898.
+    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.5), torch.ones(2, 1, dtype=torch.float64))
+
+
+def test_off_policy_mask_drops_a_sequence_from_the_loss_but_not_from_its_normaliser():
+    mask_B1 = off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3)
+    assert_close(run("bnpo", off_policy_mask_B1=mask_B1).loss, scalar(S0 / 5))
+    assert_close(run("dapo", off_policy_mask_B1=mask_B1, num_items_in_batch=10).loss, scalar(S0 / 10))
+    logp = LOGP_BT.clone().requires_grad_(True)
+    run("bnpo", logp=logp, off_policy_mask_B1=mask_B1).loss.backward()
+    assert torch.all(logp.grad[1] == 0) and torch.any(logp.grad[0] != 0)
+
+
+H_BT = torch.tensor([[0.5, 1.0, 2.0], [1.5, 0.5, 9.0]], dtype=torch.float64)  # 9.0 sits on padding
+"""Per-token entropies for the entropy-bonus tests: sum over real tokens = 5.5 nats over 5 tokens."""
+
+
+def test_entropy_bonus_is_the_mean_token_entropy_for_every_normaliser():
+    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="bnpo"), scalar(5.5 / 5))
+    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="grpo"), scalar(5.5 / 5))
+    # dapo: over the optimizer step's N = 10 tokens, so two such micro-batches add up to the mean.
+    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="dapo", num_items_in_batch=10), scalar(5.5 / 10))
+
+
+def test_entropy_coef_subtracts_the_bonus_and_its_gradient_reaches_the_entropies():
+    entropies = H_BT.clone().requires_grad_(True)
+    out = run("bnpo", entropies_BT=entropies, entropy_coef=0.1)
+    assert_close(out.loss, scalar((S0 + S1) / 5 - 0.1 * 1.1))
+    assert_close(out.entropy_bonus, scalar(1.1))
+    out.loss.backward()
+    # d loss / d H = -c m / 5: -0.02 on real tokens, 0 on padding
+    assert_close(entropies.grad, -0.02 * MASK_BT.to(torch.float64))
+    # With top_entropy_quantile's mask, only the kept tokens count: 0.5 + 2.0 + 0.5 over 3 tokens.
+    entropy_mask_BT = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
+    out = run("bnpo", entropies_BT=H_BT, entropy_coef=0.1, entropy_mask_BT=entropy_mask_BT)
+    assert_close(out.entropy_bonus, scalar(3.0 / 3))
+    assert_close(out.loss, scalar((-(R00 + 1.2) + 1.6) / 5 - 0.1 * 1.0))
+    with pytest.raises(ValueError, match="needs entropies_BT"):
+        run("bnpo", entropy_coef=0.1)
+
+
+def test_adaptive_entropy_weight_steps_toward_the_target():
+    bounds = dict(target=0.5, delta=0.01, coef_min=0.0, coef_max=0.05)
+    assert adapt_entropy_coef(0.02, 0.4, **bounds) == pytest.approx(0.03)  # at or below the target: up
+    assert adapt_entropy_coef(0.02, 0.5, **bounds) == pytest.approx(0.03)
+    assert adapt_entropy_coef(0.02, 0.6, **bounds) == pytest.approx(0.01)  # above: down
+    assert adapt_entropy_coef(0.045, 0.1, **bounds) == 0.05  # capped
+    assert adapt_entropy_coef(0.005, 0.9, **bounds) == 0.0  # floored
+    # The weight applied: static always; adaptive only while the last step's entropy was at most the target.
+    assert applied_entropy_coef(0.02, 0.9, adaptive=False, target=0.5) == 0.02
+    assert applied_entropy_coef(0.02, None, adaptive=True, target=0.5) == 0.02
+    assert applied_entropy_coef(0.02, 0.5, adaptive=True, target=0.5) == 0.02
+    assert applied_entropy_coef(0.02, 0.6, adaptive=True, target=0.5) == 0.0
 
 
 def test_importance_sampling_ratio_multiplies_per_token_loss():
