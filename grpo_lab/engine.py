@@ -131,15 +131,8 @@ class Engine:
             shuffle=config.shuffle_dataset is not False,
         )
         self.steps_per_batch = config.num_iterations * spg // ga
-        if scheduler is None:
-            total = self.total_steps()
-            fraction = config.warmup_steps if 0 < config.warmup_steps < 1 else config.warmup_ratio
-            warmup = int(config.warmup_steps) if config.warmup_steps >= 1 else math.ceil(fraction * total)
-            scheduler = get_scheduler(
-                config.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total,
-                scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},
-            )
-        self.scheduler = scheduler
+        self.owns_scheduler = scheduler is None
+        self.scheduler = self._new_scheduler() if scheduler is None else scheduler
         funcs, classes, names = prepare_reward_funcs(
             reward_funcs, reward_processing_classes, config.model_init_kwargs
         )
@@ -233,6 +226,31 @@ class Engine:
             for group in self.optimizer.param_groups:
                 group.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
                              weight_decay=config.weight_decay)
+
+    def _new_scheduler(self):
+        """The learning-rate schedule of ``lr_scheduler_type`` over ``total_steps()``, at step 0."""
+        config, total = self.config, self.total_steps()
+        fraction = config.warmup_steps if 0 < config.warmup_steps < 1 else config.warmup_ratio
+        warmup = int(config.warmup_steps) if config.warmup_steps >= 1 else math.ceil(fraction * total)
+        return get_scheduler(
+            config.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total,
+            scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},
+        )
+
+    def rebuild_schedule(self) -> None:
+        """Rebuild the learning-rate schedule from the config (after ``max_steps``, ``num_train_epochs``,
+        ``lr_scheduler_type``, ``lr_scheduler_kwargs``, ``warmup_steps`` or ``warmup_ratio`` changed)
+        and move it to the current step, as if the run had started with these settings."""
+        if not self.owns_scheduler:
+            raise ValueError(
+                "The learning-rate schedule was given in optimizers=(optimizer, scheduler), so grpo_lab cannot "
+                "rebuild it from the config; the edit was undone. Step your own scheduler, or build a new session."
+            )
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.config.learning_rate
+        self.scheduler = self._new_scheduler()
+        for _ in range(self.global_step):
+            self.scheduler.step()
 
     def set_learning_rate(self, value: float) -> None:
         """Apply a new base learning rate from now on, keeping the schedule's current factor."""

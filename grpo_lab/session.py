@@ -32,9 +32,15 @@ STAGES = ("generate", "score", "advantages", "loss", "update")
 _BUILD_TIME_FIELDS = {
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
     "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "optim",
+    "optim", "model_init_kwargs", "disable_dropout", "gradient_checkpointing", "gradient_checkpointing_kwargs", "bf16", "fp16",
+    "use_cpu", "seed", "data_seed", "shuffle_dataset", "num_generations", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
 }
-"""Config fields read once, when the generation backend or the optimizer is built."""
+"""Config fields read once, when the session is built: the model and its precision, the generation
+backend, the optimizer, the random seeds, the prompt order and the batch layout."""
+
+_SCHEDULE_FIELDS = {"max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}
+"""Config fields that rebuild the learning-rate schedule, at the current step, when they change."""
 
 _ADAMW_FIELDS = {"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay"}
 """Config fields applied to grpo_lab's AdamW when they change between steps."""
@@ -177,13 +183,24 @@ class GRPOSession:
         changed = {k: (self._applied_config.get(k), v) for k, v in current.items() if self._applied_config.get(k) != v}
         fixed = sorted(set(changed) & _BUILD_TIME_FIELDS)
         if fixed:
-            for name in fixed:
-                setattr(self.config, name, self._applied_config[name])
+            self._undo(fixed)
             raise ValueError(
-                f"{', '.join(fixed)} cannot change after the session is built (they choose and start the "
-                "generation backend or build the optimizer); the edit was undone. Build a new GRPOSession "
-                "with the new value."
+                f"{', '.join(fixed)} cannot change after the session is built (they load the model, start the "
+                "generation backend, build the optimizer, seed the run or lay out its batches); the edit was undone. "
+                "Build a new GRPOSession with the new value."
             )
+        if "beta" in changed and self.config.beta > 0 and self.engine.ref_model is None and not self.engine.is_peft:
+            self._undo(["beta"])
+            raise ValueError(
+                "beta > 0 needs a reference model, and this session was built with beta=0, so none was kept; the edit "
+                "was undone. Build a new GRPOSession with beta > 0 (its reference is the model it starts from)."
+            )
+        if set(changed) & _SCHEDULE_FIELDS:
+            try:
+                self.engine.rebuild_schedule()
+            except ValueError:
+                self._undo(sorted(set(changed) & _SCHEDULE_FIELDS))
+                raise
         for name, (old, new) in changed.items():
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":
@@ -193,6 +210,10 @@ class GRPOSession:
         if set(changed) & _ADAMW_FIELDS:
             self.engine.apply_adamw_settings()
         self._applied_config = current
+
+    def _undo(self, names: list[str]) -> None:
+        for name in names:
+            setattr(self.config, name, self._applied_config[name])
 
     # ------------------------------------------------------------------ stages
     def generate(self) -> Rollout:

@@ -136,3 +136,46 @@ def test_the_optimizer_cannot_be_switched_between_steps(make_session):
     with pytest.raises(ValueError, match="optim cannot change after the session is built"):
         session.generate()
     assert session.config.optim == "adamw_torch_fused" and session.config_changes == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_generations", 2), ("gradient_checkpointing", True), ("bf16", True), ("seed", 7), ("num_iterations", 2),
+     ("model_init_kwargs", {"dtype": "bfloat16"})],
+)
+def test_fields_read_when_the_session_is_built_refuse_edits_and_undo_them(make_session, field, value):
+    session = make_session()
+    session.step()
+    before = getattr(session.config, field)
+    setattr(session.config, field, value)
+    with pytest.raises(ValueError, match=f"{field} cannot change after the session is built.*edit was undone"):
+        session.generate()
+    assert getattr(session.config, field) == before and session.config_changes == []
+    session.step()  # the session goes on with the value it was built with
+
+
+def test_beta_cannot_be_switched_on_without_a_reference_model(make_session):
+    session = make_session()
+    session.config.beta = 0.04
+    with pytest.raises(ValueError, match="beta > 0 needs a reference model.*edit was undone"):
+        session.generate()
+    assert session.config.beta == 0.0
+    session.step()
+    with_reference = make_session(beta=0.04)
+    with_reference.config.beta = 0.1  # a reference exists: the weight may change
+    with_reference.step()
+    assert with_reference.config_changes[0]["field"] == "beta"
+
+
+def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
+    session = make_session(max_steps=10, lr_scheduler_type="linear", learning_rate=1e-3)
+    session.run(3, progress=False)
+    assert session.history["learning_rate"].tolist() == pytest.approx([1e-3, 9e-4, 8e-4])  # lr0 (10 - n) / 10
+    session.config.max_steps = 20
+    session.step()
+    assert session.history["learning_rate"].iloc[-1] == pytest.approx(1e-3 * 17 / 20)
+    session.config.lr_scheduler_type = "constant"
+    session.config.learning_rate = 5e-4
+    session.step()
+    assert session.history["learning_rate"].iloc[-1] == pytest.approx(5e-4)
+    assert [(c["step"], c["field"]) for c in session.config_changes] == [(4, "max_steps"), (5, "learning_rate"), (5, "lr_scheduler_type")]
