@@ -43,6 +43,11 @@ _GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "vespo"}
 def check_dataset(dataset, name: str) -> None:
     if dataset is None:
         raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
+    if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"{name} must be a datasets.Dataset (got {type(dataset).__name__}). Build one from rows with "
+            "datasets.Dataset.from_list(rows) or from columns with Dataset.from_dict({'prompt': [...], ...})."
+        )
     columns = getattr(dataset, "column_names", None)
     if columns is None or "prompt" not in columns:
         raise ValueError(
@@ -68,6 +73,11 @@ class Engine:
         peft_config=None,
         optimizers=(None, None),
     ):
+        if args is not None and not isinstance(args, GRPOConfig):
+            raise TypeError(
+                f"args must be a grpo_lab GRPOConfig (got {type(args).__name__}). Build one with "
+                "GRPOConfig(**settings), or GRPOConfig.from_dict(...) / from_yaml(...)."
+            )
         self.config = args if args is not None else GRPOConfig()
         config = self.config
         check_dataset(train_dataset, "train_dataset")
@@ -134,7 +144,7 @@ class Engine:
         self.owns_scheduler = scheduler is None
         self.scheduler = self._new_scheduler() if scheduler is None else scheduler
         funcs, classes, names = prepare_reward_funcs(
-            reward_funcs, reward_processing_classes, config.model_init_kwargs
+            reward_funcs, reward_processing_classes, config.model_init_kwargs, columns=self.reward_columns()
         )
         self.reward_funcs, self.reward_processing_classes, self.reward_names = funcs, classes, names
         for func in funcs:
@@ -340,6 +350,10 @@ class Engine:
         tokens = batch.prompt_mask_BP.sum() + batch.completion_mask_BT.sum()
         self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
         return rollout
+
+    def reward_columns(self) -> list[str]:
+        """The training dataset's columns that reward functions receive as keyword arguments."""
+        return [name for name in self.train_dataset.column_names if name != "prompt"]
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
         """The training dataset's rows ``indices`` as columns of Python lists, whatever format the

@@ -102,7 +102,7 @@ class GRPOSession:
         from grpo_lab.rewards import prepare_reward_funcs
 
         self.engine.reward_funcs, self.engine.reward_processing_classes, self.engine.reward_names = (
-            prepare_reward_funcs(funcs, None, self.config.model_init_kwargs)
+            prepare_reward_funcs(funcs, None, self.config.model_init_kwargs, columns=self.engine.reward_columns())
         )
 
     @property

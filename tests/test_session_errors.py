@@ -34,6 +34,42 @@ def test_model_path_that_does_not_exist(task):
         GRPOSession("./no/such/model", task.reward_funcs, args=task.config(**SMALL), train_dataset=task.train_dataset)
 
 
+def test_wrong_argument_types_name_the_type_to_give(task):
+    with pytest.raises(TypeError, match=r"train_dataset must be a datasets.Dataset \(got list\).*Dataset.from_list"):
+        GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=[{"prompt": "1+1="}])
+    with pytest.raises(TypeError, match=r"args must be a grpo_lab GRPOConfig \(got dict\).*GRPOConfig\(\*\*settings\)"):
+        GRPOSession(task.model, task.reward_funcs, args={"learning_rate": 1e-4}, train_dataset=task.train_dataset)
+
+
+def short(completions):
+    return [0.0] * len(completions)
+
+
+def needs_label(completions, label, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    ("func", "message"),
+    [
+        (short, r"'short' does not accept prompts, completion_ids, trainer_state, log_extra, log_metric, answer\. .*\*\*kwargs"),
+        (needs_label, r"'needs_label' requires label, which no call passes"),
+    ],
+)
+def test_a_reward_function_that_cannot_take_the_call_is_refused_before_generation(make_session, func, message):
+    with pytest.raises(TypeError, match=message):
+        make_session(reward_funcs=[func])
+    session = make_session()
+    with pytest.raises(TypeError, match=message):
+        session.reward_funcs = [func]
+    assert session.engine.reward_names == ["correctness_reward", "format_reward"]  # unchanged
+
+
+def test_a_reward_model_string_that_cannot_be_loaded_says_strings_are_models(make_session, tmp_path):
+    with pytest.raises(ValueError, match=r"is a string, which is loaded as a reward model.*Pass the function itself"):
+        make_session(reward_funcs=[str(tmp_path / "not_a_model")])
+
+
 def test_raising_reward_function_names_itself_and_the_sample(make_session, task):
     def fragile(completions, answer, **kwargs):
         return [1.0 / (len(str(c)) - len(str(c))) if "1" in a else 0.0 for c, a in zip(completions, answer)]

@@ -47,8 +47,46 @@ def reward_func_name(func) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None):
-    """Normalise ``reward_funcs`` to a list; load reward models given by path; pair tokenizers.
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""Keyword arguments every reward function call receives, besides the dataset's other columns."""
+
+
+def check_reward_signature(func, name: str, columns: list[str]) -> None:
+    """Raise a TypeError now, naming the fix, if ``func`` cannot take the keyword arguments every call
+    passes (``CALL_KEYWORDS`` and the dataset ``columns``), instead of failing after generation."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature to read
+        return
+    passed = [*CALL_KEYWORDS, *columns]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        accepted = set(passed)
+    else:
+        accepted = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unexpected = [k for k in passed if k not in accepted]
+    missing = [
+        p.name for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY) and p.default is p.empty
+        and (p.name not in passed or p.kind is p.POSITIONAL_ONLY)
+    ]
+    if not unexpected and not missing:
+        return
+    problems = []
+    if unexpected:
+        problems.append(f"does not accept {', '.join(unexpected)}")
+    if missing:
+        problems.append(f"requires {', '.join(missing)}, which no call passes")
+    raise TypeError(
+        f"Reward function {name!r} {' and '.join(problems)}. Every call passes the keyword arguments "
+        f"{', '.join(passed)}: take the ones you need and end the signature with **kwargs, e.g. "
+        f"def {name}(completions, **kwargs)."
+    )
+
+
+def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None, columns=()):
+    """Normalise ``reward_funcs`` to a list; load reward models given by path; pair tokenizers; check
+    that each function takes the keyword arguments its calls pass (``columns``: the dataset's
+    columns besides the prompt).
 
     Returns ``(funcs, processing_classes, names)``.
     """
@@ -66,7 +104,14 @@ def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_ini
     loaded, tokenizers = [], []
     for func, tokenizer in zip(funcs, classes, strict=True):
         if isinstance(func, str):
-            func = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **(model_init_kwargs or {}))
+            try:
+                func = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **(model_init_kwargs or {}))
+            except OSError as error:
+                raise ValueError(
+                    f"The reward function {func!r} is a string, which is loaded as a reward model (a local "
+                    f"directory or a Hugging Face Hub id), and loading it failed: {error} Pass the function "
+                    "itself, not its name, to use a Python function."
+                ) from error
         if isinstance(func, PreTrainedModel):
             func.eval().requires_grad_(False)
             if tokenizer is None:
@@ -81,6 +126,9 @@ def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_ini
     names = [reward_func_name(f) for f in loaded]
     if len(set(names)) != len(names):
         names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+    for func, name in zip(loaded, names, strict=True):
+        if not isinstance(func, PreTrainedModel):
+            check_reward_signature(func, name, list(columns))
     return loaded, tokenizers, names
 
 
