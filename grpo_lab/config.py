@@ -341,7 +341,9 @@ class GRPOConfig:
     (transformers drops the cache there) or dropout (and router jitter); otherwise the plain pass
     runs."""
     report_to: str | list[str] = "none"
-    """Where metrics go besides output_dir/metrics.jsonl: "none", "tensorboard", "all", ..."""
+    """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
+    the tensorboard package) or "all" (every supported one installed). TRL's other names (wandb,
+    trackio, mlflow, comet_ml) are accepted here but refused by the trainer with an error."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     disable_tqdm: bool = False

@@ -11,6 +11,7 @@ identical metrics and weights.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
 import shutil
@@ -21,6 +22,30 @@ from grpo_lab.progress import progress_bar
 from grpo_lab.session import GRPOSession
 
 CHECKPOINT_PREFIX = "checkpoint-"
+
+
+SUPPORTED_REPORTERS = ("tensorboard",)
+"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl``."""
+
+
+def reporters(report_to) -> list[str]:
+    """The reporters ``report_to`` asks for: "all" means every supported one that is installed; a
+    reporter grpo_lab cannot feed, or one not installed, is an error now rather than silence later."""
+    wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if "all" in wanted:
+        return [name for name in SUPPORTED_REPORTERS if importlib.util.find_spec(name) is not None]
+    wanted = [name for name in wanted if name != "none"]
+    unsupported = [name for name in wanted if name not in SUPPORTED_REPORTERS]
+    if unsupported:
+        raise ValueError(
+            f"report_to={', '.join(unsupported)} is not supported by grpo_lab's trainer yet (supported: "
+            f"{', '.join(SUPPORTED_REPORTERS)}). Every metric is written to output_dir/metrics.jsonl, one JSON "
+            "row per step, which any tracker can import."
+        )
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"report_to={', '.join(missing)} needs the package: pip install {' '.join(missing)}")
+    return wanted
 
 
 class GRPOTrainer:
@@ -38,6 +63,7 @@ class GRPOTrainer:
         peft_config=None,
         optimizers=(None, None),
     ):
+        self.reporters = reporters(getattr(args, "report_to", "none"))  # before the model loads
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
             reward_processing_classes=reward_processing_classes, optimizers=optimizers,
@@ -116,9 +142,7 @@ class GRPOTrainer:
         Console().print(table)
 
     def _tensorboard(self):
-        report_to = self.args.report_to
-        wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
-        if "tensorboard" not in wanted:
+        if "tensorboard" not in self.reporters:
             return None
         from torch.utils.tensorboard import SummaryWriter
 

@@ -43,6 +43,27 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path):
     torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
 
 
+def test_tensorboard_receives_the_metrics_jsonl_values(task, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _trainer(task, tmp_path, max_steps=2, report_to="tensorboard").train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    for name in ("reward", "loss", "entropy"):
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in rows]
+
+
+@pytest.mark.parametrize(("report_to", "error", "message"), [
+    ("wandb", ValueError, r"report_to=wandb is not supported.*metrics.jsonl"),
+    (["tensorboard", "mlflow"], ValueError, r"report_to=mlflow is not supported"),
+])
+def test_unsupported_reporters_are_refused_before_the_model_loads(task, tmp_path, report_to, error, message):
+    with pytest.raises(error, match=message):
+        _trainer(task, tmp_path, report_to=report_to)
+
+
 def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(task, tmp_path, capsys):
     trainer = _trainer(task, tmp_path, max_steps=4, save_steps=0.5, logging_steps=0.6, log_completions=True,
                        num_completions_to_print=1)
