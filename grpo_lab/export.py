@@ -11,7 +11,10 @@ Notebook cell convention (``grpo-lab export notebook.ipynb -o train.py``):
   every other cell (stepping, views, plots) is interactive only and left out;
 - the exported cells must create the session with ``NAME = GRPOSession(...)``; in the script that
   call becomes ``GRPOTrainer(...)`` (the same arguments), its ``args=`` receives the command-line
-  overrides, and ``NAME.train()`` follows.
+  overrides, and ``NAME.train()`` follows;
+- exported ``NAME.config.FIELD = VALUE`` statements become part of the script's config, below the
+  command-line overrides; a name the exported code reads but no exported cell defines is refused
+  at export time.
 """
 
 from __future__ import annotations
@@ -38,11 +41,16 @@ class ExportError(ValueError):
     """Something in the session or notebook cannot be written into a standalone script."""
 
 
-def cli_config(base, argv: list[str] | None = None):
-    """``base`` with command-line overrides applied; also returns ``--resume_from`` (or None)."""
+def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
+    """``base`` with ``edits`` (a notebook's ``session.config.FIELD = VALUE`` lines) and then the
+    command-line overrides applied; also returns ``--resume_from`` (or None)."""
     import argparse
+    import dataclasses
 
     from grpo_lab.config import GRPOConfig
+
+    if edits:
+        base = dataclasses.replace(base, **edits)
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume_from", default=None)
@@ -234,6 +242,47 @@ def _session_call(tree: ast.Module) -> tuple[ast.Assign, ast.Call]:
     )
 
 
+def _config_edits(tree: ast.Module, target: str) -> list[ast.Assign]:
+    """Top-level ``TARGET.config.FIELD = VALUE`` statements: edits of the session's config."""
+    edits = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            field = node.targets[0]
+            if (
+                isinstance(field, ast.Attribute) and isinstance(field.value, ast.Attribute)
+                and field.value.attr == "config" and ast.unparse(field.value.value) == target
+            ):
+                edits.append(node)
+    return edits
+
+
+def _undefined_names(code: str, cell_at_line) -> list[str]:
+    """Names the exported code reads that nothing in it defines (and that are not builtins), as
+    'NAME (in WHERE, cell N)' descriptions; empty when the code star-imports (names unknowable)."""
+    import symtable
+
+    if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in ast.walk(ast.parse(code))):
+        return []
+    module = symtable.symtable(code, "<exported cells>", "exec")
+    defined = {s.get_name() for s in module.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    known = defined | set(dir(builtins)) | {"__file__"}
+    found: dict[tuple[str, str], int] = {}
+
+    def visit(table, where: str) -> None:
+        for child in table.get_children():
+            label = where if table is not module or child.get_type() != "function" else f"function {child.get_name()}"
+            for symbol in child.get_symbols():
+                if symbol.is_global() and symbol.is_referenced() and symbol.get_name() not in known:
+                    found.setdefault((symbol.get_name(), label), child.get_lineno())
+            visit(child, label)
+
+    for symbol in module.get_symbols():
+        if symbol.is_referenced() and symbol.get_name() not in known:
+            found.setdefault((symbol.get_name(), "top-level code"), 0)
+    visit(module, "top-level code")
+    return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in found.items()]
+
+
 def _replace(lines: list[str], node: ast.AST, text: str) -> None:
     """Replace the source span of ``node`` in ``lines`` (0-based list of lines) with ``text``."""
     start, end = node.lineno - 1, node.end_lineno - 1
@@ -255,12 +304,16 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
             f"{notebook_path} has no exported cells. Tag the cells that define imports, data, reward "
             "functions, config and the session with `export`, or start them with `# export`."
         )
-    pieces = []
+    pieces, starts = [], []  # starts: (first line of the cell in the joined code, cell index)
+    next_line = 1
     for index, cell in chosen:
         source = cell.source
         if any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()):
             raise ExportError(f"Cell {index} is exported but uses IPython magics or shell lines (% or !).")
-        pieces.append(f"# --- cell {index} ---\n{source.strip()}\n")
+        piece = f"# --- cell {index} ---\n{source.strip()}\n"
+        starts.append((next_line, index))
+        pieces.append(piece)
+        next_line += piece.count("\n") + 1
     code = "\n".join(pieces)
     try:
         tree = ast.parse(code)
@@ -275,8 +328,23 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
             "The GRPOSession call in the exported cells has no `args=` config; pass `args=config` so the "
             "script can apply command-line overrides."
         )
+    config_edits = _config_edits(tree, target)
+    undefined = _undefined_names(
+        code, lambda at: "" if not at else f", cell {max(i for start, i in starts if start <= at)}"
+    )
+    if undefined:
+        raise ExportError(
+            f"The exported cells use names that no exported cell defines: {'; '.join(undefined)}. The script would "
+            "fail with a NameError. Tag the cells that define them `export` (or start them with `# export`)."
+        )
+    # A notebook's config edits become part of the script's config, below the command-line options.
+    edit_values = ", ".join(f"{e.targets[0].attr!r}: {ast.unparse(e.value)}" for e in config_edits)
+    config_call = f"_cli_config({ast.unparse(config_arg.value)}" + (f", {{{edit_values}}})" if config_edits else ")")
+    edits = [(call.func, "GRPOTrainer"), (config_arg.value, config_call)] + [
+        (e, f"# {ast.unparse(e.targets[0])} = {ast.unparse(e.value)}: applied to the config above (command-line options win)")
+        for e in config_edits
+    ]
     # Edit from the end of the text backwards so earlier positions stay valid.
-    edits = [(call.func, "GRPOTrainer"), (config_arg.value, f"_cli_config({ast.unparse(config_arg.value)})")]
     for node, text in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
         _replace(lines, node, text)
     cells = ", ".join(str(i) for i, _ in chosen)
@@ -288,9 +356,9 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
         "_RESUME_FROM = None",
         "",
         "",
-        "def _cli_config(base):",
+        "def _cli_config(base, edits=None):",
         "    global _RESUME_FROM",
-        "    config, _RESUME_FROM = _cli_config_and_resume(base)",
+        "    config, _RESUME_FROM = _cli_config_and_resume(base, edits=edits)",
         "    return config",
         "",
         "",
@@ -300,5 +368,6 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
         f"{target}.save_model()",
         "",
     ]
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(script))
     return path

@@ -7,8 +7,10 @@ import sys
 
 import nbformat
 import pytest
+import yaml
 
-from grpo_lab.export import ExportError, export_notebook, reward_function_code
+from grpo_lab.config import GRPOConfig
+from grpo_lab.export import ExportError, cli_config, export_notebook, reward_function_code
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 OFFSET = 0.25
@@ -101,6 +103,7 @@ NOTEBOOK_CELLS = [
     ("# export\nsession = GRPOSession(\n    task.model,\n    [*task.reward_funcs, tidy_reward],\n    args=config,\n"
      "    train_dataset=task.train_dataset,\n)", []),
     ("session.generate()\nsession.score()", []),
+    ("# export\nsession.config.temperature = 0.8  # an edit between steps", []),
     ("%time session.run(2)", []),
 ]
 
@@ -116,15 +119,39 @@ def _notebook(path):
 
 def test_notebook_export_runs_unmodified(tmp_path):
     _notebook(tmp_path / "experiment.ipynb")
-    result = _run([sys.executable, "-m", "grpo_lab.cli", "export", "experiment.ipynb", "-o", "train.py"], cwd=tmp_path)
-    assert "wrote train.py" in result.stdout
-    script = (tmp_path / "train.py").read_text()
-    assert "experiment.ipynb (cells 0, 1, 2, 3)" in script and "session.run" not in script
-    assert "session = GRPOTrainer(" in script and "args=_cli_config(config)" in script
-    _run([sys.executable, "train.py", "--max_steps", "3", "--output_dir", "out"], cwd=tmp_path)
+    result = _run([sys.executable, "-m", "grpo_lab.cli", "export", "experiment.ipynb", "-o", "scripts/train.py"],
+                  cwd=tmp_path)
+    assert "wrote scripts/train.py" in result.stdout
+    script = (tmp_path / "scripts" / "train.py").read_text()
+    assert "experiment.ipynb (cells 0, 1, 2, 3, 5)" in script and "session.run" not in script
+    assert "session = GRPOTrainer(" in script and "args=_cli_config(config, {'temperature': 0.8})" in script
+    _run([sys.executable, "scripts/train.py", "--max_steps", "3", "--output_dir", "out"], cwd=tmp_path)
     rows = _rows(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and "rewards/tidy_reward/mean" in rows[0]
     assert (tmp_path / "out" / "model.safetensors").exists()
+    saved = yaml.safe_load((tmp_path / "out" / "checkpoint-3" / "config.yaml").read_text())
+    assert saved["temperature"] == 0.8 and saved["max_steps"] == 3
+
+
+def test_notebook_config_edits_sit_below_command_line_options():
+    base = GRPOConfig(temperature=1.0, seed=3)
+    config, resume = cli_config(base, argv=["--temperature", "0.7"], edits={"temperature": 0.8, "top_p": 0.9})
+    assert (config.temperature, config.top_p, config.seed, resume) == (0.7, 0.9, 3, None)
+
+
+def test_notebook_names_that_no_exported_cell_defines_are_refused_at_export(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    for source in [
+        "TARGET = 4",  # interactive only: not exported
+        "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()",
+        "# export\ndef near_target(completions, **kwargs):\n    return [-abs(len(c) - TARGET) for c in completions]",
+        "# export\nsession = GRPOSession(task.model, [near_target], args=task.config(), train_dataset=task.train_dataset)",
+    ]:
+        notebook.cells.append(nbformat.v4.new_code_cell(source))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    with pytest.raises(ExportError, match=r"no exported cell defines: TARGET \(in function near_target, cell 2\).*export"):
+        export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
+    assert not (tmp_path / "t.py").exists()
 
 
 def test_notebook_without_exported_session_is_rejected(tmp_path):
