@@ -78,6 +78,10 @@ def save_engine(engine, directory: Path, extra: dict) -> None:
 
 def check_complete(directory: Path) -> Path:
     directory = Path(directory)
+    if not directory.exists():
+        raise FileNotFoundError(
+            f"{directory} does not exist. Give a directory written by session.save() or a trainer's checkpoint-N."
+        )
     if not (directory / "COMPLETE").exists() or not (directory / STATE_FILE).exists():
         raise FileNotFoundError(
             f"{directory} is not a complete grpo_lab checkpoint (no COMPLETE marker or {STATE_FILE}). "

@@ -57,6 +57,10 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if "-h" in rest or "--help" in rest:
         print("  --resume_from DIR  continue from a saved session (session.save) or a checkpoint-N directory\n")
+    if known.resume_from is not None and not Path(known.resume_from).is_dir():
+        print(f"error: --resume_from {known.resume_from}: no such directory (give a directory written by "
+              "session.save() or a checkpoint-N of a trainer)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         return GRPOConfig.from_args(rest, base=base), known.resume_from
     except (ValueError, NotImplementedError) as error:

@@ -24,7 +24,13 @@ def check_model_reference(name: str) -> None:
     A name that is not an existing path must look like a hub id (``org/name``), and the hub must be
     reachable (``HF_HUB_OFFLINE`` unset).
     """
-    if Path(name).expanduser().exists():
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (path / "model" / "config.json").exists():
+        raise FileNotFoundError(
+            f"{name} is a grpo_lab checkpoint or saved session, not a model directory: its model is in "
+            f"{path / 'model'}. Pass that directory, or continue the run with resume_from_checkpoint / --resume_from."
+        )
+    if path.exists():
         return
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}
     if offline or not _HUB_ID.fullmatch(name):

@@ -264,6 +264,17 @@ class GRPOSession:
                 "update was skipped and the weights are unchanged.",
                 stacklevel=2,
             )
+        total = self.engine.total_steps()
+        if self.global_step == total + 1:
+            import warnings
+
+            warnings.warn(
+                f"Step {self.global_step} is past the end of the run (max_steps / num_train_epochs: {total} steps), "
+                f"where the {self.config.lr_scheduler_type!r} learning-rate schedule has ended (the rate is now "
+                f"{self.engine.optimizer.param_groups[0]['lr']:.3g}). Raise session.config.max_steps to train on "
+                "with a schedule.",
+                stacklevel=2,
+            )
         row = {"step": self.global_step, **self.advantages_result.metrics, **self.loss_result.metrics, **update}
         if self._step_started is not None:
             row["step_time"] = time.perf_counter() - self._step_started

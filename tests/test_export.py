@@ -195,6 +195,9 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
         cli_config(base, ["--help"])
     out = capsys.readouterr().out
     assert "--resume_from DIR" in out and "--learning_rate (default: 5e-05)" in out and "--max_steps (default: 100)" in out
+    with pytest.raises(SystemExit) as stopped:
+        cli_config(base, ["--resume_from", "/no/such/run"])
+    assert stopped.value.code == 2 and "--resume_from /no/such/run: no such directory" in capsys.readouterr().err
 
 
 def test_the_example_recipe_trains(tmp_path):

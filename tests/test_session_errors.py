@@ -34,6 +34,14 @@ def test_model_path_that_does_not_exist(task):
         GRPOSession("./no/such/model", task.reward_funcs, args=task.config(**SMALL), train_dataset=task.train_dataset)
 
 
+def test_a_saved_session_given_as_model_or_a_missing_one_to_load_is_explained(make_session, tmp_path):
+    saved = make_session().save(tmp_path / "saved")
+    with pytest.raises(FileNotFoundError, match=r"is a grpo_lab checkpoint or saved session.*its model is in .*saved/model"):
+        make_session(model=str(saved))
+    with pytest.raises(FileNotFoundError, match=r"no_such_run does not exist\. Give a directory written by session.save"):
+        GRPOSession.load(tmp_path / "no_such_run")
+
+
 def test_wrong_argument_types_name_the_type_to_give(task):
     with pytest.raises(TypeError, match=r"train_dataset must be a datasets.Dataset \(got list\).*Dataset.from_list"):
         GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=[{"prompt": "1+1="}])
@@ -215,3 +223,15 @@ def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
     session.step()
     assert session.history["learning_rate"].iloc[-1] == pytest.approx(5e-4)
     assert [(c["step"], c["field"]) for c in session.config_changes] == [(4, "max_steps"), (5, "learning_rate"), (5, "lr_scheduler_type")]
+
+
+def test_stepping_past_max_steps_warns_once_that_the_schedule_has_ended(make_session):
+    session = make_session(max_steps=2, lr_scheduler_type="linear")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Step .* is past the end")
+        session.run(2, progress=False)
+    with pytest.warns(UserWarning, match=r"Step 3 is past the end of the run .*2 steps.*rate is now 0.*max_steps"):
+        session.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Step .* is past the end")
+        session.step()  # said once
