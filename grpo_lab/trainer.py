@@ -15,6 +15,7 @@ import importlib.util
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 from grpo_lab.config import GRPOConfig, steps_between
@@ -90,6 +91,17 @@ class GRPOTrainer:
         ``resume_from_checkpoint``: a checkpoint directory, or True for the newest one in
         ``output_dir``.
         """
+        if not resume_from_checkpoint and self.accelerator.is_main_process:
+            earlier = sorted(p.name for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*")) + [
+                name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
+            ]
+            if earlier:
+                warnings.warn(
+                    f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
+                    "metrics.jsonl and replaces checkpoints of the same step. Pass resume_from_checkpoint=True to "
+                    "continue that run, or give a new output_dir.",
+                    stacklevel=2,
+                )
         if resume_from_checkpoint:
             path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
             self.session.close()  # its generation engine (vLLM) would otherwise hold memory beside the new one

@@ -1,6 +1,7 @@
 """GRPOTrainer runs the session's own steps: same numbers, plus logs, checkpoints and resume."""
 
 import json
+import warnings
 
 import pandas as pd
 import pytest
@@ -130,5 +131,10 @@ def test_the_end_of_training_is_always_checkpointed(task, tmp_path):
     trainer.train()
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
     again = _trainer(task, tmp_path, max_steps=3, save_steps=50)
-    again.train(resume_from_checkpoint=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*from an earlier run")
+        again.train(resume_from_checkpoint=True)
     assert again.session.global_step == 3
+    fresh = _trainer(task, tmp_path, max_steps=1)
+    with pytest.warns(UserWarning, match=r"already holds checkpoint-3, metrics.jsonl from an earlier run.*resume_from_checkpoint=True"):
+        fresh.train()
