@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 
 import torch
@@ -256,11 +257,14 @@ class Engine:
                 "The learning-rate schedule was given in optimizers=(optimizer, scheduler), so grpo_lab cannot "
                 "rebuild it from the config; the edit was undone. Step your own scheduler, or build a new session."
             )
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = self.config.learning_rate
-        self.scheduler = self._new_scheduler()
-        for _ in range(self.global_step):
-            self.scheduler.step()
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["initial_lr"] = base  # each group's own base rate, as set_learning_rate keeps it
+        scheduler = self._new_scheduler()
+        with warnings.catch_warnings():  # stepping a fresh schedule forward, not skipping an optimizer step
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            for _ in range(self.global_step):
+                scheduler.step()
+        self.scheduler = scheduler
 
     def set_learning_rate(self, value: float) -> None:
         """Apply a new base learning rate from now on, keeping the schedule's current factor."""

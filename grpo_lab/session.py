@@ -39,6 +39,12 @@ _BUILD_TIME_FIELDS = {
 """Config fields read once, when the session is built: the model and its precision, the generation
 backend, the optimizer, the random seeds, the prompt order and the batch layout."""
 
+_BATCH_LAYOUT_FIELDS = {
+    "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
+    "steps_per_generation", "num_iterations",
+}
+"""Build-time fields that shape a generation batch: a saved half-used batch cannot be fed under new values."""
+
 _SCHEDULE_FIELDS = {"max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}
 """Config fields that rebuild the learning-rate schedule, at the current step, when they change."""
 
@@ -198,7 +204,7 @@ class GRPOSession:
         if set(changed) & _SCHEDULE_FIELDS:
             try:
                 self.engine.rebuild_schedule()
-            except ValueError:
+            except Exception:  # e.g. lr_scheduler_kwargs the schedule does not take: the old schedule stays
                 self._undo(sorted(set(changed) & _SCHEDULE_FIELDS))
                 raise
         for name, (old, new) in changed.items():
@@ -435,15 +441,36 @@ class GRPOSession:
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
         kwargs.setdefault("args", GRPOConfig.from_yaml(directory / "config.yaml"))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        built = _rebuilt_fields(directory, extra, session.config.to_dict())
         restore_engine(session.engine, state)
         session._history = extra["history"]
         session._completion_log = extra["completion_log"]
-        session.config_changes = extra["config_changes"]
-        session._applied_config = extra["applied_config"]
+        session.config_changes = extra["config_changes"] + [
+            {"step": state["global_step"] + 1, "field": name, "old": old, "new": new} for name, (old, new) in built.items()
+        ]
+        session._applied_config = {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}
         session.batch_step = extra["batch_step"]
         session._last_stage = extra["last_stage"]
         session.rollout, session.scores, session.advantages_result = extra["pending"]
         return session
+
+
+def _rebuilt_fields(directory: Path, extra: dict, built: dict) -> dict:
+    """Build-time fields whose value at load differs from the saved run's, as ``{name: (old, new)}``.
+
+    The loaded session was built with the new values, so they are in effect from the next step; a
+    half-used batch that a new batch layout cannot feed is refused here, before anything is restored.
+    """
+    saved = extra["applied_config"]
+    changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
+    layout = sorted(set(changed) & _BATCH_LAYOUT_FIELDS)
+    if layout and extra["pending"][0] is not None:
+        raise ValueError(
+            f"{directory} was saved in the middle of a generation batch, and {', '.join(layout)} changed, so the rest "
+            "of that batch cannot be fed. Load it with the saved values, finish the batch (or discard_batch()) and "
+            "save again, then change them."
+        )
+    return changed
 
 
 def _pickled(funcs) -> bytes | None:

@@ -225,6 +225,28 @@ def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
     assert [(c["step"], c["field"]) for c in session.config_changes] == [(4, "max_steps"), (5, "learning_rate"), (5, "lr_scheduler_type")]
 
 
+def test_a_schedule_rebuilt_over_a_users_optimizer_keeps_each_groups_rate(task, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    embeddings = list(model.get_input_embeddings().parameters())
+    rest = [p for p in model.parameters() if all(p is not e for e in embeddings)]
+    optimizer = torch.optim.AdamW([{"params": rest, "lr": 1e-3}, {"params": embeddings, "lr": 1e-4}])
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_steps": 10, "lr_scheduler_type": "linear"})
+    session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          optimizers=(optimizer, None))
+    session.run(2, progress=False)
+    session.config.max_steps = 20
+    session.step()  # the third step runs at factor (20 - 2) / 20 of each group's own rate
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([1e-3 * 17 / 20, 1e-4 * 17 / 20])
+    session.config.lr_scheduler_kwargs = {"no_such_argument": 1}
+    with pytest.raises(TypeError, match="no_such_argument"):
+        session.generate()
+    assert session.config.lr_scheduler_kwargs is None or session.config.lr_scheduler_kwargs == {}
+    session.step()  # the old schedule stays in force
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([1e-3 * 16 / 20, 1e-4 * 16 / 20])
+
+
 def test_stepping_past_max_steps_warns_once_that_the_schedule_has_ended(make_session):
     session = make_session(max_steps=2, lr_scheduler_type="linear")
     with warnings.catch_warnings():

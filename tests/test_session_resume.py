@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pandas as pd
+import pytest
 import torch
 
 from grpo_lab import GRPOSession
@@ -94,3 +97,21 @@ def test_a_lora_session_resumes_exactly(task, tmp_path):
     for name, value in _weights(uninterrupted.model).items():
         if "lora_" in name:
             torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_mid_batch(make_session, tmp_path):
+    session = make_session()
+    session.step()
+    session.save(tmp_path / "between")
+    args = replace(session.config, gradient_checkpointing=True, max_steps=session.config.max_steps + 4)
+    loaded = GRPOSession.load(tmp_path / "between", args=args)
+    assert loaded.model.is_activation_checkpointing
+    loaded.step()  # the new value is the one the session was built with, so the step runs
+    changes = {change["field"]: change for change in loaded.config_changes}
+    assert changes["gradient_checkpointing"] == {"step": 2, "field": "gradient_checkpointing", "old": False, "new": True}
+    assert changes["max_steps"]["new"] == session.config.max_steps + 4
+
+    session.generate()
+    session.save(tmp_path / "mid_batch")
+    with pytest.raises(ValueError, match=r"middle of a generation batch, and num_generations changed"):
+        GRPOSession.load(tmp_path / "mid_batch", args=replace(session.config, num_generations=2))
