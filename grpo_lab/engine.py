@@ -32,7 +32,7 @@ from grpo_lab.config import GRPOConfig
 from grpo_lab.models import enable_gradient_checkpointing, load_causal_lm, load_tokenizer, prepare_tokenizer
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
-from grpo_lab.rewards import prepare_reward_funcs, score_completions
+from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
 from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
@@ -580,7 +580,8 @@ class Engine:
         config = self.config
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
-        rows = dataset.select(range(local.start, local.stop)).to_dict()
+        check_reward_signatures(self.reward_funcs, self.reward_names, [c for c in dataset.column_names if c != "prompt"])
+        rows = dataset.with_format(None)[local.start:local.stop]
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
         columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
         size = config.per_device_eval_batch_size * repeats

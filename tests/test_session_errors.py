@@ -1,5 +1,7 @@
 """Bad input raises at once, names the problem and the fix, and leaves the session usable."""
 
+import functools
+import inspect
 import math
 import warnings
 
@@ -71,6 +73,34 @@ def test_a_reward_function_that_cannot_take_the_call_is_refused_before_generatio
     with pytest.raises(TypeError, match=message):
         session.reward_funcs = [func]
     assert session.engine.reward_names == ["correctness_reward", "format_reward"]  # unchanged
+
+
+def _taking_only_its_own_arguments(func):
+    """A decorator whose wrapper takes any keywords and passes on those ``func`` names."""
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        return func(**{k: v for k, v in kwargs.items() if k in inspect.signature(func).parameters})
+
+    return wrapper
+
+
+@_taking_only_its_own_arguments
+def answer_length(completions, answer):
+    return [float(len(a)) for a in answer]
+
+
+def exact(completions, prompts, completion_ids, trainer_state, log_extra, log_metric, answer):
+    return [0.0] * len(completions)
+
+
+def test_the_check_reads_a_decorated_functions_wrapper_and_evaluation_checks_its_own_columns(make_session, task):
+    session = make_session(reward_funcs=[answer_length, exact])  # the wrapper takes **kwargs, so the call fits
+    session.step()
+    assert session.history["rewards/answer_length/mean"].iloc[0] > 0
+    labelled = task.eval_dataset.add_column("label", [0] * len(task.eval_dataset))
+    with pytest.raises(TypeError, match=r"'exact' does not accept label\."):
+        session.evaluate(labelled)  # refused before generating: the evaluation rows carry a column 'exact' cannot take
 
 
 def test_a_reward_model_string_that_cannot_be_loaded_says_strings_are_models(make_session, tmp_path):

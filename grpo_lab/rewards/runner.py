@@ -54,8 +54,8 @@ CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "l
 def check_reward_signature(func, name: str, columns: list[str]) -> None:
     """Raise a TypeError now, naming the fix, if ``func`` cannot take the keyword arguments every call
     passes (``CALL_KEYWORDS`` and the dataset ``columns``), instead of failing after generation."""
-    try:
-        parameters = inspect.signature(func).parameters.values()
+    try:  # the signature of what is called: a decorator's wrapper, not the function it wraps
+        parameters = inspect.signature(func, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # builtins and some C callables have no signature to read
         return
     passed = [*CALL_KEYWORDS, *columns]
@@ -126,10 +126,15 @@ def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_ini
     names = [reward_func_name(f) for f in loaded]
     if len(set(names)) != len(names):
         names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
-    for func, name in zip(loaded, names, strict=True):
+    check_reward_signatures(loaded, names, columns)
+    return loaded, tokenizers, names
+
+
+def check_reward_signatures(funcs, names, columns) -> None:
+    """:func:`check_reward_signature` for each reward function (models take no keyword arguments)."""
+    for func, name in zip(funcs, names, strict=True):
         if not isinstance(func, PreTrainedModel):
             check_reward_signature(func, name, list(columns))
-    return loaded, tokenizers, names
 
 
 @torch.no_grad()
