@@ -233,7 +233,9 @@ class GRPOConfig:
     """Adapt the entropy weight every optimizer step: up by ``entropy_coef_delta`` when the step's
     mean token entropy is at most ``entropy_target``, down otherwise, within
     [``entropy_coef_min``, ``entropy_coef_max``]; the bonus is applied only while the previous step's
-    entropy was at most the target."""
+    entropy was at most the target. The entropy followed is the bonus's own: over the tokens
+    ``top_entropy_quantile`` keeps, so with a quantile below 1 it is above the logged ``entropy``
+    (all completion tokens)."""
     entropy_coef_min: float = 0.0
     """Lower bound of the adaptive entropy weight."""
     entropy_coef_max: float = 1.0

@@ -441,6 +441,9 @@ class Engine:
         """
         config = self.config
         rollout = advantages.scores.rollout
+        if config.beta > 0 and rollout.ref_logprobs_BT is None:  # beta switched on after this batch was sampled
+            with self.accelerator.autocast():
+                rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self.step_indices(batch_step)
         step_index = torch.cat(micro_batches)

@@ -211,8 +211,8 @@ class GRPOSession:
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":
                 self.engine.set_learning_rate(new)
-            if name == "entropy_coef":
-                self.engine.entropy_coef = new  # also restarts the adaptive weight from the new value
+            if name in ("entropy_coef", "use_adaptive_entropy"):  # the weight (re)starts from entropy_coef
+                self.engine.entropy_coef = self.config.entropy_coef
         if set(changed) & _ADAMW_FIELDS:
             self.engine.apply_adamw_settings()
         self._applied_config = current

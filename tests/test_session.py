@@ -222,6 +222,9 @@ def test_adaptive_entropy_weight_follows_the_target_and_survives_save_and_load(m
     restored = GRPOSession.load(session.save(tmp_path / "saved"))
     assert restored.engine.entropy_coef == session.engine.entropy_coef
     assert restored.engine.last_step_entropy == session.engine.last_step_entropy
+    session.config.use_adaptive_entropy = False  # back to the static weight, not the adapted one
+    session.step()
+    assert session.history["entropy_coef"].iloc[-1] == pytest.approx(0.02)
 
 
 def test_off_policy_mask_drops_drifted_negative_advantage_completions_of_a_reused_batch(make_session):

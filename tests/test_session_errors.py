@@ -241,6 +241,21 @@ def test_beta_cannot_be_switched_on_without_a_reference_model(make_session):
     assert with_reference.config_changes[0]["field"] == "beta"
 
 
+
+def test_beta_switched_back_on_in_the_middle_of_a_batch_scores_it_against_the_reference(make_session):
+    session = make_session(beta=0.04)
+    session.step()  # the policy moves away from the reference
+    session.config.beta = 0.0
+    session.generate()  # sampled without reference log-probs
+    session.score()
+    session.advantages()
+    session.config.beta = 0.04
+    session.loss()
+    assert session.rollout.ref_logprobs_BT is not None
+    assert session.loss_result.metrics["kl"] > 0
+    session.update()
+
+
 def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
     session = make_session(max_steps=10, lr_scheduler_type="linear", learning_rate=1e-3)
     session.run(3, progress=False)

@@ -130,23 +130,27 @@ def entropy_bonus(
     *,
     loss_type: str,
     num_items_in_batch: float | torch.Tensor | None = None,
+    entropy_mask_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The entropy term H of ``L = L_policy - entropy_coef x H``, normalised so that over an optimizer
-    step it is the mean entropy per completion token, whatever the loss type:
+    """The entropy term H of ``L = L_policy - entropy_coef x H``: the mean entropy of the kept tokens
+    (``k = m x entropy_mask``, all completion tokens without ``top_entropy_quantile``), weighted so that
+    over an optimizer step it is that mean whatever the loss type:
 
-    - dapo, cispo, vespo: ``sum m H / N`` with N the optimizer step's tokens (as in
-      :func:`aggregate_loss`), which adds up over the step's micro-batches to the step's mean;
-    - every other loss type: ``sum m H / max(sum m, 1)``, this micro-batch's mean (the caller
-      averages micro-batches as it averages their losses).
+    - dapo, cispo, vespo: ``(sum k H / max(sum k, 1)) x sum m / N`` with N the optimizer step's tokens
+      (as in :func:`aggregate_loss`): each micro-batch's kept-token mean weighted by its share of the
+      step's tokens, so the micro-batches add up to the step's mean (exactly ``sum m H / N`` when every
+      token is kept);
+    - every other loss type: ``sum k H / max(sum k, 1)``, this micro-batch's mean (the caller averages
+      micro-batches as it averages their losses).
 
-    Shapes: entropies (B, T) with gradient; mask (B, T) (with ``top_entropy_quantile`` < 1, the
-    entropy mask times the completion mask). Returns a scalar.
+    Shapes: entropies (B, T) with gradient; masks (B, T). Returns a scalar.
     """
     mask_BT = mask_BT.to(entropies_BT.dtype)
-    total = (entropies_BT * mask_BT).sum()
+    kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT.to(entropies_BT.dtype)
+    mean = (entropies_BT * kept_BT).sum() / kept_BT.sum().clamp(min=1.0)
     if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
-        return total / torch.as_tensor(num_items_in_batch).clamp(min=1.0)
-    return total / mask_BT.sum().clamp(min=1.0)
+        return mean * mask_BT.sum() / torch.as_tensor(num_items_in_batch).clamp(min=1.0)
+    return mean
 
 
 def applied_entropy_coef(coef: float, last_entropy: float | None, *, adaptive: bool, target: float) -> float:
@@ -332,8 +336,9 @@ def policy_loss(
     if entropy_coef != 0.0:
         if entropies_BT is None:
             raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
-        kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
-        bonus = entropy_bonus(entropies_BT, kept_BT, loss_type=loss_type, num_items_in_batch=num_items_in_batch)
+        bonus = entropy_bonus(
+            entropies_BT, mask_BT, loss_type=loss_type, num_items_in_batch=num_items_in_batch, entropy_mask_BT=entropy_mask_BT,
+        )
         loss = loss - entropy_coef * bonus
     return PolicyLossOutput(
         loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT, entropy_bonus=bonus,

@@ -268,6 +268,14 @@ def test_entropy_bonus_is_the_mean_token_entropy_for_every_normaliser():
     assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="grpo"), scalar(5.5 / 5))
     # dapo: over the optimizer step's N = 10 tokens, so two such micro-batches add up to the mean.
     assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="dapo", num_items_in_batch=10), scalar(5.5 / 10))
+    # With top_entropy_quantile's mask keeping 0.5, 2.0 and 0.5 (3 of 5 tokens): their mean, 1.0, for
+    # every loss type; dapo weights it by the micro-batch's 5 of the step's 10 tokens.
+    entropy_mask_BT = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
+    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="grpo", entropy_mask_BT=entropy_mask_BT), scalar(1.0))
+    assert_close(
+        entropy_bonus(H_BT, MASK_BT, loss_type="dapo", num_items_in_batch=10, entropy_mask_BT=entropy_mask_BT),
+        scalar(1.0 * 5 / 10),
+    )
 
 
 def test_entropy_coef_subtracts_the_bonus_and_its_gradient_reaches_the_entropies():
