@@ -251,7 +251,8 @@ class Engine:
     def rebuild_schedule(self) -> None:
         """Rebuild the learning-rate schedule from the config (after ``max_steps``, ``num_train_epochs``,
         ``lr_scheduler_type``, ``lr_scheduler_kwargs``, ``warmup_steps`` or ``warmup_ratio`` changed)
-        and move it to the current step, as if the run had started with these settings."""
+        and move it as far as the old one had gone (skipped updates did not step it), as if the run had
+        started with these settings."""
         if not self.owns_scheduler:
             raise ValueError(
                 "The learning-rate schedule was given in optimizers=(optimizer, scheduler), so grpo_lab cannot "
@@ -262,7 +263,7 @@ class Engine:
         scheduler = self._new_scheduler()
         with warnings.catch_warnings():  # stepping a fresh schedule forward, not skipping an optimizer step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            for _ in range(self.global_step):
+            for _ in range(self.scheduler.last_epoch):  # the steps taken: skipped updates did not step it
                 scheduler.step()
         self.scheduler = scheduler
 

@@ -182,7 +182,7 @@ def test_prompts_longer_than_the_context(make_session, task):
 
 
 def test_non_finite_loss_skips_the_update_and_keeps_weights(make_session):
-    session = make_session()
+    session = make_session(max_steps=10, lr_scheduler_type="linear", learning_rate=1e-3)
     session.generate(), session.score(), session.advantages(), session.loss()
     for p in session.engine.model.parameters():
         p.grad = torch.full_like(p, math.nan)
@@ -195,6 +195,10 @@ def test_non_finite_loss_skips_the_update_and_keeps_weights(make_session):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _steps_fine(session)
+    # The schedule took one step (the skipped update took none); a rebuilt schedule goes as far.
+    session.config.max_steps = 20
+    session.step()
+    assert session.history["learning_rate"].tolist() == pytest.approx([1e-3, 1e-3, 1e-3 * 19 / 20])
 
 
 def test_a_second_session_with_another_precision_in_the_same_process(make_session):
