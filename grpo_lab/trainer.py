@@ -91,7 +91,8 @@ class GRPOTrainer:
         ``resume_from_checkpoint``: a checkpoint directory, or True for the newest one in
         ``output_dir``.
         """
-        if not resume_from_checkpoint and self.accelerator.is_main_process:
+        fresh = not resume_from_checkpoint and self.session.global_step == 0  # not this trainer's own run, continued
+        if fresh and self.accelerator.is_main_process:
             earlier = sorted(p.name for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*")) + [
                 name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
             ]

@@ -127,14 +127,18 @@ def test_lora_save_model_writes_the_adapter_or_a_merged_model(task, tmp_path):
 
 
 def test_the_end_of_training_is_always_checkpointed(task, tmp_path):
-    trainer = _trainer(task, tmp_path, max_steps=3, save_steps=50)
+    trainer = _trainer(task, tmp_path, max_steps=2, save_steps=50)
     trainer.train()
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+    trainer.args.max_steps = 3  # the same trainer trains on: its own files are no earlier run
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*from an earlier run")
+        trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     again = _trainer(task, tmp_path, max_steps=3, save_steps=50)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*from an earlier run")
         again.train(resume_from_checkpoint=True)
     assert again.session.global_step == 3
     fresh = _trainer(task, tmp_path, max_steps=1)
-    with pytest.warns(UserWarning, match=r"already holds checkpoint-3, metrics.jsonl from an earlier run.*resume_from_checkpoint=True"):
+    with pytest.warns(UserWarning, match=r"already holds checkpoint-2, checkpoint-3, metrics.jsonl from an earlier run.*resume_from_checkpoint=True"):
         fresh.train()
