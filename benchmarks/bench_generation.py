@@ -11,7 +11,9 @@ including EOS). Needs vLLM, so run it from the vLLM environment:
 Cases: ``tiny``, the shipped 0.9M model, 64 prompts x 8 completions of at most 8 tokens (the
 demo's generation batch); ``large``, a random 30M-parameter Llama (as in bench_trl.py), 4 prompts
 x 8 completions of exactly 128 tokens (EOS ignored, so that both backends do the same work).
-Both sample at temperature 1 in float32; vLLM also returns each token's log-prob. ``--lora R``
+Both sample at temperature 1 in float32; vLLM also returns each token's log-prob. The
+transformers backend runs as the trainer runs it by default: a group's prompt pre-filled once
+(``share_prompt_prefix``), decoding steps written into the key/value cache in place. ``--lora R``
 generates through a LoRA adapter of rank R on both sides, as training with ``peft_config`` does
 (on CPU the only way to train with vLLM).
 """
@@ -63,13 +65,15 @@ def _generator(backend: str, case: dict, tokenizer, lora: int):
     if backend == "transformers":
         from transformers import AutoModelForCausalLM
 
+        from grpo_lab.prefix_sharing import PrefixSharing
         from grpo_lab.rollout.hf import generate, sampling_config
 
         model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32)
         model = _adapter(model, lora) if lora else model
         extra = {"min_new_tokens": case["max_tokens"]} if case["fixed_length"] else {}
         config = sampling_config(tokenizer, max_new_tokens=case["max_tokens"], generation_kwargs=extra)
-        return lambda: int(generate(model, tokenizer, texts, config).completion_mask_BT.sum())
+        sharing = PrefixSharing()  # as the trainer generates by default (share_prompt_prefix)
+        return lambda: int(generate(model, tokenizer, texts, config, sharing).completion_mask_BT.sum())
 
     from grpo_lab.rollout.vllm_engine import VLLMEngine
 

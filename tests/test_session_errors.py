@@ -114,7 +114,7 @@ def test_raising_reward_function_names_itself_and_the_sample(make_session, task)
 
     session = make_session(reward_funcs=[fragile])
     rollout = session.generate()
-    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample \d+: prompt=.*score again"):
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample \d+: prompt=.*call session.score\(\)"):
         session.score()
     assert session.rollout is rollout and session.next_stage == "score"  # completions kept
     session.reward_funcs = task.reward_funcs
