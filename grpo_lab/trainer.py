@@ -152,7 +152,10 @@ class GRPOTrainer:
             table.add_column(column.removeprefix("rewards/"))
         for _, r in rows.iterrows():
             table.add_row(str(r["prompt"]), str(r["completion"]), *[f"{r[c]:.3g}" for c in reward_columns], f"{r['advantage']:.3g}")
-        Console().print(table)
+        console = Console()
+        if not console.is_terminal:  # a log file: 80 columns would wrap every completion over several lines
+            console = Console(width=160)
+        console.print(table)
 
     def _tensorboard(self):
         if "tensorboard" not in self.reporters:

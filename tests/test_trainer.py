@@ -30,10 +30,13 @@ def test_trainer_and_session_give_identical_metrics_and_weights(make_session, ta
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path):
+def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys):
     trainer = _trainer(task, tmp_path, max_steps=4, save_steps=2, save_total_limit=1, log_completions=True,
                        num_completions_to_print=2)
     last = trainer.train()
+    printed = capsys.readouterr().out.splitlines()  # a table of 2 completions every logging step
+    assert [line.strip() for line in printed if "completions at step" in line] == [f"completions at step {n}" for n in (1, 2, 3, 4)]
+    assert sum(line.startswith("│") for line in printed) == 4 * 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1] == last
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
