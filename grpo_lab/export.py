@@ -13,8 +13,13 @@ Notebook cell convention (``grpo-lab export notebook.ipynb -o train.py``):
   call becomes ``GRPOTrainer(...)`` (the same arguments), its ``args=`` receives the command-line
   overrides, and ``NAME.train()`` follows;
 - exported ``NAME.config.FIELD = VALUE`` statements become part of the script's config, below the
-  command-line overrides; a name the exported code reads but no exported cell defines is refused
-  at export time.
+  command-line overrides; they must be plain assignments at the top level of a cell whose value
+  reads only names defined before the session (a literal, a constant), and any other edit of
+  ``NAME.config`` is refused at export time;
+- a name the exported code reads but no exported cell defines is refused at export time;
+- the script creates and trains the ``GRPOTrainer`` under ``if __name__ == "__main__":`` (processes
+  that vLLM or multiprocessing spawn import the script again), so the code of the session's cell
+  from the session on, and of the cells after it, runs there.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import io
+import symtable
 import sys
 import textwrap
+import tokenize
 import types
 from pathlib import Path
 
@@ -35,6 +43,13 @@ HEADER = '''\
     accelerate launch --multi_gpu --num_processes 2 {script} --max_steps 100
 """
 '''
+
+
+MODULE_DUNDERS = frozenset({
+    "__builtins__", "__name__", "__file__", "__doc__", "__cached__", "__loader__", "__package__",
+    "__spec__", "__annotations__",
+})
+"""Names every module has when it runs as a script."""
 
 
 class ExportError(ValueError):
@@ -49,21 +64,21 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
 
     from grpo_lab.config import GRPOConfig
 
-    if edits:
-        base = dataclasses.replace(base, **edits)
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume_from", default=None)
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if "-h" in rest or "--help" in rest:
+        print(f"usage: {Path(sys.argv[0]).name} [--resume_from DIR] [--FIELD VALUE ...]\n")
         print("  --resume_from DIR  continue from a saved session (session.save) or a checkpoint-N directory\n")
     if known.resume_from is not None and not Path(known.resume_from).is_dir():
         print(f"error: --resume_from {known.resume_from}: no such directory (give a directory written by "
               "session.save() or a checkpoint-N of a trainer)", file=sys.stderr)
         raise SystemExit(2)
     try:
+        if edits:
+            base = dataclasses.replace(base, **edits)
         return GRPOConfig.from_args(rest, base=base), known.resume_from
-    except (ValueError, NotImplementedError) as error:
+    except (ValueError, TypeError, NotImplementedError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -246,30 +261,82 @@ def _session_call(tree: ast.Module) -> tuple[ast.Assign, ast.Call]:
     )
 
 
-def _config_edits(tree: ast.Module, target: str) -> list[ast.Assign]:
-    """Top-level ``TARGET.config.FIELD = VALUE`` statements: edits of the session's config."""
-    edits = []
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            field = node.targets[0]
-            if (
-                isinstance(field, ast.Attribute) and isinstance(field.value, ast.Attribute)
-                and field.value.attr == "config" and ast.unparse(field.value.value) == target
-            ):
-                edits.append(node)
-    return edits
+def _edits_config(node: ast.stmt, target: str) -> bool:
+    """Whether the assignment statement ``node`` stores into ``TARGET.config`` (a field or part of one)."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return any(
+        isinstance(part, ast.Attribute) and part.attr == "config" and ast.unparse(part.value) == target
+        for each in targets for part in ast.walk(each)
+    )
+
+
+def _config_edits(tree: ast.Module, target: str) -> list[ast.stmt]:
+    """The statements, anywhere in the exported code, that assign into ``TARGET.config``."""
+    return [
+        node for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and _edits_config(node, target)
+    ]
+
+
+def _module_bindings(table: symtable.SymbolTable) -> set[str]:
+    """Names that the code of ``table`` (a module's symtable) binds in the module namespace: its own
+    assignments, imports, functions and classes, plus names a nested scope declares ``global`` and
+    assigns, which covers ``:=`` in a module-level comprehension."""
+    names = {
+        symbol.get_name() for symbol in table.get_symbols()
+        if (symbol.is_assigned() or symbol.is_imported() or symbol.is_namespace())
+        and (table.get_type() == "module" or symbol.is_declared_global())
+    }
+    for child in table.get_children():
+        names |= _module_bindings(child)
+    return names
+
+
+def _module_reads(table: symtable.SymbolTable) -> set[str]:
+    """Names that the code of ``table`` (a module's symtable), nested scopes included, reads from the
+    module namespace."""
+    names = {symbol.get_name() for symbol in table.get_symbols() if symbol.is_referenced() and symbol.is_global()}
+    for child in table.get_children():
+        names |= _module_reads(child)
+    return names
+
+
+def _bindings(statements: list[ast.stmt]) -> set[str]:
+    """Names that ``statements``, run at the top level of a module, bind there."""
+    return _module_bindings(symtable.symtable(ast.unparse(ast.Module(statements, [])), "<exported cells>", "exec"))
+
+
+def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]) -> str | None:
+    """Why the config edit ``edit`` cannot become part of the script's config, with the fix; None when
+    it can. ``known`` holds the names the script has when it builds the config."""
+    if edit not in tree.body:
+        return "it is inside a compound statement or a function; move the edit to the top level of a cell"
+    field = ast.unparse(edit.target if isinstance(edit, (ast.AugAssign, ast.AnnAssign)) else edit.targets[0])
+    literal = f"write the new value as a literal: `{field} = <new value>`"
+    if isinstance(edit, ast.AugAssign):
+        return f"it updates the value in place; {literal}"
+    plain = (
+        isinstance(edit, ast.Assign) and len(edit.targets) == 1 and isinstance(edit.targets[0], ast.Attribute)
+        and ast.unparse(edit.targets[0].value) == f"{target}.config"
+    )
+    if not plain:
+        return f"only `{target}.config.FIELD = VALUE` statements are folded; write one such statement per field"
+    unread = sorted(_module_reads(symtable.symtable(ast.unparse(edit.value), "<edit>", "eval")) - known)
+    if unread:
+        return (
+            f"its value reads {', '.join(unread)}, which the script does not have when it builds the config; "
+            f"{literal}, or compute it before `{target} = GRPOSession(...)`"
+        )
+    return None
 
 
 def _undefined_names(code: str, cell_at_line) -> list[str]:
     """Names the exported code reads that nothing in it defines (and that are not builtins), as
     'NAME (in WHERE, cell N)' descriptions; empty when the code star-imports (names unknowable)."""
-    import symtable
-
     if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in ast.walk(ast.parse(code))):
         return []
     module = symtable.symtable(code, "<exported cells>", "exec")
-    defined = {s.get_name() for s in module.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
-    known = defined | set(dir(builtins)) | {"__file__"}
+    known = _module_bindings(module) | set(dir(builtins)) | MODULE_DUNDERS
     found: dict[tuple[str, str], int] = {}
 
     def visit(table, where: str) -> None:
@@ -287,11 +354,30 @@ def _undefined_names(code: str, cell_at_line) -> list[str]:
     return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in found.items()]
 
 
-def _replace(lines: list[str], node: ast.AST, text: str) -> None:
-    """Replace the source span of ``node`` in ``lines`` (0-based list of lines) with ``text``."""
-    start, end = node.lineno - 1, node.end_lineno - 1
+def _replace(lines: list[str], node: ast.AST, text: str, first_line: int = 1) -> None:
+    """Replace the source span of ``node`` in ``lines``, whose first line is line ``first_line`` of the
+    parsed code, with ``text``."""
+    start, end = node.lineno - first_line, node.end_lineno - first_line
     prefix, suffix = lines[start][: node.col_offset], lines[end][node.end_col_offset:]
     lines[start:end + 1] = (prefix + text + suffix).split("\n")
+
+
+def _indented(code: str) -> str:
+    """``code`` (whole statements) one level deeper, the inside of multi-line strings left as it is."""
+    inside_strings = set()
+    for token in tokenize.generate_tokens(io.StringIO(code).readline):
+        inside_strings.update(range(token.start[0] + 1, token.end[0] + 1))
+    return "\n".join(
+        line if number in inside_strings or not line.strip() else "    " + line
+        for number, line in enumerate(code.split("\n"), start=1)
+    )
+
+
+def _cell_line(starts: list[tuple[int, int, int]], at: int) -> tuple[int, int]:
+    """(cell index, line in the cell) of line ``at`` of the joined code; ``starts`` holds each cell's
+    (first line in the joined code, cell index, leading blank lines left out)."""
+    first, index, skipped = max(start for start in starts if start[0] <= at)
+    return index, at - first + skipped
 
 
 def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
@@ -308,14 +394,14 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
             f"{notebook_path} has no exported cells. Tag the cells that define imports, data, reward "
             "functions, config and the session with `export`, or start them with `# export`."
         )
-    pieces, starts = [], []  # starts: (first line of the cell in the joined code, cell index)
+    pieces, starts = [], []  # starts: see _cell_line
     next_line = 1
     for index, cell in chosen:
         source = cell.source
         if any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()):
             raise ExportError(f"Cell {index} is exported but uses IPython magics or shell lines (% or !).")
         piece = f"# --- cell {index} ---\n{source.strip()}\n"
-        starts.append((next_line, index))
+        starts.append((next_line, index, source[: len(source) - len(source.lstrip())].count("\n")))
         pieces.append(piece)
         next_line += piece.count("\n") + 1
     code = "\n".join(pieces)
@@ -324,7 +410,6 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
     except SyntaxError as error:
         raise ExportError(f"The exported cells are not valid Python: {error}") from error
     assign, call = _session_call(tree)
-    lines = code.split("\n")
     target = ast.unparse(assign.targets[0])
     config_arg = next((k for k in call.keywords if k.arg == "args"), None)
     if config_arg is None:
@@ -332,25 +417,39 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
             "The GRPOSession call in the exported cells has no `args=` config; pass `args=config` so the "
             "script can apply command-line overrides."
         )
-    config_edits = _config_edits(tree, target)
-    undefined = _undefined_names(
-        code, lambda at: "" if not at else f", cell {max(i for start, i in starts if start <= at)}"
-    )
+    undefined = _undefined_names(code, lambda at: "" if not at else f", cell {_cell_line(starts, at)[0]}")
     if undefined:
         raise ExportError(
             f"The exported cells use names that no exported cell defines: {'; '.join(undefined)}. The script would "
             "fail with a NameError. Tag the cells that define them `export` (or start them with `# export`)."
         )
     # A notebook's config edits become part of the script's config, below the command-line options.
+    position = tree.body.index(assign)
+    known = (_bindings(tree.body[:position]) - _bindings(tree.body[position:])) | set(dir(builtins)) | MODULE_DUNDERS
+    config_edits = _config_edits(tree, target)
+    for edit in config_edits:
+        problem = _edit_problem(edit, tree, target, known)
+        if problem:
+            cell, line = _cell_line(starts, edit.lineno)
+            raise ExportError(
+                f"Cell {cell}, line {line}: `{ast.unparse(edit)}` cannot become part of the script's config: {problem}."
+            )
     edit_values = ", ".join(f"{e.targets[0].attr!r}: {ast.unparse(e.value)}" for e in config_edits)
     config_call = f"_cli_config({ast.unparse(config_arg.value)}" + (f", {{{edit_values}}})" if config_edits else ")")
+    lines = code.split("\n")
     edits = [(call.func, "GRPOTrainer"), (config_arg.value, config_call)] + [
-        (e, f"# {ast.unparse(e.targets[0])} = {ast.unparse(e.value)}: applied to the config above (command-line options win)")
+        (e, f"# {ast.unparse(e.targets[0])} = {ast.unparse(e.value)}: applied to the config above (command-line options win)"
+         if not lines[e.end_lineno - 1][e.end_col_offset:].strip() else "pass")  # `; more` after it must stay code
         for e in config_edits
     ]
+    # The trainer is created and trained under the main guard: the code from the session's line on.
+    before, guarded = lines[: assign.lineno - 1], lines[assign.lineno - 1:]
     # Edit from the end of the text backwards so earlier positions stay valid.
     for node, text in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
-        _replace(lines, node, text)
+        if node.lineno >= assign.lineno:
+            _replace(guarded, node, text, first_line=assign.lineno)
+        else:
+            _replace(before, node, text)
     cells = ", ".join(str(i) for i, _ in chosen)
     script = [
         HEADER.format(version=__version__, source=f"{notebook_path.name} (cells {cells})", script=path.name),
@@ -366,10 +465,14 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
         "    return config",
         "",
         "",
-        "\n".join(lines).rstrip(),
+        "\n".join(before).rstrip(),
         "",
-        f"{target}.train(resume_from_checkpoint=_RESUME_FROM)",
-        f"{target}.save_model()",
+        "",
+        'if __name__ == "__main__":  # processes spawned by vLLM or multiprocessing import this file again',
+        _indented("\n".join(guarded).rstrip()),
+        "",
+        f"    {target}.train(resume_from_checkpoint=_RESUME_FROM)",
+        f"    {target}.save_model()",
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
