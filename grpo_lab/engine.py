@@ -259,7 +259,7 @@ class Engine:
                 "rebuild it from the config; the edit was undone. Step your own scheduler, or build a new session."
             )
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["initial_lr"] = base  # each group's own base rate, as set_learning_rate keeps it
+            group["initial_lr"] = base  # each group's own base rate
         scheduler = self._new_scheduler()
         with warnings.catch_warnings():  # stepping a fresh schedule forward, not skipping an optimizer step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
@@ -267,12 +267,23 @@ class Engine:
                 scheduler.step()
         self.scheduler = scheduler
 
-    def set_learning_rate(self, value: float) -> None:
-        """Apply a new base learning rate from now on, keeping the schedule's current factor."""
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+    def restart_entropy_weight(self, *, forget_entropy: bool = False) -> None:
+        """Restart the entropy bonus's weight from ``entropy_coef``; with ``forget_entropy`` (when
+        ``use_adaptive_entropy`` is switched) also drop the last measured step entropy, so that an
+        entropy from before the switch does not gate or adapt the weight."""
+        self.entropy_coef = self.config.entropy_coef
+        if forget_entropy:
+            self.last_step_entropy = self._pending_step_entropy = None
+
+    def set_learning_rate(self, value: float, previous: float) -> None:
+        """Apply ``learning_rate`` ``value`` (was ``previous``) from now on, keeping the schedule's current
+        factor: each parameter group's base rate is scaled by ``value / previous``, so groups given
+        their own rates (``optimizers=``) keep their ratios; from a previous rate of 0, every base is ``value``."""
+        bases = [base * value / previous if previous else value for base in self.scheduler.base_lrs]
+        for group, base, new in zip(self.optimizer.param_groups, self.scheduler.base_lrs, bases, strict=True):
             factor = group["lr"] / base if base else 1.0
-            group["lr"] = value * factor
-        self.scheduler.base_lrs = [value] * len(self.scheduler.base_lrs)
+            group["lr"] = new * factor
+        self.scheduler.base_lrs = bases
 
     # ------------------------------------------------------------------ log-probs
     def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,

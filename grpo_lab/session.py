@@ -45,6 +45,9 @@ _BATCH_LAYOUT_FIELDS = {
 }
 """Build-time fields that shape a generation batch: a saved half-used batch cannot be fed under new values."""
 
+_SAVED_STATE_FIELDS = {"seed", "data_seed", "shuffle_dataset", "optim"}
+"""Build-time fields whose saved values a loaded run's random state, prompt order and optimizer state carry."""
+
 _SCHEDULE_FIELDS = {"max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}
 """Config fields that rebuild the learning-rate schedule, at the current step, when they change."""
 
@@ -210,9 +213,9 @@ class GRPOSession:
         for name, (old, new) in changed.items():
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
             if name == "learning_rate":
-                self.engine.set_learning_rate(new)
-            if name in ("entropy_coef", "use_adaptive_entropy"):  # the weight (re)starts from entropy_coef
-                self.engine.entropy_coef = self.config.entropy_coef
+                self.engine.set_learning_rate(new, old)
+            if name in ("entropy_coef", "use_adaptive_entropy"):
+                self.engine.restart_entropy_weight(forget_entropy=name == "use_adaptive_entropy")
         if set(changed) & _ADAMW_FIELDS:
             self.engine.apply_adamw_settings()
         self._applied_config = current
@@ -380,7 +383,9 @@ class GRPOSession:
     # ------------------------------------------------------------------ persistence
     def save(self, path) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
-        history, config and any half-finished stage results to ``path``, atomically."""
+        history, config and any half-finished stage results to ``path``, atomically. Config edits
+        made since the last stage are validated first, as the next stage would."""
+        self._sync_config()
         extra = {
             "history": self._history,
             "completion_log": self._completion_log,
@@ -458,11 +463,20 @@ class GRPOSession:
 def _rebuilt_fields(directory: Path, extra: dict, built: dict) -> dict:
     """Build-time fields whose value at load differs from the saved run's, as ``{name: (old, new)}``.
 
-    The loaded session was built with the new values, so they are in effect from the next step; a
-    half-used batch that a new batch layout cannot feed is refused here, before anything is restored.
+    The loaded session was built with the new values, so they are in effect from the next step. Refused
+    here, before anything is restored: new seeds, prompt order or optimizer (the saved state carries
+    the old ones), and a new batch layout for a half-used batch.
     """
     saved = extra["applied_config"]
     changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
+    carried = sorted(set(changed) & _SAVED_STATE_FIELDS)
+    if carried:
+        raise ValueError(
+            f"{', '.join(f'{name}={changed[name][1]!r}' for name in carried)}: {directory} was saved with "
+            f"{', '.join(f'{name}={changed[name][0]!r}' for name in carried)}, which its random state, prompt order and "
+            "optimizer state carry, so a loaded run cannot change them. Load it with the saved values, or start a new "
+            f"run from its weights ({directory / MODEL_DIR})."
+        )
     layout = sorted(set(changed) & _BATCH_LAYOUT_FIELDS)
     if layout and extra["pending"][0] is not None:
         raise ValueError(

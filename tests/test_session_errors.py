@@ -286,14 +286,17 @@ def test_a_schedule_rebuilt_over_a_users_optimizer_keeps_each_groups_rate(task, 
                           optimizers=(optimizer, None))
     session.run(2, progress=False)
     session.config.max_steps = 20
-    session.step()  # the third step runs at factor (20 - 2) / 20 of each group's own rate
+    session.step()  # after three steps the factor is (20 - 3) / 20 of each group's own rate
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([1e-3 * 17 / 20, 1e-4 * 17 / 20])
+    session.config.learning_rate = 2e-3  # from the config's 1e-3: both groups' rates double
+    session.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([2e-3 * 16 / 20, 2e-4 * 16 / 20])
     session.config.lr_scheduler_kwargs = {"no_such_argument": 1}
     with pytest.raises(TypeError, match="no_such_argument"):
         session.generate()
     assert session.config.lr_scheduler_kwargs is None or session.config.lr_scheduler_kwargs == {}
     session.step()  # the old schedule stays in force
-    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([1e-3 * 16 / 20, 1e-4 * 16 / 20])
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([2e-3 * 15 / 20, 2e-4 * 15 / 20])
 
 
 def test_stepping_past_max_steps_warns_once_that_the_schedule_has_ended(make_session):

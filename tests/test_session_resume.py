@@ -111,6 +111,12 @@ def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_
     assert changes["gradient_checkpointing"] == {"step": 2, "field": "gradient_checkpointing", "old": False, "new": True}
     assert changes["max_steps"]["new"] == session.config.max_steps + 4
 
+    with pytest.raises(ValueError, match=r"seed=7: .*saved with seed=0, which its random state.*carry"):
+        GRPOSession.load(tmp_path / "between", args=replace(session.config, seed=7))
+    session.config.num_generations = 2  # an edit the session refuses is refused by save too, not saved
+    with pytest.raises(ValueError, match="num_generations cannot change after the session is built"):
+        session.save(tmp_path / "refused")
+    assert session.config.num_generations == 4 and not (tmp_path / "refused").exists()
     session.generate()
     session.save(tmp_path / "mid_batch")
     with pytest.raises(ValueError, match=r"middle of a generation batch, and num_generations changed"):
