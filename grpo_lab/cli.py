@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train from a YAML recipe; --<config field> VALUE overrides",
         epilog="Any GRPOConfig field may follow the recipe as --FIELD VALUE and overrides it, e.g. "
         "--learning_rate 1e-5 --max_steps 200 --output_dir runs/a. The fields, their defaults and meanings: "
-        "python -c 'import grpo_lab; help(grpo_lab.GRPOConfig)'.",
+        "python -c 'from grpo_lab import GRPOConfig; print(GRPOConfig.help_text())'.",
     )
     train.add_argument("recipe", help="YAML file: GRPOConfig fields plus model / reward_funcs / datasets")
     train.add_argument("--resume_from", default=None, help="checkpoint directory to continue from")

@@ -14,8 +14,9 @@ Notebook cell convention (``grpo-lab export notebook.ipynb -o train.py``):
   overrides, and ``NAME.train()`` follows;
 - exported ``NAME.config.FIELD = VALUE`` statements become part of the script's config, below the
   command-line overrides; they must be plain assignments at the top level of a cell whose value
-  reads only names defined before the session (a literal, a constant), and any other edit of
-  ``NAME.config`` is refused at export time;
+  reads only names defined before the session (a literal, a constant); any other edit of
+  ``NAME.config``, and an edit after the session through the name passed as ``args=``, is refused at
+  export time;
 - a name the exported code reads but no exported cell defines is refused at export time;
 - the script creates and trains the ``GRPOTrainer`` under ``if __name__ == "__main__":`` (processes
   that vLLM or multiprocessing spawn import the script again), so the code of the session's cell
@@ -261,20 +262,20 @@ def _session_call(tree: ast.Module) -> tuple[ast.Assign, ast.Call]:
     )
 
 
-def _edits_config(node: ast.stmt, target: str) -> bool:
-    """Whether the assignment statement ``node`` stores into ``TARGET.config`` (a field or part of one)."""
+def _stores_into(node: ast.stmt, owner: str) -> bool:
+    """Whether the assignment statement ``node`` stores into an attribute or item of ``owner`` (source text)."""
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
     return any(
-        isinstance(part, ast.Attribute) and part.attr == "config" and ast.unparse(part.value) == target
+        isinstance(part, (ast.Attribute, ast.Subscript)) and ast.unparse(part.value) == owner
         for each in targets for part in ast.walk(each)
     )
 
 
-def _config_edits(tree: ast.Module, target: str) -> list[ast.stmt]:
-    """The statements, anywhere in the exported code, that assign into ``TARGET.config``."""
+def _assignments_into(statements: list[ast.stmt], owner: str) -> list[ast.stmt]:
+    """The assignment statements, anywhere in ``statements``, that store into ``owner`` (source text)."""
     return [
-        node for node in ast.walk(tree)
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and _edits_config(node, target)
+        node for node in ast.walk(ast.Module(statements, []))
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and _stores_into(node, owner)
     ]
 
 
@@ -306,11 +307,14 @@ def _bindings(statements: list[ast.stmt]) -> set[str]:
     return _module_bindings(symtable.symtable(ast.unparse(ast.Module(statements, [])), "<exported cells>", "exec"))
 
 
-def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]) -> str | None:
+def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str], position: int) -> str | None:
     """Why the config edit ``edit`` cannot become part of the script's config, with the fix; None when
-    it can. ``known`` holds the names the script has when it builds the config."""
+    it can. ``known`` holds the names the script has when it builds the config; ``position`` is the
+    index of the session statement in ``tree.body``."""
     if edit not in tree.body:
         return "it is inside a compound statement or a function; move the edit to the top level of a cell"
+    if tree.body.index(edit) < position:
+        return f"it comes before `{target} = GRPOSession(...)`; edit the config before the session is built instead"
     field = ast.unparse(edit.target if isinstance(edit, (ast.AugAssign, ast.AnnAssign)) else edit.targets[0])
     literal = f"write the new value as a literal: `{field} = <new value>`"
     if isinstance(edit, ast.AugAssign):
@@ -324,7 +328,8 @@ def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]
     unread = sorted(_module_reads(symtable.symtable(ast.unparse(edit.value), "<edit>", "eval")) - known)
     if unread:
         return (
-            f"its value reads {', '.join(unread)}, which the script does not have when it builds the config; "
+            f"its value reads {', '.join(unread)}, which the script does not have (or has with another value) "
+            "when it builds the config; "
             f"{literal}, or compute it before `{target} = GRPOSession(...)`"
         )
     return None
@@ -354,7 +359,7 @@ def _undefined_names(code: str, cell_at_line) -> list[str]:
     return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in found.items()]
 
 
-def _replace(lines: list[str], node: ast.AST, text: str, first_line: int = 1) -> None:
+def _replace(lines: list[str], node: ast.AST, text: str, first_line: int) -> None:
     """Replace the source span of ``node`` in ``lines``, whose first line is line ``first_line`` of the
     parsed code, with ``text``."""
     start, end = node.lineno - first_line, node.end_lineno - first_line
@@ -426,30 +431,37 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
     # A notebook's config edits become part of the script's config, below the command-line options.
     position = tree.body.index(assign)
     known = (_bindings(tree.body[:position]) - _bindings(tree.body[position:])) | set(dir(builtins)) | MODULE_DUNDERS
-    config_edits = _config_edits(tree, target)
+    config_edits = _assignments_into(tree.body, f"{target}.config") + [
+        node for node in _assignments_into(tree.body, target) if ast.unparse(node).startswith(f"{target}.config ")
+    ]
     for edit in config_edits:
-        problem = _edit_problem(edit, tree, target, known)
+        problem = _edit_problem(edit, tree, target, known, position)
         if problem:
             cell, line = _cell_line(starts, edit.lineno)
             raise ExportError(
                 f"Cell {cell}, line {line}: `{ast.unparse(edit)}` cannot become part of the script's config: {problem}."
             )
+    alias = ast.unparse(config_arg.value)
+    for edit in _assignments_into(tree.body[position + 1:], alias) if isinstance(config_arg.value, ast.Name) else []:
+        cell, line = _cell_line(starts, edit.lineno)
+        raise ExportError(
+            f"Cell {cell}, line {line}: `{ast.unparse(edit)}` edits `{alias}` after `{target} = GRPOSession(...)`. In the "
+            f"notebook that is the session's config; the script builds its config from `{alias}` and the command line "
+            f"when it creates the trainer, so the edit would be lost. Write it as `{target}.config.FIELD = VALUE`."
+        )
     edit_values = ", ".join(f"{e.targets[0].attr!r}: {ast.unparse(e.value)}" for e in config_edits)
     config_call = f"_cli_config({ast.unparse(config_arg.value)}" + (f", {{{edit_values}}})" if config_edits else ")")
     lines = code.split("\n")
     edits = [(call.func, "GRPOTrainer"), (config_arg.value, config_call)] + [
         (e, f"# {ast.unparse(e.targets[0])} = {ast.unparse(e.value)}: applied to the config above (command-line options win)"
-         if not lines[e.end_lineno - 1][e.end_col_offset:].strip() else "pass")  # `; more` after it must stay code
+         if not lines[e.end_lineno - 1][e.end_col_offset:].lstrip().startswith(";") else "pass")  # `; more` stays code
         for e in config_edits
     ]
     # The trainer is created and trained under the main guard: the code from the session's line on.
     before, guarded = lines[: assign.lineno - 1], lines[assign.lineno - 1:]
     # Edit from the end of the text backwards so earlier positions stay valid.
     for node, text in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
-        if node.lineno >= assign.lineno:
-            _replace(guarded, node, text, first_line=assign.lineno)
-        else:
-            _replace(before, node, text)
+        _replace(guarded, node, text, first_line=assign.lineno)
     cells = ", ".join(str(i) for i, _ in chosen)
     script = [
         HEADER.format(version=__version__, source=f"{notebook_path.name} (cells {cells})", script=path.name),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import shutil
 import warnings
@@ -153,8 +154,8 @@ class GRPOTrainer:
         for _, r in rows.iterrows():
             table.add_row(str(r["prompt"]), str(r["completion"]), *[f"{r[c]:.3g}" for c in reward_columns], f"{r['advantage']:.3g}")
         console = Console()
-        if not console.is_terminal:  # a log file: 80 columns would wrap every completion over several lines
-            console = Console(width=160)
+        if not (console.is_terminal or console.is_jupyter or "COLUMNS" in os.environ):
+            console = Console(width=160)  # a log file: 80 columns would wrap every completion over several lines
         console.print(table)
 
     def _tensorboard(self):

@@ -177,7 +177,7 @@ def _session_notebook(path, *cells, setup=()):
      r"Cell 2, line 3: `session.config.max_steps = session.config.max_steps \+ 50` .*reads session, .*"
      r"write the new value as a literal: `session.config.max_steps = <new value>`"),
     ("# export\nextra = STEPS + 5\nsession.config.max_steps = extra",
-     r"Cell 2, line 3: .*reads extra, which the script does not have when it builds the config.*"
+     r"Cell 2, line 3: .*reads extra, which the script does not have \(or has with another value\) when it builds.*"
      r"or compute it before `session = GRPOSession\(\.\.\.\)`"),
     ("# export\nsession.config.beta += 0.01",
      r"Cell 2, line 2: `session.config.beta \+= 0.01` .*in place; write the new value as a literal: "
@@ -192,6 +192,23 @@ def test_notebook_config_edits_the_script_cannot_fold_are_refused_with_the_fix(t
     with pytest.raises(ExportError, match=message):
         export_notebook(notebook, tmp_path / "t.py")
     assert not (tmp_path / "t.py").exists()
+
+
+def test_notebook_config_edits_before_the_session_or_through_its_args_name_are_refused(tmp_path):
+    notebook = _session_notebook(tmp_path / "before.ipynb", setup=["# export\nsession.config.beta = 0.1"])
+    with pytest.raises(ExportError, match=r"Cell 1, line 2: .*comes before `session = GRPOSession\(\.\.\.\)`"):
+        export_notebook(notebook, tmp_path / "t.py")
+    notebook = nbformat.v4.new_notebook()
+    for source in [
+        SESSION_CELLS[0] + "\nconfig = task.config()",
+        "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)",
+        "# export\nconfig.max_steps = 5",
+    ]:
+        notebook.cells.append(nbformat.v4.new_code_cell(source))
+    nbformat.write(notebook, tmp_path / "alias.ipynb")
+    with pytest.raises(ExportError, match=r"Cell 2, line 2: `config.max_steps = 5` edits `config` after .*"
+                                          r"Write it as `session.config.FIELD = VALUE`"):
+        export_notebook(tmp_path / "alias.ipynb", tmp_path / "t.py")
 
 
 def test_notebook_names_bound_by_global_walrus_and_module_dunders_count_as_defined(tmp_path):
@@ -212,13 +229,15 @@ def test_notebook_names_bound_by_global_walrus_and_module_dunders_count_as_defin
 def test_notebook_script_creates_and_trains_the_trainer_only_when_run_as_main(tmp_path):
     notebook = _session_notebook(
         tmp_path / "n.ipynb",
-        "# export\nsession.config.max_steps = STEPS + 10; AFTER = 1\nNOTE = \"\"\"first line\n  second line\"\"\"",
+        "# export\nsession.config.max_steps = STEPS + 10; AFTER = 1\nsession.config.beta = 0.0  # no KL\n"
+        "NOTE = \"\"\"first line\n  second line\"\"\"",
     )
     script = export_notebook(notebook, tmp_path / "t.py")
     text = script.read_text()
-    assert 'if __name__ == "__main__":' in text and "args=_cli_config(task.config(), {'max_steps': STEPS + 10})" in text
+    assert 'if __name__ == "__main__":' in text and "args=_cli_config(task.config(), {'max_steps': STEPS + 10, 'beta': 0.0})" in text
     assert text.endswith("    session.train(resume_from_checkpoint=_RESUME_FROM)\n    session.save_model()\n")
     assert "    pass; AFTER = 1\n" in text  # the folded edit's line keeps the statement after it
+    assert "    # session.config.beta = 0.0: applied to the config above (command-line options win)  # no KL\n" in text
     strings = [node.value for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Constant)]
     assert "first line\n  second line" in strings  # indenting the guarded code left the string as it was
     names = runpy.run_path(str(script), run_name="__mp_main__")

@@ -134,12 +134,12 @@ def entropy_bonus(
 ) -> torch.Tensor:
     """The entropy term H of ``L = L_policy - entropy_coef x H``: the mean entropy of the kept tokens
     (``k = m x entropy_mask``, all completion tokens without ``top_entropy_quantile``), weighted so that
-    over an optimizer step it is that mean whatever the loss type:
+    the micro-batches of an optimizer step add up to an average of their kept-token means:
 
     - dapo, cispo, vespo: ``(sum k H / max(sum k, 1)) x sum m / N`` with N the optimizer step's tokens
       (as in :func:`aggregate_loss`): each micro-batch's kept-token mean weighted by its share of the
-      step's tokens, so the micro-batches add up to the step's mean (exactly ``sum m H / N`` when every
-      token is kept);
+      step's tokens (``sum m H / N`` when every token is kept, so over the step exactly the mean token
+      entropy; with an entropy mask, the step's kept-token mean when micro-batches keep equal shares);
     - every other loss type: ``sum k H / max(sum k, 1)``, this micro-batch's mean (the caller averages
       micro-batches as it averages their losses).
 

@@ -255,8 +255,8 @@ def score_completions(
         except Exception as error:
             raise RewardFunctionError(
                 f"Reward function {name!r} raised {type(error).__name__}: {error}. Offending input: "
-                f"{_find_failing_sample(func, call_kwargs)}. In a session the completions are kept: fix "
-                "the function, set session.reward_funcs again and call session.score()."
+                f"{_find_failing_sample(func, call_kwargs)}. Fix the function; in a session a training "
+                "batch's completions are kept: set session.reward_funcs again and call session.score()."
             ) from error
     if pending:
         try:
@@ -264,8 +264,8 @@ def score_completions(
                 results[index] = value
         except Exception as error:
             raise RewardFunctionError(
-                f"An async reward function raised {type(error).__name__}: {error}. In a session the "
-                "completions are kept: fix the function, set session.reward_funcs again and call session.score()."
+                f"An async reward function raised {type(error).__name__}: {error}. Fix the function; in a "
+                "session a training batch's completions are kept: set session.reward_funcs again and call session.score()."
             ) from error
     columns_F = [_validate(names[i], results[i], kwargs) for i in range(len(funcs))]
     rewards_BF = torch.tensor(columns_F, dtype=torch.float32).T.contiguous()
