@@ -260,6 +260,20 @@ def test_beta_switched_back_on_in_the_middle_of_a_batch_scores_it_against_the_re
     session.update()
 
 
+
+def test_beta_switched_on_for_an_adapter_scores_against_the_base_model(task, tmp_path):
+    from peft import LoraConfig
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "learning_rate": 5e-2})
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+    session.step()  # built with beta=0: the adapter moves, and no reference copy exists
+    session.config.beta = 0.04  # the base model (adapter disabled) is the reference
+    session.step()
+    assert session.history["kl"].iloc[-1] > 0
+    assert session.config_changes[0]["field"] == "beta"
+
+
 def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
     session = make_session(max_steps=10, lr_scheduler_type="linear", learning_rate=1e-3)
     session.run(3, progress=False)
