@@ -15,7 +15,8 @@ Notebook cell convention (``grpo-lab export notebook.ipynb -o train.py``):
 - exported ``NAME.config.FIELD = VALUE`` statements become part of the script's config, below the
   command-line overrides; they must be plain assignments at the top level of a cell whose value
   reads only names defined before the session (a literal, a constant); any other edit of
-  ``NAME.config``, and an edit after the session through the name passed as ``args=``, is refused at
+  ``NAME.config``, an edit after the session through the name passed as ``args=``, and any other use
+  of ``NAME`` after the session (stepping, plots: in the script it is a trainer), is refused at
   export time;
 - a name the exported code reads but no exported cell defines is refused at export time;
 - the script creates and trains the ``GRPOTrainer`` under ``if __name__ == "__main__":`` (processes
@@ -440,6 +441,16 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
             cell, line = _cell_line(starts, edit.lineno)
             raise ExportError(
                 f"Cell {cell}, line {line}: `{ast.unparse(edit)}` cannot become part of the script's config: {problem}."
+            )
+    for statement in tree.body[position + 1:]:
+        if statement not in config_edits and any(
+            isinstance(node, ast.Name) and node.id == target for node in ast.walk(statement)
+        ):
+            cell, line = _cell_line(starts, statement.lineno)
+            raise ExportError(
+                f"Cell {cell}, line {line}: `{ast.unparse(statement).splitlines()[0]}` uses `{target}` after it is built. "
+                f"In the script `{target}` is a GRPOTrainer that trains at the end, so stepping, plotting or inspecting "
+                "the session belongs in cells that are not exported: move the line to such a cell."
             )
     alias = ast.unparse(config_arg.value)
     for edit in _assignments_into(tree.body[position + 1:], alias) if isinstance(config_arg.value, ast.Name) else []:

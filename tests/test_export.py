@@ -186,6 +186,9 @@ def _session_notebook(path, *cells, setup=()):
      r"Cell 2, line 3: .*inside a compound statement or a function; move the edit to the top level of a cell"),
     ("# export\ndef warm():\n    session.config.temperature = 1.2",
      r"Cell 2, line 3: .*inside a compound statement or a function; move the edit to the top level of a cell"),
+    ("# export\nsession.config.beta = 0.0\nsession.run(2)",
+     r"Cell 2, line 3: `session.run\(2\)` uses `session` after it is built\. In the script `session` is a "
+     r"GRPOTrainer.*move the line to such a cell"),
 ])
 def test_notebook_config_edits_the_script_cannot_fold_are_refused_with_the_fix(tmp_path, cell, message):
     notebook = _session_notebook(tmp_path / "n.ipynb", cell)
