@@ -54,6 +54,10 @@ MODULE_DUNDERS = frozenset({
 """Names every module has when it runs as a script."""
 
 
+_ANONYMOUS_SCOPES = frozenset({"lambda", "listcomp", "setcomp", "dictcomp", "genexpr"})
+"""Names symtable gives scopes that are not ``def`` functions."""
+
+
 class ExportError(ValueError):
     """Something in the session or notebook cannot be written into a standalone script."""
 
@@ -339,15 +343,21 @@ def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]
 def _undefined_names(code: str, cell_at_line) -> list[str]:
     """Names the exported code reads that nothing in it defines (and that are not builtins), as
     'NAME (in WHERE, cell N)' descriptions; empty when the code star-imports (names unknowable)."""
-    if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in ast.walk(ast.parse(code))):
+    nodes = list(ast.walk(ast.parse(code)))
+    if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in nodes):
         return []
+    first_read: dict[str, int] = {}
+    for node in nodes:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            first_read[node.id] = min(first_read.get(node.id, node.lineno), node.lineno)
     module = symtable.symtable(code, "<exported cells>", "exec")
     known = _module_bindings(module) | set(dir(builtins)) | MODULE_DUNDERS
     found: dict[tuple[str, str], int] = {}
 
     def visit(table, where: str) -> None:
         for child in table.get_children():
-            label = where if table is not module or child.get_type() != "function" else f"function {child.get_name()}"
+            named = child.get_type() == "function" and child.get_name() not in _ANONYMOUS_SCOPES
+            label = f"function {child.get_name()}" if table is module and named else where
             for symbol in child.get_symbols():
                 if symbol.is_global() and symbol.is_referenced() and symbol.get_name() not in known:
                     found.setdefault((symbol.get_name(), label), child.get_lineno())
@@ -355,7 +365,7 @@ def _undefined_names(code: str, cell_at_line) -> list[str]:
 
     for symbol in module.get_symbols():
         if symbol.is_referenced() and symbol.get_name() not in known:
-            found.setdefault((symbol.get_name(), "top-level code"), 0)
+            found.setdefault((symbol.get_name(), "top-level code"), first_read.get(symbol.get_name(), 0))
     visit(module, "top-level code")
     return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in found.items()]
 

@@ -155,6 +155,11 @@ def test_notebook_names_that_no_exported_cell_defines_are_refused_at_export(tmp_
     with pytest.raises(ExportError, match=r"no exported cell defines: TARGET \(in function near_target, cell 2\).*export"):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
     assert not (tmp_path / "t.py").exists()
+    notebook.cells.insert(0, nbformat.v4.new_code_cell("WIDTH = 3"))
+    notebook.cells.append(nbformat.v4.new_code_cell("# export\nsizes = [n * WIDTH for n in range(3)]\nlimit = SCALE * 2"))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    with pytest.raises(ExportError, match=r"SCALE \(in top-level code, cell 5\);.*WIDTH \(in top-level code, cell 5\)"):
+        export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
 
 
 SESSION_CELLS = [
