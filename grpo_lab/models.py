@@ -13,7 +13,12 @@ import warnings
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+"""transformers' name for a key/value cache, as an argument of ``forward``/``generate`` and a field of
+their outputs: ``cache`` in releases that renamed it (5.24 has; the old name is deprecated there),
+``past_key_values`` before."""
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 

@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from grpo_lab.models import CACHE
+
 
 def position_ids(attention_mask_BL: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as ``generate()`` assigns them: ``cumsum(mask) - 1``, >= 0."""
@@ -101,7 +103,7 @@ class PrefixSharing:
             input_ids=prompt_ids_UP, attention_mask=prompt_mask_UP, position_ids=positions_UP, use_cache=True,
             logits_to_keep=1,
         )
-        reason = _plain_cache_reason(out.past_key_values, prompt_ids_UP.shape[1])
+        reason = _plain_cache_reason(getattr(out, CACHE), prompt_ids_UP.shape[1])
         if reason is not None:
             self.disabled_reason[id(model)] = reason
             warnings.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.", stacklevel=3)
@@ -127,21 +129,21 @@ class PrefixSharing:
         )
         if prefill is None:
             return full_logits(*args)
-        cache = prefill.past_key_values
+        cache = getattr(prefill, CACHE)
         _select_rows(cache, inverse_B)
         # The last completion token predicts nothing; it is run only when it is the only one, so
         # that the second call is never empty.
         end = prompt_length + max(num_completion_tokens - 1, 1)
         rest_BTV = model(
             input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
-            position_ids=positions_BL[:, prompt_length:end], past_key_values=cache, use_cache=True,
+            position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache},
         ).logits
         return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1)
 
     @torch.no_grad()
     def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
         """A key/value cache of every prompt but its last token, computed once per distinct prompt and
-        indexed out to all B rows, for ``model.generate(..., past_key_values=cache)``; None where
+        indexed out to all B rows, for ``model.generate`` to continue; None where
         the cache cannot be shared or the prompts are single tokens."""
         if self._skip_reason(model) is not None or prompt_ids_BP.shape[1] < 2:
             return None
@@ -150,7 +152,7 @@ class PrefixSharing:
         prefill = self._prefill(model, ids_UP, mask_UP, position_ids(mask_UP))
         if prefill is None:
             return None
-        return _select_rows(prefill.past_key_values, inverse_B)
+        return _select_rows(getattr(prefill, CACHE), inverse_B)
 
 
 def _select_rows(cache, index_B: torch.Tensor):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
+from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.rollout.batch import GeneratedBatch
@@ -109,7 +110,7 @@ def generate(
                 buffer_cache(cache, new_tokens=generation_config.max_new_tokens)
         sequences = model.generate(
             input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
-            **({} if cache is None else {"past_key_values": cache}),
+            **({} if cache is None else {CACHE: cache}),
         )
     finally:
         model.train(was_training)

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.models import CACHE, load_tokenizer, prepare_tokenizer
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.kv_buffer import BufferedLayer, buffer_cache
@@ -71,12 +71,12 @@ def test_buffer_cache_keeps_what_a_prefilled_cache_holds(task):
     model = AutoModelForCausalLM.from_pretrained(task.model).eval()
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with torch.no_grad():
-        cache = model(input_ids=ids[:, :3], use_cache=True).past_key_values
+        cache = getattr(model(input_ids=ids[:, :3], use_cache=True), CACHE)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         assert buffer_cache(cache, new_tokens=10) is cache
         assert all(type(layer) is BufferedLayer for layer in cache.layers)
         assert cache.get_seq_length() == 3
-        step = model(input_ids=ids[:, 3:], past_key_values=cache, use_cache=True).logits
+        step = model(input_ids=ids[:, 3:], use_cache=True, **{CACHE: cache}).logits
         full = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
     for layer, (keys, values) in zip(cache.layers, before, strict=True):
@@ -93,7 +93,7 @@ def test_generation_decodes_into_one_buffer_per_layer(task):
     seen = []
 
     def record(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(CACHE)
         if cache is not None:  # the pre-fill of the distinct prompts starts without one
             layer = cache.layers[0]
             buffer = getattr(layer, "_keys_buffer", None)  # allocated by the first update
