@@ -53,6 +53,23 @@ def atomic_directory_write(target: Path, write) -> Path:
     return target
 
 
+def load_saved_weights(model, model_dir: Path) -> None:
+    """Copy the weights (or adapter) saved in ``model_dir`` into ``model``, which must be built like
+    the saved model (a PEFT model for an adapter)."""
+    if (model_dir / "adapter_config.json").exists():
+        if not hasattr(model, "peft_config"):
+            raise ValueError(
+                f"{model_dir} holds a PEFT adapter, but the model given to load it into is not a PEFT model; "
+                "pass the PEFT model the adapter was trained on."
+            )
+        from peft import load_peft_weights, set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_peft_weights(str(model_dir)))
+        return
+    saved = type(model).from_pretrained(str(model_dir), dtype=model.dtype)
+    model.load_state_dict(saved.state_dict())
+
+
 def save_engine(engine, directory: Path, extra: dict) -> None:
     """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is."""
     model = engine.unwrapped_model

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from grpo_lab.checkpoint import MODEL_DIR, atomic_directory_write, load_state, restore_engine, save_engine
+from grpo_lab.checkpoint import (
+    MODEL_DIR,
+    atomic_directory_write,
+    load_saved_weights,
+    load_state,
+    restore_engine,
+    save_engine,
+)
 from grpo_lab.config import GRPOConfig
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
@@ -414,11 +421,13 @@ class GRPOSession:
         return atomic_directory_write(Path(path), write)
 
     @classmethod
-    def load(cls, path, *, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs) -> GRPOSession:
+    def load(cls, path, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs) -> GRPOSession:
         """Rebuild a saved session; it continues exactly as the original would have.
 
         Datasets, (importable) reward functions and the config (``args``) come from the checkpoint
-        unless given; other keyword arguments go to the constructor.
+        unless given; other keyword arguments go to the constructor. ``model``: a model built like the
+        saved one (a PEFT model for a saved adapter) to load the saved weights into, in place of a new
+        one, e.g. the model whose parameters an optimizer passed in ``optimizers=`` holds.
         """
         from datasets import load_from_disk
 
@@ -437,7 +446,9 @@ class GRPOSession:
         if eval_dataset is None and (directory / "eval_dataset").exists():
             eval_dataset = load_from_disk(str(directory / "eval_dataset"))
         model_dir = directory / MODEL_DIR
-        if (model_dir / "adapter_config.json").exists():
+        if model is not None:
+            load_saved_weights(model, model_dir)
+        elif (model_dir / "adapter_config.json").exists():
             from peft import AutoPeftModelForCausalLM
 
             model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True)
@@ -446,7 +457,7 @@ class GRPOSession:
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
         kwargs.setdefault("args", GRPOConfig.from_yaml(directory / "config.yaml"))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
-        built = _rebuilt_fields(directory, extra, session.config.to_dict())
+        built = _rebuilt_fields(directory, extra, session.config.to_dict(), session.engine.owns_optimizer)
         restore_engine(session.engine, state)
         session._history = extra["history"]
         session._completion_log = extra["completion_log"]
@@ -460,16 +471,20 @@ class GRPOSession:
         return session
 
 
-def _rebuilt_fields(directory: Path, extra: dict, built: dict) -> dict:
+def _rebuilt_fields(directory: Path, extra: dict, built: dict, owns_optimizer: bool) -> dict:
     """Build-time fields whose value at load differs from the saved run's, as ``{name: (old, new)}``.
 
     The loaded session was built with the new values, so they are in effect from the next step. Refused
     here, before anything is restored: new seeds, prompt order or optimizer (the saved state carries
-    the old ones), and a new batch layout for a half-used batch.
+    the old ones; an optimizer given in ``optimizers=`` is the caller's), and a new batch layout for a
+    half-used batch.
     """
     saved = extra["applied_config"]
     changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
-    carried = sorted(set(changed) & _SAVED_STATE_FIELDS)
+    carried = [
+        name for name in sorted(set(changed) & _SAVED_STATE_FIELDS)
+        if _in_effect(name, saved) != _in_effect(name, built) and (name != "optim" or owns_optimizer)
+    ]
     if carried:
         raise ValueError(
             f"{', '.join(f'{name}={changed[name][1]!r}' for name in carried)}: {directory} was saved with "
@@ -485,6 +500,16 @@ def _rebuilt_fields(directory: Path, extra: dict, built: dict) -> dict:
             "save again, then change them."
         )
     return changed
+
+
+def _in_effect(name: str, config: dict):
+    """The value of ``name`` that the engine acts on, given the config fields ``config``: prompt order
+    is seeded by ``seed`` without a ``data_seed`` and shuffled unless ``shuffle_dataset`` is False."""
+    if name == "data_seed":
+        return config.get("seed") if config.get("data_seed") is None else config["data_seed"]
+    if name == "shuffle_dataset":
+        return config.get("shuffle_dataset") is not False
+    return config.get(name)
 
 
 def _pickled(funcs) -> bytes | None:

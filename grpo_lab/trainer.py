@@ -107,7 +107,9 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
             self.session.close()  # its generation engine (vLLM) would otherwise hold memory beside the new one
-            self.session = GRPOSession.load(path, args=self.args, **self._resume_kwargs)
+            # An optimizer given in optimizers= holds this model's parameters: the checkpoint goes into it.
+            model = None if self.session.engine.owns_optimizer else self.session.model
+            self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
         writer = self._tensorboard() if main else None

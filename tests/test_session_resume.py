@@ -78,6 +78,7 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
 
 def test_a_lora_session_resumes_exactly(task, tmp_path):
     from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
 
     from tests.conftest import SMALL
 
@@ -91,6 +92,8 @@ def test_a_lora_session_resumes_exactly(task, tmp_path):
     first = make()
     first.run(2, progress=False)
     first.save(tmp_path / "checkpoint")
+    with pytest.raises(ValueError, match=r"holds a PEFT adapter, but the model given to load it into is not a PEFT model"):
+        GRPOSession.load(tmp_path / "checkpoint", model=AutoModelForCausalLM.from_pretrained(task.model))
     resumed = GRPOSession.load(tmp_path / "checkpoint")  # the saved adapter comes back as a PEFT model
     resumed.run(2, progress=False)
     pd.testing.assert_frame_equal(_comparable(resumed.history), _comparable(uninterrupted.history), check_dtype=False)
@@ -113,6 +116,10 @@ def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_
 
     with pytest.raises(ValueError, match=r"seed=7: .*saved with seed=0, which its random state.*carry"):
         GRPOSession.load(tmp_path / "between", args=replace(session.config, seed=7))
+    with pytest.raises(ValueError, match=r"data_seed=5: .*saved with data_seed=None"):
+        GRPOSession.load(tmp_path / "between", args=replace(session.config, data_seed=5))
+    same_order = replace(session.config, data_seed=session.config.seed, shuffle_dataset=None)
+    assert GRPOSession.load(tmp_path / "between", args=same_order).config.data_seed == session.config.seed
     session.config.num_generations = 2  # an edit the session refuses is refused by save too, not saved
     with pytest.raises(ValueError, match="num_generations cannot change after the session is built"):
         session.save(tmp_path / "refused")

@@ -104,6 +104,30 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
     pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
 
 
+def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_holds(task, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    def trainer(out, max_steps):
+        model = AutoModelForCausalLM.from_pretrained(task.model)
+        embeddings = list(model.get_input_embeddings().parameters())
+        rest = [p for p in model.parameters() if all(p is not e for e in embeddings)]
+        optimizer = torch.optim.AdamW([{"params": rest, "lr": 1e-2}, {"params": embeddings, "lr": 1e-3}])
+        config = task.config(**{**SMALL, "output_dir": str(out), "max_steps": max_steps, "lr_scheduler_type": "constant"})
+        return GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                           optimizers=(optimizer, None))
+
+    reference = trainer(tmp_path / "ref", 4)
+    reference.train()
+    trainer(tmp_path / "run", 2).train()
+    resumed = trainer(tmp_path / "run", 4)
+    resumed.train(resume_from_checkpoint=tmp_path / "run" / "checkpoint-2")
+    pd.testing.assert_frame_equal(_no_time(resumed.session.history), _no_time(reference.session.history))
+    for (name, a), (_, b) in zip(reference.model.state_dict().items(), resumed.model.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2" / "model").state_dict()
+    assert any(not torch.equal(saved[name], value) for name, value in resumed.model.state_dict().items() if name in saved)
+
+
 def test_lora_save_model_writes_the_adapter_or_a_merged_model(task, tmp_path):
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM
