@@ -278,10 +278,15 @@ class Engine:
     def set_learning_rate(self, value: float, previous: float) -> None:
         """Apply ``learning_rate`` ``value`` (was ``previous``) from now on, keeping the schedule's current
         factor: each parameter group's base rate is scaled by ``value / previous``, so groups given
-        their own rates (``optimizers=``) keep their ratios; from a previous rate of 0, every base is ``value``."""
+        their own rates (``optimizers=``) keep their ratios; from a previous rate of 0, every base is
+        ``value`` and the factor is read from the schedule (1 for a scheduler without ``lr_lambdas``)."""
         bases = [base * value / previous if previous else value for base in self.scheduler.base_lrs]
-        for group, base, new in zip(self.optimizer.param_groups, self.scheduler.base_lrs, bases, strict=True):
-            factor = group["lr"] / base if base else 1.0
+        lambdas = getattr(self.scheduler, "lr_lambdas", None)
+        for index, (group, base, new) in enumerate(zip(self.optimizer.param_groups, self.scheduler.base_lrs, bases, strict=True)):
+            if base:
+                factor = group["lr"] / base
+            else:
+                factor = lambdas[index](self.scheduler.last_epoch) if lambdas else 1.0
             group["lr"] = new * factor
         self.scheduler.base_lrs = bases
 

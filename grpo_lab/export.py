@@ -276,12 +276,50 @@ def _stores_into(node: ast.stmt, owner: str) -> bool:
     )
 
 
+def _module_scope_nodes(nodes: list[ast.AST]):
+    """The nodes of ``nodes`` and below that run in the module's scope: the bodies of functions,
+    lambdas and classes and all of a comprehension but its first iterable are left out (their
+    decorators, defaults, annotations and bases run in the module and are kept)."""
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            children = [*node.decorator_list, *args.defaults, *filter(None, args.kw_defaults), *filter(None, [node.returns])]
+            children += [a.annotation for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+                         if a is not None and a.annotation is not None]
+        elif isinstance(node, ast.Lambda):
+            children = [*node.args.defaults, *filter(None, node.args.kw_defaults)]
+        elif isinstance(node, ast.ClassDef):
+            children = [*node.decorator_list, *node.bases, *node.keywords]
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            children = [node.generators[0].iter]
+        else:
+            children = list(ast.iter_child_nodes(node))
+        stack.extend(reversed(children))
+
+
 def _assignments_into(statements: list[ast.stmt], owner: str) -> list[ast.stmt]:
     """The assignment statements, anywhere in ``statements``, that store into ``owner`` (source text)."""
     return [
         node for node in ast.walk(ast.Module(statements, []))
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and _stores_into(node, owner)
     ]
+
+
+def _alias_edits(statements: list[ast.stmt], alias: str) -> list[ast.stmt]:
+    """The assignments in ``statements`` (top-level statements, in order) that store into the module's
+    ``alias`` in the module's scope, up to the first statement that binds ``alias`` anew."""
+    found = []
+    for statement in statements:
+        found += [
+            node for node in _module_scope_nodes([statement])
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and _stores_into(node, alias)
+        ]
+        if alias in _bindings([statement]):
+            break
+    return found
 
 
 def _module_bindings(table: symtable.SymbolTable) -> set[str]:
@@ -305,6 +343,12 @@ def _module_reads(table: symtable.SymbolTable) -> set[str]:
     for child in table.get_children():
         names |= _module_reads(child)
     return names
+
+
+def _uses(statement: ast.stmt) -> set[str]:
+    """Module names that ``statement``, run at the top level of a module, reads, binds or deletes."""
+    table = symtable.symtable(ast.unparse(statement), "<exported statement>", "exec")
+    return _module_reads(table) | _module_bindings(table)
 
 
 def _bindings(statements: list[ast.stmt]) -> set[str]:
@@ -342,12 +386,12 @@ def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]
 
 def _undefined_names(code: str, cell_at_line) -> list[str]:
     """Names the exported code reads that nothing in it defines (and that are not builtins), as
-    'NAME (in WHERE, cell N)' descriptions; empty when the code star-imports (names unknowable)."""
-    nodes = list(ast.walk(ast.parse(code)))
-    if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in nodes):
+    'NAME (in WHERE, cell N)' descriptions in the order of the code; empty when the code star-imports (names unknowable)."""
+    tree = ast.parse(code)
+    if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in ast.walk(tree)):
         return []
-    first_read: dict[str, int] = {}
-    for node in nodes:
+    first_read: dict[str, int] = {}  # line of the first read in the module's scope
+    for node in _module_scope_nodes([tree]):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             first_read[node.id] = min(first_read.get(node.id, node.lineno), node.lineno)
     module = symtable.symtable(code, "<exported cells>", "exec")
@@ -367,7 +411,8 @@ def _undefined_names(code: str, cell_at_line) -> list[str]:
         if symbol.is_referenced() and symbol.get_name() not in known:
             found.setdefault((symbol.get_name(), "top-level code"), first_read.get(symbol.get_name(), 0))
     visit(module, "top-level code")
-    return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in found.items()]
+    in_order = sorted(found.items(), key=lambda item: item[1])
+    return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in in_order]
 
 
 def _replace(lines: list[str], node: ast.AST, text: str, first_line: int) -> None:
@@ -453,9 +498,7 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
                 f"Cell {cell}, line {line}: `{ast.unparse(edit)}` cannot become part of the script's config: {problem}."
             )
     for statement in tree.body[position + 1:]:
-        if statement not in config_edits and any(
-            isinstance(node, ast.Name) and node.id == target for node in ast.walk(statement)
-        ):
+        if statement not in config_edits and target in _uses(statement):
             cell, line = _cell_line(starts, statement.lineno)
             raise ExportError(
                 f"Cell {cell}, line {line}: `{ast.unparse(statement).splitlines()[0]}` uses `{target}` after it is built. "
@@ -463,7 +506,7 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
                 "the session belongs in cells that are not exported: move the line to such a cell."
             )
     alias = ast.unparse(config_arg.value)
-    for edit in _assignments_into(tree.body[position + 1:], alias) if isinstance(config_arg.value, ast.Name) else []:
+    for edit in _alias_edits(tree.body[position + 1:], alias) if isinstance(config_arg.value, ast.Name) else []:
         cell, line = _cell_line(starts, edit.lineno)
         raise ExportError(
             f"Cell {cell}, line {line}: `{ast.unparse(edit)}` edits `{alias}` after `{target} = GRPOSession(...)`. In the "

@@ -158,7 +158,7 @@ def test_notebook_names_that_no_exported_cell_defines_are_refused_at_export(tmp_
     notebook.cells.insert(0, nbformat.v4.new_code_cell("WIDTH = 3"))
     notebook.cells.append(nbformat.v4.new_code_cell("# export\nsizes = [n * WIDTH for n in range(3)]\nlimit = SCALE * 2"))
     nbformat.write(notebook, tmp_path / "n.ipynb")
-    with pytest.raises(ExportError, match=r"SCALE \(in top-level code, cell 5\);.*WIDTH \(in top-level code, cell 5\)"):
+    with pytest.raises(ExportError, match=r"WIDTH \(in top-level code, cell 5\); SCALE \(in top-level code, cell 5\)"):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
 
 
@@ -194,6 +194,8 @@ def _session_notebook(path, *cells, setup=()):
     ("# export\nsession.config.beta = 0.0\nsession.run(2)",
      r"Cell 2, line 3: `session.run\(2\)` uses `session` after it is built\. In the script `session` is a "
      r"GRPOTrainer.*move the line to such a cell"),
+    ("# export\ndef rewards_so_far():\n    return session.history",
+     r"Cell 2, line 2: `def rewards_so_far\(\):` uses `session` after it is built"),
 ])
 def test_notebook_config_edits_the_script_cannot_fold_are_refused_with_the_fix(tmp_path, cell, message):
     notebook = _session_notebook(tmp_path / "n.ipynb", cell)
@@ -210,13 +212,35 @@ def test_notebook_config_edits_before_the_session_or_through_its_args_name_are_r
     for source in [
         SESSION_CELLS[0] + "\nconfig = task.config()",
         "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)",
-        "# export\nconfig.max_steps = 5",
+        "# export\nif True:\n    config.max_steps = 5",
     ]:
         notebook.cells.append(nbformat.v4.new_code_cell(source))
     nbformat.write(notebook, tmp_path / "alias.ipynb")
-    with pytest.raises(ExportError, match=r"Cell 2, line 2: `config.max_steps = 5` edits `config` after .*"
+    with pytest.raises(ExportError, match=r"Cell 2, line 3: `config.max_steps = 5` edits `config` after .*"
                                           r"Write it as `session.config.FIELD = VALUE`"):
         export_notebook(tmp_path / "alias.ipynb", tmp_path / "t.py")
+
+
+def test_notebook_names_local_to_a_function_or_comprehension_are_not_the_session_or_its_config(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    for source in [
+        SESSION_CELLS[0] + "\nconfig = task.config()",
+        "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)",
+        "# export\ndef shifted(session, config):\n    config.max_steps = 5\n    return session + 1\n"
+        "steps = [session for session in range(3)]\nconfig = task.config()\nconfig.max_steps = 9",
+    ]:
+        notebook.cells.append(nbformat.v4.new_code_cell(source))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    text = export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py").read_text()
+    assert "    steps = [session for session in range(3)]\n    config = task.config()\n    config.max_steps = 9\n" in text
+
+
+def test_notebook_undefined_name_read_at_the_top_level_is_placed_in_the_cell_that_reads_it_there(tmp_path):
+    notebook = _session_notebook(
+        tmp_path / "n.ipynb", setup=["# export\ndef scaled(x):\n    return x * SCALE", "# export\nlimit = SCALE * 2"],
+    )
+    with pytest.raises(ExportError, match=r"SCALE \(in function scaled, cell 1\); SCALE \(in top-level code, cell 2\)"):
+        export_notebook(notebook, tmp_path / "t.py")
 
 
 def test_notebook_names_bound_by_global_walrus_and_module_dunders_count_as_defined(tmp_path):

@@ -225,7 +225,7 @@ def test_adaptive_entropy_weight_follows_the_target_and_survives_save_and_load(m
     session.config.use_adaptive_entropy = False  # back to the static weight, not the adapted one
     session.step()
     assert session.history["entropy_coef"].iloc[-1] == pytest.approx(0.02)
-    session.config.use_adaptive_entropy = True  # on again: the entropy measured while off is not followed
+    session.config.use_adaptive_entropy = True  # on again: an entropy from before the switch is not followed
     session.step()
     assert session.history["entropy_coef"].iloc[-1] == pytest.approx(0.02)  # not gated by a stale entropy
 

@@ -260,7 +260,6 @@ def test_beta_switched_back_on_in_the_middle_of_a_batch_scores_it_against_the_re
     session.update()
 
 
-
 def test_beta_switched_on_for_an_adapter_scores_against_the_base_model(task, tmp_path):
     from peft import LoraConfig
 
@@ -286,6 +285,14 @@ def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
     session.step()
     assert session.history["learning_rate"].iloc[-1] == pytest.approx(5e-4)
     assert [(c["step"], c["field"]) for c in session.config_changes] == [(4, "max_steps"), (5, "learning_rate"), (5, "lr_scheduler_type")]
+
+
+def test_a_learning_rate_set_from_zero_takes_the_schedules_current_factor(make_session):
+    session = make_session(max_steps=10, lr_scheduler_type="linear", learning_rate=0.0)
+    session.run(3, progress=False)
+    session.config.learning_rate = 1e-3
+    session.step()  # the fourth step of a linear decay over ten: 1e-3 * (10 - 3) / 10
+    assert session.history["learning_rate"].tolist() == pytest.approx([0, 0, 0, 7e-4])
 
 
 def test_a_schedule_rebuilt_over_a_users_optimizer_keeps_each_groups_rate(task, tmp_path):
