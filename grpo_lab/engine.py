@@ -29,7 +29,13 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 
 from grpo_lab import dist, ops
 from grpo_lab.config import GRPOConfig
-from grpo_lab.models import enable_gradient_checkpointing, load_causal_lm, load_tokenizer, prepare_tokenizer
+from grpo_lab.models import (
+    enable_gradient_checkpointing,
+    keep_4bit_layers_differentiable,
+    load_causal_lm,
+    load_tokenizer,
+    prepare_tokenizer,
+)
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
@@ -97,6 +103,7 @@ class Engine:
             processing_class = load_tokenizer(name)
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_init_kwargs)
+        keep_4bit_layers_differentiable(policy)
         self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
         self._remove_model_copy = lambda: None
         vllm_model = self._vllm_model_source(model, policy) if config.use_vllm and config.vllm_mode == "colocate" else None

@@ -84,6 +84,19 @@ def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedMo
     return AutoModelForCausalLM.from_pretrained(name, **(model_init_kwargs or {}))
 
 
+def keep_4bit_layers_differentiable(model) -> None:
+    """Stop bitsandbytes' 4-bit layers from repacking their weights for its CPU inference kernel.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit layer's weights on its first
+    eval-mode forward without gradients (a generation) and then runs every forward, training ones
+    included, through a kernel that has no backward: no gradient reaches the layers below, and
+    QLoRA trains only the adapters nearest the output. The policy keeps the format that trains.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def enable_gradient_checkpointing(model, kwargs: dict) -> None:
     """Turn on activation recomputation under the name this transformers version uses."""
     if hasattr(model, "activation_checkpointing_enable"):  # the newer name (recent transformers 5 releases)

@@ -14,6 +14,29 @@ QUANTIZED = {
 }
 
 
+def test_every_adapter_gets_a_gradient_after_a_generation_on_any_cpu(tmp_path):
+    """bitsandbytes repacks 4-bit weights for an inference kernel without a backward on CPUs with
+    AVX512-BF16; the layers are told that such a CPU is present, and the policy must still train."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lab.tasks import default_task
+    from tests.conftest import SMALL
+
+    task = default_task()
+    model = AutoModelForCausalLM.from_pretrained(task.model, **QUANTIZED)
+    layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = True
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path)})
+    session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    session.generate(), session.score(), session.advantages(), session.loss()
+    assert layers and not any(getattr(layer.weight.quant_state, "packing_format_for_cpu", False) for layer in layers)
+    without_gradient = [n for n, p in session.model.named_parameters() if "lora_B" in n and not p.grad.abs().sum() > 0]
+    assert not without_gradient
+
+
 @pytest.mark.slow
 def test_qlora_learns_the_task_with_the_base_model_as_reference(tmp_path):
     from peft import LoraConfig
@@ -34,6 +57,6 @@ def test_qlora_learns_the_task_with_the_base_model_as_reference(tmp_path):
     before = task.evaluate(session.model, session.tokenizer)["greedy_accuracy"]
     session.run(40, progress=False)
     after = task.evaluate(session.model, session.tokenizer)["greedy_accuracy"]
-    # Shipped model: 28% greedy on these 100 problems; 40 QLoRA steps reached 89% when measured.
+    # Shipped model: 28% greedy on these 100 problems; 40 QLoRA steps reached 85% when measured.
     assert after >= before + 0.3, (before, after)
     assert session.history["kl"].notna().all() and session.history["kl"].iloc[-1] > 0
