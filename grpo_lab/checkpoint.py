@@ -55,16 +55,25 @@ def atomic_directory_write(target: Path, write) -> Path:
 
 def load_saved_weights(model, model_dir: Path) -> None:
     """Copy the weights (or adapter) saved in ``model_dir`` into ``model``, which must be built like
-    the saved model (a PEFT model for an adapter)."""
-    if (model_dir / "adapter_config.json").exists():
-        if not hasattr(model, "peft_config"):
-            raise ValueError(
-                f"{model_dir} holds a PEFT adapter, but the model given to load it into is not a PEFT model; "
-                "pass the PEFT model the adapter was trained on."
-            )
+    the saved model (a PEFT model with the same adapter for an adapter)."""
+    is_peft = hasattr(model, "peft_config")
+    if (model_dir / "adapter_config.json").exists() != is_peft:
+        saved = "a PEFT adapter" if not is_peft else "a full model"
+        raise ValueError(
+            f"{model_dir} holds {saved}, but the model given to load it into is {'a PEFT' if is_peft else 'not a PEFT'} "
+            "model; pass a model built like the saved one."
+        )
+    if is_peft:
         from peft import load_peft_weights, set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_peft_weights(str(model_dir)))
+        result = set_peft_model_state_dict(model, load_peft_weights(str(model_dir)))
+        missing = [key for key in result.missing_keys if "lora_" in key]
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"The adapter in {model_dir} does not fit the PEFT model given to load it into (unexpected: "
+                f"{result.unexpected_keys[:3]}, missing: {missing[:3]}); pass a model with the saved adapter's "
+                "configuration (adapter_config.json)."
+            )
         return
     saved = type(model).from_pretrained(str(model_dir), dtype=model.dtype)
     model.load_state_dict(saved.state_dict())

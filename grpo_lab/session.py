@@ -46,6 +46,9 @@ _BUILD_TIME_FIELDS = {
 """Config fields read once, when the session is built: the model and its precision, the generation
 backend, the optimizer, the random seeds, the prompt order and the batch layout."""
 
+_MODEL_FIELDS = {"model_init_kwargs", "disable_dropout", "gradient_checkpointing", "gradient_checkpointing_kwargs"}
+"""Build-time fields applied to the model itself, which a model given to ``load(model=)`` already has."""
+
 _BATCH_LAYOUT_FIELDS = {
     "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
     "steps_per_generation", "num_iterations",
@@ -445,6 +448,10 @@ class GRPOSession:
             train_dataset = load_from_disk(str(directory / "train_dataset"))
         if eval_dataset is None and (directory / "eval_dataset").exists():
             eval_dataset = load_from_disk(str(directory / "eval_dataset"))
+        if kwargs.get("args") is None:
+            kwargs["args"] = GRPOConfig.from_yaml(directory / "config.yaml")
+        own_optimizer = kwargs.get("optimizers", (None, None))[0] is not None
+        built = _rebuilt_fields(directory, extra, kwargs["args"].to_dict(), own_optimizer, given_model=model is not None)
         model_dir = directory / MODEL_DIR
         if model is not None:
             load_saved_weights(model, model_dir)
@@ -455,9 +462,7 @@ class GRPOSession:
         else:
             model = str(model_dir)
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
-        kwargs.setdefault("args", GRPOConfig.from_yaml(directory / "config.yaml"))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
-        built = _rebuilt_fields(directory, extra, session.config.to_dict(), session.engine.owns_optimizer)
         restore_engine(session.engine, state)
         session._history = extra["history"]
         session._completion_log = extra["completion_log"]
@@ -471,19 +476,19 @@ class GRPOSession:
         return session
 
 
-def _rebuilt_fields(directory: Path, extra: dict, built: dict, owns_optimizer: bool) -> dict:
-    """Build-time fields whose value at load differs from the saved run's, as ``{name: (old, new)}``.
+def _rebuilt_fields(directory: Path, extra: dict, built: dict, own_optimizer: bool, given_model: bool) -> dict:
+    """Build-time fields whose value in ``built`` (the config a session is about to be built with)
+    differs from the saved run's, as ``{name: (old, new)}``; they are in effect from the next step.
 
-    The loaded session was built with the new values, so they are in effect from the next step. Refused
-    here, before anything is restored: new seeds, prompt order or optimizer (the saved state carries
-    the old ones; an optimizer given in ``optimizers=`` is the caller's), and a new batch layout for a
-    half-used batch.
+    Refused, before anything is loaded: new seeds, prompt order or optimizer (the saved state carries
+    the old ones; an optimizer given in ``optimizers=`` is the caller's), new settings of a model given
+    to load into (it was built with the old ones), and a new batch layout for a half-used batch.
     """
     saved = extra["applied_config"]
     changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
     carried = [
         name for name in sorted(set(changed) & _SAVED_STATE_FIELDS)
-        if _in_effect(name, saved) != _in_effect(name, built) and (name != "optim" or owns_optimizer)
+        if _in_effect(name, saved) != _in_effect(name, built) and (name != "optim" or not own_optimizer)
     ]
     if carried:
         raise ValueError(
@@ -491,6 +496,13 @@ def _rebuilt_fields(directory: Path, extra: dict, built: dict, owns_optimizer: b
             f"{', '.join(f'{name}={changed[name][0]!r}' for name in carried)}, which its random state, prompt order and "
             "optimizer state carry, so a loaded run cannot change them. Load it with the saved values, or start a new "
             f"run from its weights ({directory / MODEL_DIR})."
+        )
+    kept = sorted(set(changed) & _MODEL_FIELDS) if given_model else []
+    if kept:
+        raise ValueError(
+            f"{', '.join(kept)} changed, but the model given to load {directory} into (by a trainer: its own model, "
+            "which the optimizer passed in optimizers= holds) was built with the saved values and keeps them. Load it "
+            "with the saved values, or without model= (a new model is built with the new ones)."
         )
     layout = sorted(set(changed) & _BATCH_LAYOUT_FIELDS)
     if layout and extra["pending"][0] is not None:

@@ -77,7 +77,7 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
 
 
 def test_a_lora_session_resumes_exactly(task, tmp_path):
-    from peft import LoraConfig
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import SMALL
@@ -94,6 +94,9 @@ def test_a_lora_session_resumes_exactly(task, tmp_path):
     first.save(tmp_path / "checkpoint")
     with pytest.raises(ValueError, match=r"holds a PEFT adapter, but the model given to load it into is not a PEFT model"):
         GRPOSession.load(tmp_path / "checkpoint", model=AutoModelForCausalLM.from_pretrained(task.model))
+    other = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"does not fit the PEFT model given to load it into \(unexpected: \[.*k_proj"):
+        GRPOSession.load(tmp_path / "checkpoint", model=get_peft_model(AutoModelForCausalLM.from_pretrained(task.model), other))
     resumed = GRPOSession.load(tmp_path / "checkpoint")  # the saved adapter comes back as a PEFT model
     resumed.run(2, progress=False)
     pd.testing.assert_frame_equal(_comparable(resumed.history), _comparable(uninterrupted.history), check_dtype=False)
@@ -102,7 +105,9 @@ def test_a_lora_session_resumes_exactly(task, tmp_path):
             torch.testing.assert_close(resumed.model.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_mid_batch(make_session, tmp_path):
+def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_mid_batch(make_session, task, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     session = make_session()
     session.step()
     session.save(tmp_path / "between")
@@ -116,6 +121,11 @@ def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_
 
     with pytest.raises(ValueError, match=r"seed=7: .*saved with seed=0, which its random state.*carry"):
         GRPOSession.load(tmp_path / "between", args=replace(session.config, seed=7))
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    fresh = _weights(model)
+    with pytest.raises(ValueError, match=r"gradient_checkpointing changed, but the model given to load .* keeps them"):
+        GRPOSession.load(tmp_path / "between", model=model, args=args)
+    assert all(torch.equal(value, fresh[name]) for name, value in model.state_dict().items())  # refused before loading
     with pytest.raises(ValueError, match=r"data_seed=5: .*saved with data_seed=None"):
         GRPOSession.load(tmp_path / "between", args=replace(session.config, data_seed=5))
     same_order = replace(session.config, data_seed=session.config.seed, shuffle_dataset=None)
