@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import inspect
 import io
 import symtable
@@ -276,30 +277,6 @@ def _stores_into(node: ast.stmt, owner: str) -> bool:
     )
 
 
-def _module_scope_nodes(nodes: list[ast.AST]):
-    """The nodes of ``nodes`` and below that run in the module's scope: the bodies of functions,
-    lambdas and classes and all of a comprehension but its first iterable are left out (their
-    decorators, defaults, annotations and bases run in the module and are kept)."""
-    stack = list(reversed(nodes))
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            args = node.args
-            children = [*node.decorator_list, *args.defaults, *filter(None, args.kw_defaults), *filter(None, [node.returns])]
-            children += [a.annotation for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
-                         if a is not None and a.annotation is not None]
-        elif isinstance(node, ast.Lambda):
-            children = [*node.args.defaults, *filter(None, node.args.kw_defaults)]
-        elif isinstance(node, ast.ClassDef):
-            children = [*node.decorator_list, *node.bases, *node.keywords]
-        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
-            children = [node.generators[0].iter]
-        else:
-            children = list(ast.iter_child_nodes(node))
-        stack.extend(reversed(children))
-
-
 def _assignments_into(statements: list[ast.stmt], owner: str) -> list[ast.stmt]:
     """The assignment statements, anywhere in ``statements``, that store into ``owner`` (source text)."""
     return [
@@ -310,16 +287,66 @@ def _assignments_into(statements: list[ast.stmt], owner: str) -> list[ast.stmt]:
 
 def _alias_edits(statements: list[ast.stmt], alias: str) -> list[ast.stmt]:
     """The assignments in ``statements`` (top-level statements, in order) that store into the module's
-    ``alias`` in the module's scope, up to the first statement that binds ``alias`` anew."""
+    ``alias``, in the module or in a function where ``alias`` is not a local name, up to the first
+    statement that always binds ``alias`` anew."""
     found = []
     for statement in statements:
         found += [
-            node for node in _module_scope_nodes([statement])
+            node for node in _nodes_that_see(statement, alias)
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and _stores_into(node, alias)
         ]
-        if alias in _bindings([statement]):
+        if _always_binds(statement, alias):
             break
     return found
+
+
+def _nodes_that_see(node: ast.AST, name: str):
+    """``node`` and the nodes below it where ``name`` means the module's ``name``: the bodies of
+    functions that make ``name`` local (a parameter or an assignment) are left out (a lambda's body
+    holds no assignment statement, so it does not matter here)."""
+    yield node
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        table = _symbols(node)
+        scope = next(child for child in table.get_children() if child.get_name() == node.name)
+        if name in scope.get_identifiers() and scope.lookup(name).is_local():
+            return  # its decorators and defaults are expressions: they hold no assignment
+    for child in ast.iter_child_nodes(node):
+        yield from _nodes_that_see(child, name)
+
+
+def _always_binds(statement: ast.stmt, name: str) -> bool:
+    """Whether the top-level ``statement`` binds (or deletes) ``name`` whenever it runs to its end."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return statement.name == name
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name.split(".")[0]) == name for alias in statement.names)
+    if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.Delete)):
+        targets = statement.targets if not isinstance(statement, ast.AnnAssign) else [statement.target] * bool(statement.value)
+        return any(isinstance(n, ast.Name) and n.id == name for target in targets for n in ast.walk(target)
+                   if not isinstance(target, (ast.Attribute, ast.Subscript)))
+    return False
+
+
+class _OwnScopes(ast.NodeTransformer):
+    """List, set and dict comprehensions rewritten as generator expressions: the same names in the
+    same scopes, and a scope of their own in every Python (3.12 inlines the others into the enclosing
+    scope, where its symtable shows their variables as that scope's)."""
+
+    def visit_ListComp(self, node):
+        self.generic_visit(node)
+        return ast.GeneratorExp(node.elt, node.generators)
+
+    visit_SetComp = visit_ListComp
+
+    def visit_DictComp(self, node):
+        self.generic_visit(node)
+        return ast.GeneratorExp(ast.Dict([node.key], [node.value]), node.generators)
+
+
+def _symbols(node: ast.AST, mode: str = "exec") -> symtable.SymbolTable:
+    """The symbol table of the code of ``node`` (a module, statement or ``ast.Expression``), with every
+    comprehension in a scope of its own (see ``_OwnScopes``); its line numbers are not the code's."""
+    return symtable.symtable(ast.unparse(_OwnScopes().visit(copy.deepcopy(node))), "<exported code>", mode)
 
 
 def _module_bindings(table: symtable.SymbolTable) -> set[str]:
@@ -347,13 +374,13 @@ def _module_reads(table: symtable.SymbolTable) -> set[str]:
 
 def _uses(statement: ast.stmt) -> set[str]:
     """Module names that ``statement``, run at the top level of a module, reads, binds or deletes."""
-    table = symtable.symtable(ast.unparse(statement), "<exported statement>", "exec")
+    table = _symbols(statement)
     return _module_reads(table) | _module_bindings(table)
 
 
 def _bindings(statements: list[ast.stmt]) -> set[str]:
     """Names that ``statements``, run at the top level of a module, bind there."""
-    return _module_bindings(symtable.symtable(ast.unparse(ast.Module(statements, [])), "<exported cells>", "exec"))
+    return _module_bindings(_symbols(ast.Module(statements, [])))
 
 
 def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str], position: int) -> str | None:
@@ -374,7 +401,7 @@ def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]
     )
     if not plain:
         return f"only `{target}.config.FIELD = VALUE` statements are folded; write one such statement per field"
-    unread = sorted(_module_reads(symtable.symtable(ast.unparse(edit.value), "<edit>", "eval")) - known)
+    unread = sorted(_module_reads(_symbols(ast.Expression(edit.value), "eval")) - known)
     if unread:
         return (
             f"its value reads {', '.join(unread)}, which the script does not have (or has with another value) "
@@ -386,31 +413,40 @@ def _edit_problem(edit: ast.stmt, tree: ast.Module, target: str, known: set[str]
 
 def _undefined_names(code: str, cell_at_line) -> list[str]:
     """Names the exported code reads that nothing in it defines (and that are not builtins), as
-    'NAME (in WHERE, cell N)' descriptions in the order of the code; empty when the code star-imports (names unknowable)."""
+    'NAME (in WHERE, cell N)' descriptions in the order of the code; empty when the code star-imports
+    (names unknowable). WHERE is a top-level function, or the top-level code (which here includes
+    classes, lambdas and comprehensions)."""
     tree = ast.parse(code)
     if any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) for node in ast.walk(tree)):
         return []
-    first_read: dict[str, int] = {}  # line of the first read in the module's scope
-    for node in _module_scope_nodes([tree]):
+    functions = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    first_read: dict[str, int] = {}  # line of the first read outside the top-level functions' bodies
+    outside = [node for node in tree.body if node not in functions] + [
+        part for function in functions
+        for part in [*function.decorator_list, *function.args.defaults, *filter(None, function.args.kw_defaults)]
+    ]
+    for node in (each for top in outside for each in ast.walk(top)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             first_read[node.id] = min(first_read.get(node.id, node.lineno), node.lineno)
-    module = symtable.symtable(code, "<exported cells>", "exec")
+    def_line = {function.name: function.lineno for function in reversed(functions)}  # the first def of a name
+    module = _symbols(tree)
     known = _module_bindings(module) | set(dir(builtins)) | MODULE_DUNDERS
     found: dict[tuple[str, str], int] = {}
 
-    def visit(table, where: str) -> None:
+    def visit(table, where: str, at: int | None) -> None:
+        """``at``: the line of the top-level function ``where``, None for the top-level code."""
         for child in table.get_children():
-            named = child.get_type() == "function" and child.get_name() not in _ANONYMOUS_SCOPES
-            label = f"function {child.get_name()}" if table is module and named else where
+            named = table is module and child.get_type() == "function" and child.get_name() not in _ANONYMOUS_SCOPES
+            label, line = (f"function {child.get_name()}", def_line[child.get_name()]) if named else (where, at)
             for symbol in child.get_symbols():
                 if symbol.is_global() and symbol.is_referenced() and symbol.get_name() not in known:
-                    found.setdefault((symbol.get_name(), label), child.get_lineno())
-            visit(child, label)
+                    found.setdefault((symbol.get_name(), label), first_read.get(symbol.get_name(), 0) if line is None else line)
+            visit(child, label, line)
 
     for symbol in module.get_symbols():
         if symbol.is_referenced() and symbol.get_name() not in known:
             found.setdefault((symbol.get_name(), "top-level code"), first_read.get(symbol.get_name(), 0))
-    visit(module, "top-level code")
+    visit(module, "top-level code", None)
     in_order = sorted(found.items(), key=lambda item: item[1])
     return [f"{name} (in {where}{cell_at_line(line)})" for (name, where), line in in_order]
 

@@ -219,6 +219,12 @@ def test_notebook_config_edits_before_the_session_or_through_its_args_name_are_r
     with pytest.raises(ExportError, match=r"Cell 2, line 3: `config.max_steps = 5` edits `config` after .*"
                                           r"Write it as `session.config.FIELD = VALUE`"):
         export_notebook(tmp_path / "alias.ipynb", tmp_path / "t.py")
+    for cell, line in [("# export\ndef longer():\n    config.max_steps = 5\nlonger()", 3),  # the module's config
+                       ("# export\nif STEPS > 50:\n    config = None\nconfig.max_steps = 5", 4)]:  # not always rebound
+        notebook.cells[2] = nbformat.v4.new_code_cell(cell)
+        nbformat.write(notebook, tmp_path / "alias.ipynb")
+        with pytest.raises(ExportError, match=rf"Cell 2, line {line}: `config.max_steps = 5` edits `config` after"):
+            export_notebook(tmp_path / "alias.ipynb", tmp_path / "t.py")
 
 
 def test_notebook_names_local_to_a_function_or_comprehension_are_not_the_session_or_its_config(tmp_path):
