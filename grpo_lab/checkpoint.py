@@ -1,6 +1,10 @@
 """Save and restore everything a run needs to continue exactly: weights (or adapter), optimizer,
 scheduler, random states, sampler position, counters and the caller's own state.
 
+Under ``accelerate launch`` each process has its own random state (and its own share of a
+half-finished batch): the caller gathers them into ``per_process``, one entry per rank, and each
+process takes its own back on restore.
+
 Writes are atomic: files go to a temporary sibling directory that replaces the target only once
 complete, so a crash mid-save leaves the previous checkpoint intact.
 """
@@ -22,13 +26,18 @@ MODEL_DIR = "model"
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this process's device: sampling on a GPU draws from it
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def atomic_directory_write(target: Path, write) -> Path:
@@ -79,8 +88,9 @@ def load_saved_weights(model, model_dir: Path) -> None:
     model.load_state_dict(saved.state_dict())
 
 
-def save_engine(engine, directory: Path, extra: dict) -> None:
-    """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is."""
+def save_engine(engine, directory: Path, extra: dict, per_process: list[dict]) -> None:
+    """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is, and
+    so is ``per_process``, each process's own state (its random state under "rng") in rank order."""
     model = engine.unwrapped_model
     model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
     engine.tokenizer.save_pretrained(directory / MODEL_DIR)
@@ -88,7 +98,7 @@ def save_engine(engine, directory: Path, extra: dict) -> None:
     state = {
         "optimizer": engine.optimizer.state_dict(),
         "scheduler": engine.scheduler.state_dict(),
-        "rng": rng_state(),
+        "per_process": per_process,
         "sampler": engine.sampler.state_dict(),
         "global_step": engine.global_step,
         "num_input_tokens_seen": engine.num_input_tokens_seen,
@@ -120,7 +130,36 @@ def load_state(directory: Path) -> dict:
     return torch.load(check_complete(directory) / STATE_FILE, weights_only=False)
 
 
-def restore_engine(engine, state: dict) -> None:
+def per_process_states(state: dict) -> list[dict]:
+    """The checkpoint's per-process entries in rank order: each process's random state ("rng") and
+    its share of a half-finished batch ("pending")."""
+    # checkpoints written before per-process states kept the main process's alone
+    return state.get("per_process") or [{"rng": state["rng"], "pending": state["extra"]["pending"]}]
+
+
+def own_process_state(saved: list[dict], process_index: int, num_processes: int) -> dict:
+    """This process's entry of ``saved`` (:func:`per_process_states`).
+
+    A checkpoint written by another number of processes cannot continue exactly: the half-finished
+    batch is dropped (``pending`` None) and a process beyond the saved ones gets ``rng`` None (it is
+    seeded afresh).
+    """
+    if len(saved) == num_processes:
+        return saved[process_index]
+    import warnings
+
+    warnings.warn(
+        f"The checkpoint was written by {len(saved)} process(es) and is resumed on {num_processes}: the run "
+        "continues, but not exactly as an uninterrupted run would (random states and the sharding of prompts "
+        "differ), and its half-finished generation batch is dropped.",
+        stacklevel=3,
+    )
+    return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None}
+
+
+def restore_engine(engine, state: dict, rng: dict | None) -> None:
+    """Load ``state`` into ``engine``, with ``rng`` this process's random state (None: seed it afresh
+    from ``config.seed`` and its rank, as a new run does)."""
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.scheduler.load_state_dict(state["scheduler"])
     engine.sampler.load_state_dict(state["sampler"])
@@ -131,5 +170,10 @@ def restore_engine(engine, state: dict) -> None:
         engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
     if state["ref_model"] is not None and engine.ref_model is not None:
         engine.ref_model.load_state_dict(state["ref_model"])
-    set_rng_state(state["rng"])
+    if rng is not None:
+        set_rng_state(rng)
+    else:
+        from transformers import set_seed
+
+        set_seed(engine.config.seed + engine.accelerator.process_index)
     engine.rollout_backend.sync_weights(engine.unwrapped_model, engine.global_step)

@@ -7,6 +7,8 @@ scalar, ``local_slice`` says which part of a global batch this process owns.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
@@ -40,6 +42,16 @@ def _forget_other_precision(mixed: str) -> None:
         return
     if str(AcceleratorState().mixed_precision) != mixed:
         AcceleratorState._reset_state()
+
+
+def launched_processes() -> int:
+    """How many processes this run has, before or after an Accelerator exists: accelerate's count
+    once it is set up, else what the launcher put in ``WORLD_SIZE``."""
+    from accelerate.state import PartialState
+
+    if PartialState._shared_state:
+        return PartialState().num_processes
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,14 @@ from grpo_lab.checkpoint import (
     atomic_directory_write,
     load_saved_weights,
     load_state,
+    own_process_state,
+    per_process_states,
     restore_engine,
+    rng_state,
     save_engine,
 )
 from grpo_lab.config import GRPOConfig
+from grpo_lab.dist import gather_list, launched_processes
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -394,8 +398,15 @@ class GRPOSession:
     def save(self, path) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
         history, config and any half-finished stage results to ``path``, atomically. Config edits
-        made since the last stage are validated first, as the next stage would."""
+        made since the last stage are validated first, as the next stage would.
+
+        Under ``accelerate launch`` every process calls it (as ``GRPOTrainer`` does): each one's
+        random state and share of a half-finished batch are gathered, and the main process writes.
+        """
         self._sync_config()
+        accelerator = self.engine.accelerator
+        own = {"rng": rng_state(), "pending": (self.rollout, self.scores, self.advantages_result)}
+        per_process = gather_list(accelerator, [own])
         extra = {
             "history": self._history,
             "completion_log": self._completion_log,
@@ -403,14 +414,13 @@ class GRPOSession:
             "applied_config": self._applied_config,
             "batch_step": self.batch_step,
             "last_stage": self._last_stage,
-            "pending": (self.rollout, self.scores, self.advantages_result),
             "reward_funcs": _pickled(self.engine.reward_funcs),
         }
 
         def write(directory: Path) -> None:
             from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
-            save_engine(self.engine, directory, extra)
+            save_engine(self.engine, directory, extra, per_process)
             shown = is_progress_bar_enabled()
             disable_progress_bar()  # a checkpoint is not worth three progress bars per save
             try:
@@ -421,7 +431,10 @@ class GRPOSession:
                 if shown:
                     enable_progress_bar()
 
-        return atomic_directory_write(Path(path), write)
+        if accelerator.is_main_process:
+            atomic_directory_write(Path(path), write)
+        accelerator.wait_for_everyone()
+        return Path(path)
 
     @classmethod
     def load(cls, path, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs) -> GRPOSession:
@@ -451,7 +464,11 @@ class GRPOSession:
         if kwargs.get("args") is None:
             kwargs["args"] = GRPOConfig.from_yaml(directory / "config.yaml")
         own_optimizer = kwargs.get("optimizers", (None, None))[0] is not None
-        built = _rebuilt_fields(directory, extra, kwargs["args"].to_dict(), own_optimizer, given_model=model is not None)
+        saved = per_process_states(state)
+        half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
+        built = _rebuilt_fields(
+            directory, extra, kwargs["args"].to_dict(), own_optimizer, given_model=model is not None, half_used=half_used
+        )
         model_dir = directory / MODEL_DIR
         if model is not None:
             load_saved_weights(model, model_dir)
@@ -463,7 +480,9 @@ class GRPOSession:
             model = str(model_dir)
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
-        restore_engine(session.engine, state)
+        accelerator = session.engine.accelerator
+        own = own_process_state(saved, accelerator.process_index, accelerator.num_processes)
+        restore_engine(session.engine, state, own["rng"])
         session._history = extra["history"]
         session._completion_log = extra["completion_log"]
         session.config_changes = extra["config_changes"] + [
@@ -472,17 +491,23 @@ class GRPOSession:
         session._applied_config = {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}
         session.batch_step = extra["batch_step"]
         session._last_stage = extra["last_stage"]
-        session.rollout, session.scores, session.advantages_result = extra["pending"]
+        if own["pending"] is None:
+            session.discard_batch()
+        else:
+            session.rollout, session.scores, session.advantages_result = own["pending"]
         return session
 
 
-def _rebuilt_fields(directory: Path, extra: dict, built: dict, own_optimizer: bool, given_model: bool) -> dict:
+def _rebuilt_fields(
+    directory: Path, extra: dict, built: dict, own_optimizer: bool, given_model: bool, half_used: bool
+) -> dict:
     """Build-time fields whose value in ``built`` (the config a session is about to be built with)
     differs from the saved run's, as ``{name: (old, new)}``; they are in effect from the next step.
 
     Refused, before anything is loaded: new seeds, prompt order or optimizer (the saved state carries
     the old ones; an optimizer given in ``optimizers=`` is the caller's), new settings of a model given
-    to load into (it was built with the old ones), and a new batch layout for a half-used batch.
+    to load into (it was built with the old ones), and a new batch layout for a half-used batch
+    (``half_used``: the saved run stopped inside a generation batch that the loaded one continues).
     """
     saved = extra["applied_config"]
     changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
@@ -505,7 +530,7 @@ def _rebuilt_fields(directory: Path, extra: dict, built: dict, own_optimizer: bo
             "with the saved values, or without model= (a new model is built with the new ones)."
         )
     layout = sorted(set(changed) & _BATCH_LAYOUT_FIELDS)
-    if layout and extra["pending"][0] is not None:
+    if layout and half_used:
         raise ValueError(
             f"{directory} was saved in the middle of a generation batch, and {', '.join(layout)} changed, so the rest "
             "of that batch cannot be fed. Load it with the saved values, finish the batch (or discard_batch()) and "

@@ -170,8 +170,8 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         """Write ``<output_dir>/checkpoint-<step>`` atomically; keep at most ``save_total_limit``."""
         path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.session.global_step}"
+        self.session.save(path)  # every process: each one's random state goes into the checkpoint
         if self.accelerator.is_main_process:
-            self.session.save(path)
             self._rotate_checkpoints()
         self.accelerator.wait_for_everyone()
         return path

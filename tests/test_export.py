@@ -290,13 +290,15 @@ def test_notebook_without_exported_session_is_rejected(tmp_path):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
 
 
+LAUNCH_TWO = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
 @pytest.mark.slow
 def test_two_process_ddp_run_of_an_exported_script_tracks_one_process(make_session, tmp_path):
     session = make_session(per_device_train_batch_size=8, max_steps=3, save_steps=3)
     script = session.export_script(tmp_path / "train.py")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    _run([*launch, str(script), "--output_dir", str(tmp_path / "ddp"), "--per_device_train_batch_size", "4"],
+    _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "ddp"), "--per_device_train_batch_size", "4"],
          cwd=tmp_path)
     _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one")], cwd=tmp_path)
     ddp, one = _rows(tmp_path / "ddp" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
@@ -308,6 +310,27 @@ def test_two_process_ddp_run_of_an_exported_script_tracks_one_process(make_sessi
         assert abs(a["completions/mean_length"] - b["completions/mean_length"]) < 1.5
     mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
     assert abs(mean(ddp) - mean(one)) < 0.5
+
+
+@pytest.mark.slow
+def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninterrupted_run(make_session, tmp_path):
+    # checkpoint-3 falls inside a generation batch (2 iterations per batch): the resumed run finishes
+    # that batch on each process's own completions, then samples new ones from each process's own
+    # random state
+    session = make_session(per_device_train_batch_size=4, num_iterations=2, max_steps=6, save_steps=3)
+    script = session.export_script(tmp_path / "train.py")
+    _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "whole")], cwd=tmp_path)
+    _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "resumed"),
+          "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
+    whole, resumed = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(whole[3:], resumed):
+        _same(a, b)
+    # on one process the half-finished batch cannot be split again: it is dropped, with a warning
+    one = _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8",
+                "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
+    assert "written by 2 process(es) and is resumed on 1" in one.stderr
+    assert [r["step"] for r in _rows(tmp_path / "one" / "metrics.jsonl")] == [4, 5, 6]
 
 
 def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys):
