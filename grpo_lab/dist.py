@@ -25,11 +25,22 @@ def make_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
 
     On a machine without a GPU the accelerator is told so (``cpu=True``): only then does accelerate
     join the processes of ``accelerate launch --multi_gpu`` into one gloo group (MULTI_CPU) instead
-    of running each as a separate single-process job.
+    of running each as a separate single-process job. accelerate has no FSDP on CPU: a launch with
+    an FSDP config runs there as plain data parallel, with a warning that says so.
     """
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
     _forget_other_precision(mixed)
-    return Accelerator(mixed_precision=mixed, cpu=use_cpu or not _has_accelerator_device())
+    cpu = use_cpu or not _has_accelerator_device()
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if cpu and fsdp and os.environ.get("RANK", "0") == "0":  # said once, by the main process
+        import warnings
+
+        warnings.warn(
+            "accelerate launch asked for FSDP, which shards the model over GPUs; on CPU accelerate runs "
+            "the processes as plain data parallel instead (each holds the whole model and optimizer).",
+            stacklevel=3,
+        )
+    return Accelerator(mixed_precision=mixed, cpu=cpu)
 
 
 def _forget_other_precision(mixed: str) -> None:

@@ -1,0 +1,17 @@
+"""The accelerate glue: what a launch on a machine without a GPU becomes, said out loud."""
+
+import os
+import subprocess
+import sys
+
+BUILD = "from grpo_lab.dist import make_accelerator; print(make_accelerator('fp32').distributed_type)"
+
+
+def test_an_fsdp_launch_on_cpu_warns_that_it_runs_unsharded():
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ACCELERATE_USE_")}
+    fsdp = subprocess.run([sys.executable, "-c", BUILD], env={**env, "ACCELERATE_USE_FSDP": "true"},
+                          capture_output=True, text=True, check=True)
+    assert "accelerate launch asked for FSDP, which shards the model over GPUs" in fsdp.stderr
+    assert fsdp.stdout.strip() == "DistributedType.NO"  # one process here; MULTI_CPU under a 2-process launch
+    plain = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, check=True)
+    assert "shards the model" not in plain.stderr
