@@ -259,12 +259,7 @@ class Engine:
         """Rebuild the learning-rate schedule from the config (after ``max_steps``, ``num_train_epochs``,
         ``lr_scheduler_type``, ``lr_scheduler_kwargs``, ``warmup_steps`` or ``warmup_ratio`` changed)
         and move it as far as the old one had gone (skipped updates did not step it), as if the run had
-        started with these settings."""
-        if not self.owns_scheduler:
-            raise ValueError(
-                "The learning-rate schedule was given in optimizers=(optimizer, scheduler), so grpo_lab cannot "
-                "rebuild it from the config; the edit was undone. Step your own scheduler, or build a new session."
-            )
+        started with these settings. Only for a schedule grpo_lab built (``owns_scheduler``)."""
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["initial_lr"] = base  # each group's own base rate
         scheduler = self._new_scheduler()

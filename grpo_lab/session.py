@@ -63,6 +63,7 @@ _SAVED_STATE_FIELDS = {"seed", "data_seed", "shuffle_dataset", "optim"}
 """Build-time fields whose saved values a loaded run's random state, prompt order and optimizer state carry."""
 
 _SCHEDULE_FIELDS = {"max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}
+_SCHEDULE_ONLY_FIELDS = _SCHEDULE_FIELDS - {"max_steps", "num_train_epochs"}  # the others also set the run's length
 """Config fields that rebuild the learning-rate schedule, at the current step, when they change."""
 
 _ADAMW_FIELDS = {"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay"}
@@ -218,11 +219,20 @@ class GRPOSession:
                 "beta > 0 needs a reference model, and this session was built with beta=0, so none was kept; the edit "
                 "was undone. Build a new GRPOSession with beta > 0 (its reference is the model it starts from)."
             )
-        if set(changed) & _SCHEDULE_FIELDS:
+        schedule = sorted(set(changed) & _SCHEDULE_FIELDS)
+        if schedule and not self.engine.owns_scheduler and set(schedule) & _SCHEDULE_ONLY_FIELDS:
+            self._undo(schedule)
+            raise ValueError(
+                f"{', '.join(sorted(set(schedule) & _SCHEDULE_ONLY_FIELDS))} shape the learning-rate schedule, which was "
+                "given in optimizers=(optimizer, scheduler), so grpo_lab cannot rebuild it; the edit was undone. Step "
+                "your own scheduler, or build a new session. (max_steps and num_train_epochs can change: they set the "
+                "run's length, and your scheduler goes on as it is.)"
+            )
+        if schedule and self.engine.owns_scheduler:
             try:
                 self.engine.rebuild_schedule()
             except Exception:  # e.g. lr_scheduler_kwargs the schedule does not take: the old schedule stays
-                self._undo(sorted(set(changed) & _SCHEDULE_FIELDS))
+                self._undo(schedule)
                 raise
         for name, (old, new) in changed.items():
             self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
@@ -463,11 +473,12 @@ class GRPOSession:
             eval_dataset = load_from_disk(str(directory / "eval_dataset"))
         if kwargs.get("args") is None:
             kwargs["args"] = GRPOConfig.from_yaml(directory / "config.yaml")
-        own_optimizer = kwargs.get("optimizers", (None, None))[0] is not None
+        own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
         saved = per_process_states(state)
         half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
         built = _rebuilt_fields(
-            directory, extra, kwargs["args"].to_dict(), own_optimizer, given_model=model is not None, half_used=half_used
+            directory, extra, kwargs["args"].to_dict(), own_optimizer, own_scheduler,
+            given_model=model is not None, half_used=half_used,
         )
         model_dir = directory / MODEL_DIR
         if model is not None:
@@ -499,17 +510,28 @@ class GRPOSession:
 
 
 def _rebuilt_fields(
-    directory: Path, extra: dict, built: dict, own_optimizer: bool, given_model: bool, half_used: bool
+    directory: Path, extra: dict, built: dict, own_optimizer: bool, own_scheduler: bool, given_model: bool,
+    half_used: bool,
 ) -> dict:
     """Build-time fields whose value in ``built`` (the config a session is about to be built with)
     differs from the saved run's, as ``{name: (old, new)}``; they are in effect from the next step.
 
     Refused, before anything is loaded: new seeds, prompt order or optimizer (the saved state carries
     the old ones; an optimizer given in ``optimizers=`` is the caller's), new settings of a model given
-    to load into (it was built with the old ones), and a new batch layout for a half-used batch
+    to load into (it was built with the old ones), a new schedule shape for a scheduler given in
+    ``optimizers=`` (grpo_lab cannot rebuild it), and a new batch layout for a half-used batch
     (``half_used``: the saved run stopped inside a generation batch that the loaded one continues).
     """
     saved = extra["applied_config"]
+    schedule = sorted(name for name in _SCHEDULE_ONLY_FIELDS if saved.get(name) != built[name]) if own_scheduler else []
+    if schedule:
+        raise ValueError(
+            f"{', '.join(f'{name}={built[name]!r}' for name in schedule)}: {directory} was saved with "
+            f"{', '.join(f'{name}={saved.get(name)!r}' for name in schedule)}, and these shape the learning-rate "
+            "schedule, which was given in optimizers=(optimizer, scheduler), so grpo_lab cannot rebuild it. Load it "
+            "with the saved values (your scheduler continues from its saved state; max_steps and num_train_epochs "
+            "can change)."
+        )
     changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
     carried = [
         name for name in sorted(set(changed) & _SAVED_STATE_FIELDS)

@@ -260,6 +260,30 @@ def test_learning_rate_change_takes_effect_and_is_recorded(make_session):
         session.step()
 
 
+def test_a_scheduler_given_in_optimizers_goes_on_when_the_run_lengthens_and_its_shape_cannot_change(task, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_lab import GRPOSession
+    from tests.conftest import SMALL
+
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_steps": 2})
+    session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          optimizers=(optimizer, scheduler))
+    rows = [session.step()]
+    session.config.max_steps = 3
+    rows += [session.step(), session.step()]
+    assert [row["learning_rate"] for row in rows] == pytest.approx([1e-3, 5e-4, 2.5e-4], rel=1e-6)
+    assert session.engine.total_steps() == 3 and session.engine.scheduler is scheduler
+    warmup = session.config.warmup_ratio
+    session.config.warmup_ratio, session.config.max_steps = 0.5, 4
+    with pytest.raises(ValueError, match="warmup_ratio shape the learning-rate schedule.*the edit was undone"):
+        session.step()
+    assert (session.config.warmup_ratio, session.config.max_steps) == (warmup, 3)
+
+
 def test_adamw_settings_changed_between_steps_take_effect(make_session):
     """Two sessions from one seed; in one, weight_decay goes to 0.5 after step 1. Step 2 has the same
     batch and gradient in both, so AdamW's decoupled decay is the whole difference:

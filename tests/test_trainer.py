@@ -104,7 +104,10 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
     pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
 
 
-def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_holds(task, tmp_path):
+@pytest.mark.parametrize("own_scheduler", [False, True])
+def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_holds(task, tmp_path, own_scheduler):
+    """Resumed with a larger max_steps; a scheduler of the caller's own goes on as it is, one built
+    by grpo_lab (constant here) is rebuilt for the new length."""
     from transformers import AutoModelForCausalLM
 
     def trainer(out, max_steps):
@@ -112,9 +115,10 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
         embeddings = list(model.get_input_embeddings().parameters())
         rest = [p for p in model.parameters() if all(p is not e for e in embeddings)]
         optimizer = torch.optim.AdamW([{"params": rest, "lr": 1e-2}, {"params": embeddings, "lr": 1e-3}])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step) if own_scheduler else None
         config = task.config(**{**SMALL, "output_dir": str(out), "max_steps": max_steps, "lr_scheduler_type": "constant"})
         return GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
-                           optimizers=(optimizer, None))
+                           optimizers=(optimizer, scheduler))
 
     reference = trainer(tmp_path / "ref", 4)
     reference.train()
@@ -126,6 +130,13 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2" / "model").state_dict()
     assert any(not torch.equal(saved[name], value) for name, value in resumed.model.state_dict().items() if name in saved)
+    expected = [1e-2 * 0.5**step for step in range(4)] if own_scheduler else [1e-2] * 4
+    assert resumed.session.history["learning_rate"].tolist() == pytest.approx(expected, rel=1e-6)
+    if own_scheduler:  # a new shape for the caller's scheduler is refused before the run starts
+        reshaped = trainer(tmp_path / "run", 4)
+        reshaped.args.lr_scheduler_type = "linear"
+        with pytest.raises(ValueError, match="lr_scheduler_type='linear'.*saved with lr_scheduler_type='constant'.*cannot rebuild it"):
+            reshaped.train(resume_from_checkpoint=tmp_path / "run" / "checkpoint-2")
 
 
 def test_lora_save_model_writes_the_adapter_or_a_merged_model(task, tmp_path):
