@@ -344,8 +344,9 @@ class GRPOConfig:
     runs."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
-    the tensorboard package) or "all" (every supported one installed). TRL's other names (wandb,
-    trackio, mlflow, comet_ml) are accepted here but refused by the trainer with an error."""
+    the tensorboard package), "wandb" (the wandb package; metrics, config and completion tables) or
+    "all" (every supported one installed). TRL's other names (trackio, mlflow, comet_ml) are
+    accepted here but refused by the trainer with an error."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     disable_tqdm: bool = False

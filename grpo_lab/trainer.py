@@ -1,7 +1,7 @@
 """GRPOTrainer: the script loop over the same engine and state machine as GRPOSession.
 
 The trainer adds what a script run needs around the session's ``step()``: a progress bar, metrics
-appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard when ``report_to`` asks for it), a
+appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard or Weights & Biases when ``report_to`` asks), a
 table of sample completions every ``logging_steps`` when ``log_completions`` is set, atomic
 checkpoints every ``save_steps`` with ``save_total_limit``, and exact resumption. Because it calls
 the very same ``GRPOSession.step()``, N trainer steps and N session steps from the same seed give
@@ -11,7 +11,6 @@ identical metrics and weights.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -21,33 +20,10 @@ from pathlib import Path
 
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.progress import progress_bar
+from grpo_lab.reporting import make_reporters, reporter_names
 from grpo_lab.session import GRPOSession
 
 CHECKPOINT_PREFIX = "checkpoint-"
-
-
-SUPPORTED_REPORTERS = ("tensorboard",)
-"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl``."""
-
-
-def reporters(report_to) -> list[str]:
-    """The reporters ``report_to`` asks for: "all" means every supported one that is installed; a
-    reporter grpo_lab cannot feed, or one not installed, is an error now rather than silence later."""
-    wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    if "all" in wanted:
-        return [name for name in SUPPORTED_REPORTERS if importlib.util.find_spec(name) is not None]
-    wanted = [name for name in wanted if name != "none"]
-    unsupported = [name for name in wanted if name not in SUPPORTED_REPORTERS]
-    if unsupported:
-        raise ValueError(
-            f"report_to={', '.join(unsupported)} is not supported by grpo_lab's trainer yet (supported: "
-            f"{', '.join(SUPPORTED_REPORTERS)}). Every metric is written to output_dir/metrics.jsonl, one JSON "
-            "row per step, which any tracker can import."
-        )
-    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(f"report_to={', '.join(missing)} needs the package: pip install {' '.join(missing)}")
-    return wanted
 
 
 class GRPOTrainer:
@@ -65,7 +41,7 @@ class GRPOTrainer:
         peft_config=None,
         optimizers=(None, None),
     ):
-        self.reporters = reporters(getattr(args, "report_to", "none"))  # before the model loads
+        self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
             reward_processing_classes=reward_processing_classes, optimizers=optimizers,
@@ -112,43 +88,45 @@ class GRPOTrainer:
             self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
-        writer = self._tensorboard() if main else None
+        sinks = make_reporters(self.reporters, self.args, self.output_dir) if main else []
         save_every = steps_between(self.args.save_steps, total)
         log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}
-        with progress_bar(total - self.session.global_step, enabled=main and self.args.disable_tqdm is not True) as bar:
-            while self.session.global_step < total:
-                row = self.session.step()
-                bar.advance(row)
-                if main:
-                    self._log(row, writer, log_every)
-                if row["step"] % save_every == 0:
-                    self.save_checkpoint()
-        if row and row["step"] % save_every:
-            self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
-        if writer is not None:
-            writer.close()
+        try:
+            with progress_bar(total - self.session.global_step, enabled=main and self.args.disable_tqdm is not True) as bar:
+                while self.session.global_step < total:
+                    row = self.session.step()
+                    bar.advance(row)
+                    if main:
+                        self._log(row, sinks, log_every)
+                    if row["step"] % save_every == 0:
+                        self.save_checkpoint()
+            if row and row["step"] % save_every:
+                self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
+        finally:  # what was logged before a crash reaches the reporters' files
+            for sink in sinks:
+                sink.close()
         return row
 
-    def _log(self, row: dict, writer, completions_every: int) -> None:
+    def _log(self, row: dict, sinks: list, completions_every: int) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         with open(self.output_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(row) + "\n")
-        if writer is not None:
-            for key, value in row.items():
-                if key != "step":
-                    writer.add_scalar(key, value, row["step"])
+        for sink in sinks:
+            sink.log(row)
         if self.args.log_completions and row["step"] % completions_every == 0:
-            self._print_completions(row["step"])
+            log = self.session.completions_log
+            rows = log[log["step"] == log["step"].max()]
+            if self.args.num_completions_to_print:
+                rows = rows.head(self.args.num_completions_to_print)
+            self._print_completions(row["step"], rows)
+            for sink in sinks:
+                sink.log_completions(row["step"], rows)
 
-    def _print_completions(self, step: int) -> None:
+    def _print_completions(self, step: int, rows) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        log = self.session.completions_log
-        rows = log[log["step"] == log["step"].max()]
-        if self.args.num_completions_to_print:
-            rows = rows.head(self.args.num_completions_to_print)
         table = Table(title=f"completions at step {step}")
         reward_columns = [c for c in rows.columns if c.startswith("rewards/")]
         for column in ["prompt", "completion", *reward_columns, "advantage"]:
@@ -159,13 +137,6 @@ class GRPOTrainer:
         if not (console.is_terminal or console.is_jupyter or "COLUMNS" in os.environ):
             console = Console(width=160)  # a log file: 80 columns would wrap every completion over several lines
         console.print(table)
-
-    def _tensorboard(self):
-        if "tensorboard" not in self.reporters:
-            return None
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(log_dir=self.args.logging_dir or str(self.output_dir / "runs"))
 
     def save_checkpoint(self) -> Path:
         """Write ``<output_dir>/checkpoint-<step>`` atomically; keep at most ``save_total_limit``."""

@@ -59,9 +59,83 @@ def test_tensorboard_receives_the_metrics_jsonl_values(task, tmp_path):
         assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in rows]
 
 
+def _wandb_records(run_file):
+    """The records of a .wandb file: a 7-byte header, then LevelDB log blocks of 32 KiB holding
+    protobuf records, each in pieces with a 7-byte header (crc32, length, type: 1 whole, 2 first,
+    3 middle, 4 last)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending, block = run_file.read_bytes(), 7, b"", 32768
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def _wandb_history_and_config(run_file) -> tuple[dict, dict]:
+    """``{step: {metric: value}}`` and the run's config, from a .wandb file."""
+    history, config = {}, {}
+    for record in _wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(items["_step"], {}).update(items)
+        if record.WhichOneof("record_type") == "run":
+            config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+    return history, config
+
+
+def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = _trainer(task, tmp_path, max_steps=2, report_to="wandb", log_completions=True, num_completions_to_print=3)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = _wandb_history_and_config(run_file)
+    assert sorted(history) == [1, 2]
+    log = trainer.session.completions_log
+    for row in rows:
+        logged = history[row["step"]]
+        assert {key: logged[key] for key in row if key != "step"} == pytest.approx({k: v for k, v in row.items() if k != "step"})
+        table = json.loads((run_file.parent / "files" / logged["completions/path"]).read_text())
+        printed = log[log["step"] == row["step"]].head(3)
+        assert table["columns"] == list(printed.columns)
+        assert [r[table["columns"].index("completion")] for r in table["data"]] == printed["completion"].tolist()
+    assert config["learning_rate"] == 1e-3 and config["max_steps"] == 2
+
+
+def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="mine", dir=str(tmp_path), config={"note": "kept"})
+    try:
+        trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="wandb")
+        trainer.train()
+        assert wandb.run is run and run.config["note"] == "kept" and run.config["max_steps"] == 2
+    finally:
+        run.finish()
+    assert not (tmp_path / "out" / "wandb").exists()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = _wandb_history_and_config(run_file)
+    assert sorted(history) == [1, 2] and history[2]["loss"] == trainer.session.history["loss"].iloc[-1]
+    assert config["note"] == "kept"
+
+
 @pytest.mark.parametrize(("report_to", "error", "message"), [
-    ("wandb", ValueError, r"report_to=wandb is not supported.*metrics.jsonl"),
-    (["tensorboard", "mlflow"], ValueError, r"report_to=mlflow is not supported"),
+    ("mlflow", ValueError, r"report_to=mlflow is not supported.*metrics.jsonl"),
+    (["tensorboard", "trackio"], ValueError, r"report_to=trackio is not supported"),
 ])
 def test_unsupported_reporters_are_refused_before_the_model_loads(task, tmp_path, report_to, error, message):
     with pytest.raises(error, match=message):

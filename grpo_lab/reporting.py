@@ -1,0 +1,96 @@
+"""Where the trainer sends metrics besides ``output_dir/metrics.jsonl``: TensorBoard and Weights &
+Biases, as ``report_to`` asks.
+
+A reporter takes each step's metrics row (``log``), the completions of a step that the trainer
+prints with ``log_completions`` (``log_completions``, a pandas DataFrame) and ``close``. The trainer
+makes them on the main process only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+SUPPORTED_REPORTERS = ("tensorboard", "wandb")
+"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl``."""
+
+
+def reporter_names(report_to) -> list[str]:
+    """The reporters ``report_to`` asks for: "all" means every supported one that is installed; a
+    reporter grpo_lab cannot feed, or one not installed, is an error now rather than silence later."""
+    wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if "all" in wanted:
+        return [name for name in SUPPORTED_REPORTERS if importlib.util.find_spec(name) is not None]
+    wanted = [name for name in wanted if name != "none"]
+    unsupported = [name for name in wanted if name not in SUPPORTED_REPORTERS]
+    if unsupported:
+        raise ValueError(
+            f"report_to={', '.join(unsupported)} is not supported by grpo_lab's trainer yet (supported: "
+            f"{', '.join(SUPPORTED_REPORTERS)}). Every metric is written to output_dir/metrics.jsonl, one JSON "
+            "row per step, which any tracker can import."
+        )
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"report_to={', '.join(missing)} needs the package: pip install {' '.join(missing)}")
+    return wanted
+
+
+def make_reporters(names: list[str], config, output_dir: Path) -> list:
+    """One reporter per name in ``names`` (from :func:`reporter_names`)."""
+    kinds = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter}
+    return [kinds[name](config, Path(output_dir)) for name in names]
+
+
+class TensorBoardReporter:
+    """Scalars to ``logging_dir`` (default ``output_dir/runs``), one point per step and metric."""
+
+    def __init__(self, config, output_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=config.logging_dir or str(output_dir / "runs"))
+
+    def log(self, row: dict) -> None:
+        for key, value in row.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, row["step"])
+
+    def log_completions(self, step: int, completions) -> None:
+        """TensorBoard gets scalars only; the completions are printed by the trainer."""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbReporter:
+    """A Weights & Biases run: the config once, each metrics row at its step, and the printed
+    completions as a table under ``completions``.
+
+    Continues a run already started in the process (``wandb.init`` called by the user), else starts
+    one in project ``$WANDB_PROJECT`` (default "grpo_lab") with its files under ``output_dir``;
+    ``WANDB_MODE=offline`` and wandb's other variables apply as usual.
+    """
+
+    def __init__(self, config, output_dir: Path):
+        import wandb
+
+        self.wandb = wandb
+        self.owns_run = wandb.run is None
+        if self.owns_run:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), config=config.to_dict(), dir=str(output_dir)
+            )
+        else:
+            self.run = wandb.run
+            self.run.config.update(config.to_dict(), allow_val_change=True)
+
+    def log(self, row: dict) -> None:
+        self.run.log({key: value for key, value in row.items() if key != "step"}, step=row["step"])
+
+    def log_completions(self, step: int, completions) -> None:
+        self.run.log({"completions": self.wandb.Table(dataframe=completions.reset_index(drop=True))}, step=step)
+
+    def close(self) -> None:
+        if self.owns_run:
+            self.run.finish()
