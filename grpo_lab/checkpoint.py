@@ -11,6 +11,7 @@ complete, so a crash mid-save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -38,6 +39,17 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def on_device(obj, device):
+    """A copy of ``obj`` (tensors in dataclasses, dicts, lists...) with every tensor on ``device`` and
+    shared references kept shared; what a process gathers or loads of a half-used batch."""
+    device = torch.device(device)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    # torch.load knows "cpu" but not an indexed "cpu:0" (accelerate's device under multi-CPU runs)
+    return torch.load(buffer, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
 
 
 def atomic_directory_write(target: Path, write) -> Path:
@@ -127,33 +139,41 @@ def check_complete(directory: Path) -> Path:
 
 
 def load_state(directory: Path) -> dict:
-    return torch.load(check_complete(directory) / STATE_FILE, weights_only=False)
+    """The saved state with every tensor on the CPU (loading moves what it restores to the model's
+    device), so a checkpoint written on N GPUs loads on any device."""
+    return torch.load(check_complete(directory) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
 def per_process_states(state: dict) -> list[dict]:
     """The checkpoint's per-process entries in rank order: each process's random state ("rng") and
-    its share of a half-finished batch ("pending")."""
-    # checkpoints written before per-process states kept the main process's alone
+    its share of a half-finished batch ("pending"). A checkpoint written before these were kept per
+    process holds the main process's alone."""
     return state.get("per_process") or [{"rng": state["rng"], "pending": state["extra"]["pending"]}]
 
 
-def own_process_state(saved: list[dict], process_index: int, num_processes: int) -> dict:
-    """This process's entry of ``saved`` (:func:`per_process_states`).
+def own_process_state(state: dict, process_index: int, num_processes: int) -> dict:
+    """This process's entry of :func:`per_process_states`.
 
-    A checkpoint written by another number of processes cannot continue exactly: the half-finished
-    batch is dropped (``pending`` None) and a process beyond the saved ones gets ``rng`` None (it is
-    seeded afresh).
+    A checkpoint written by another number of processes (or, on several processes, one that kept
+    the main process's state alone) cannot continue exactly: the half-finished batch is dropped
+    (``pending`` None) and a process without a saved state gets ``rng`` None (it is seeded afresh).
     """
+    saved = per_process_states(state)
     if len(saved) == num_processes:
         return saved[process_index]
-    import warnings
+    if process_index == 0:
+        import warnings
 
-    warnings.warn(
-        f"The checkpoint was written by {len(saved)} process(es) and is resumed on {num_processes}: the run "
-        "continues, but not exactly as an uninterrupted run would (random states and the sharding of prompts "
-        "differ), and its half-finished generation batch is dropped.",
-        stacklevel=3,
-    )
+        written = (
+            f"written by {len(saved)} process(es)" if "per_process" in state
+            else "written before grpo_lab kept every process's random state"
+        )
+        dropped = ", and its half-finished generation batch is dropped" if saved[0]["pending"][0] is not None else ""
+        warnings.warn(
+            f"The checkpoint was {written} and is resumed on {num_processes}: the run continues, but not exactly as "
+            f"an uninterrupted run would (random states and the sharding of prompts differ){dropped}.",
+            stacklevel=3,
+        )
     return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None}
 
 

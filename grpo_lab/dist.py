@@ -79,6 +79,18 @@ def gather_list(accelerator: Accelerator, items: list) -> list:
     return gather_object(list(items))
 
 
+def gather_to_main(accelerator: Accelerator, item) -> list | None:
+    """``item`` (any picklable object) of every process, in rank order, on the main process; None
+    on the others."""
+    if accelerator.num_processes == 1:
+        return [item]
+    import torch.distributed
+
+    items = [None] * accelerator.num_processes if accelerator.is_main_process else None
+    torch.distributed.gather_object(item, items, dst=0)
+    return items
+
+
 def from_main(accelerator: Accelerator, value):
     """The main process's ``value`` (any picklable object) on every process."""
     if accelerator.num_processes == 1:

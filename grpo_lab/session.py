@@ -25,6 +25,7 @@ from grpo_lab.checkpoint import (
     atomic_directory_write,
     load_saved_weights,
     load_state,
+    on_device,
     own_process_state,
     per_process_states,
     restore_engine,
@@ -32,7 +33,7 @@ from grpo_lab.checkpoint import (
     save_engine,
 )
 from grpo_lab.config import GRPOConfig
-from grpo_lab.dist import gather_list, launched_processes
+from grpo_lab.dist import gather_to_main, launched_processes
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -63,8 +64,11 @@ _SAVED_STATE_FIELDS = {"seed", "data_seed", "shuffle_dataset", "optim"}
 """Build-time fields whose saved values a loaded run's random state, prompt order and optimizer state carry."""
 
 _SCHEDULE_FIELDS = {"max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}
-_SCHEDULE_ONLY_FIELDS = _SCHEDULE_FIELDS - {"max_steps", "num_train_epochs"}  # the others also set the run's length
 """Config fields that rebuild the learning-rate schedule, at the current step, when they change."""
+
+_SCHEDULE_ONLY_FIELDS = _SCHEDULE_FIELDS - {"max_steps", "num_train_epochs"}
+"""Schedule fields that do nothing else (max_steps and num_train_epochs also set the run's length):
+a scheduler passed in ``optimizers=`` does not read them, so a change would have no effect."""
 
 _ADAMW_FIELDS = {"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay"}
 """Config fields applied to grpo_lab's AdamW when they change between steps."""
@@ -223,10 +227,10 @@ class GRPOSession:
         if schedule and not self.engine.owns_scheduler and set(schedule) & _SCHEDULE_ONLY_FIELDS:
             self._undo(schedule)
             raise ValueError(
-                f"{', '.join(sorted(set(schedule) & _SCHEDULE_ONLY_FIELDS))} shape the learning-rate schedule, which was "
-                "given in optimizers=(optimizer, scheduler), so grpo_lab cannot rebuild it; the edit was undone. Step "
-                "your own scheduler, or build a new session. (max_steps and num_train_epochs can change: they set the "
-                "run's length, and your scheduler goes on as it is.)"
+                f"{', '.join(sorted(set(schedule) & _SCHEDULE_ONLY_FIELDS))}: these configure the schedule grpo_lab "
+                "builds, and this session's scheduler was given in optimizers=(optimizer, scheduler), which does not "
+                "read them, so the change would have no effect; it was undone. Change your own scheduler instead. "
+                "(max_steps and num_train_epochs can change: they set the run's length, and your scheduler goes on.)"
             )
         if schedule and self.engine.owns_scheduler:
             try:
@@ -415,8 +419,8 @@ class GRPOSession:
         """
         self._sync_config()
         accelerator = self.engine.accelerator
-        own = {"rng": rng_state(), "pending": (self.rollout, self.scores, self.advantages_result)}
-        per_process = gather_list(accelerator, [own])
+        pending = on_device((self.rollout, self.scores, self.advantages_result), "cpu")
+        per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
         extra = {
             "history": self._history,
             "completion_log": self._completion_log,
@@ -492,7 +496,7 @@ class GRPOSession:
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         accelerator = session.engine.accelerator
-        own = own_process_state(saved, accelerator.process_index, accelerator.num_processes)
+        own = own_process_state(state, accelerator.process_index, accelerator.num_processes)
         restore_engine(session.engine, state, own["rng"])
         session._history = extra["history"]
         session._completion_log = extra["completion_log"]
@@ -505,7 +509,7 @@ class GRPOSession:
         if own["pending"] is None:
             session.discard_batch()
         else:
-            session.rollout, session.scores, session.advantages_result = own["pending"]
+            session.rollout, session.scores, session.advantages_result = on_device(own["pending"], accelerator.device)
         return session
 
 
@@ -527,10 +531,10 @@ def _rebuilt_fields(
     if schedule:
         raise ValueError(
             f"{', '.join(f'{name}={built[name]!r}' for name in schedule)}: {directory} was saved with "
-            f"{', '.join(f'{name}={saved.get(name)!r}' for name in schedule)}, and these shape the learning-rate "
-            "schedule, which was given in optimizers=(optimizer, scheduler), so grpo_lab cannot rebuild it. Load it "
-            "with the saved values (your scheduler continues from its saved state; max_steps and num_train_epochs "
-            "can change)."
+            f"{', '.join(f'{name}={saved.get(name)!r}' for name in schedule)}; these configure the schedule grpo_lab "
+            "builds, and the scheduler given in optimizers=(optimizer, scheduler) does not read them, so the change "
+            "would have no effect. Load it with the saved values (your scheduler continues from its saved state; "
+            "max_steps and num_train_epochs can change)."
         )
     changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
     carried = [

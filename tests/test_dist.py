@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-BUILD = "from grpo_lab.dist import make_accelerator; print(make_accelerator('fp32').distributed_type)"
+BUILD = "from grpo_lab.dist import make_accelerator; print(make_accelerator('fp32', use_cpu=True).distributed_type)"
 
 
 def test_an_fsdp_launch_on_cpu_warns_that_it_runs_unsharded():

@@ -323,14 +323,18 @@ def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninter
     _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "resumed"),
           "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
     whole, resumed = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "resumed" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(whole[3:], resumed):
         _same(a, b)
-    # on one process the half-finished batch cannot be split again: it is dropped, with a warning
+    # on one process the half-finished batch cannot be split again: it is dropped, with a warning, and
+    # step 4 is the first pass over a new batch (policy ratios all 1, nothing clipped) instead of the
+    # second pass over the saved one
     one = _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8",
                 "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
-    assert "written by 2 process(es) and is resumed on 1" in one.stderr
-    assert [r["step"] for r in _rows(tmp_path / "one" / "metrics.jsonl")] == [4, 5, 6]
+    assert "written by 2 process(es) and is resumed on 1" in one.stderr and "batch is dropped" in one.stderr
+    one_rows = _rows(tmp_path / "one" / "metrics.jsonl")
+    assert [r["step"] for r in one_rows] == [4, 5, 6]
+    assert whole[3]["clip_ratio/region_mean"] > 0 and one_rows[0]["clip_ratio/region_mean"] == 0
 
 
 def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys):

@@ -279,7 +279,7 @@ def test_a_scheduler_given_in_optimizers_goes_on_when_the_run_lengthens_and_its_
     assert session.engine.total_steps() == 3 and session.engine.scheduler is scheduler
     warmup = session.config.warmup_ratio
     session.config.warmup_ratio, session.config.max_steps = 0.5, 4
-    with pytest.raises(ValueError, match="warmup_ratio shape the learning-rate schedule.*the edit was undone"):
+    with pytest.raises(ValueError, match="warmup_ratio: these configure the schedule grpo_lab builds.*no effect; it was undone"):
         session.step()
     assert (session.config.warmup_ratio, session.config.max_steps) == (warmup, 3)
 

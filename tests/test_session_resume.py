@@ -61,6 +61,30 @@ def test_save_between_stages_keeps_the_pending_results(make_session, tmp_path):
     assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
 
 
+def test_a_checkpoint_with_the_main_process_state_alone_still_loads_and_continues_exactly(make_session, tmp_path):
+    """Checkpoints written before every process's state was kept hold one random state and one
+    pending batch at the top level; on one process they continue as before."""
+    from grpo_lab.checkpoint import STATE_FILE
+
+    import shutil
+
+    original = make_session(num_iterations=2)
+    original.run(1, progress=False)  # half-way through a batch that feeds two optimizer steps
+    original.save(tmp_path / "new")
+    shutil.copytree(tmp_path / "new", tmp_path / "old")
+    state = torch.load(tmp_path / "old" / STATE_FILE, weights_only=False)
+    (own,) = state.pop("per_process")
+    state["rng"], state["extra"]["pending"] = own["rng"], own["pending"]
+    torch.save(state, tmp_path / "old" / STATE_FILE)
+    histories = {}
+    for name in ("new", "old"):  # one after the other: each load restores the random state it samples with
+        loaded = GRPOSession.load(tmp_path / name)
+        assert loaded.rollout.completion_texts == original.rollout.completion_texts
+        loaded.run(3, progress=False)  # the rest of the batch, then a new one
+        histories[name] = _comparable(loaded.history)
+    pd.testing.assert_frame_equal(histories["old"], histories["new"])
+
+
 def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tmp_path):
     session = make_session()
     session.step()
