@@ -131,9 +131,17 @@ def check_complete(directory: Path) -> Path:
             f"{directory} does not exist. Give a directory written by session.save() or a trainer's checkpoint-N."
         )
     if not (directory / "COMPLETE").exists() or not (directory / STATE_FILE).exists():
+        inside = sorted(
+            (p for p in directory.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()),
+            key=lambda p: int(p.name.removeprefix("checkpoint-")),
+        )
+        hint = (
+            f" It holds a trainer's checkpoints: give one, e.g. the newest, {inside[-1]} (or pass "
+            "resume_from_checkpoint=True to a trainer with this output_dir)."
+            if inside else " Give a directory written by save() or a trainer's checkpoint-N."
+        )
         raise FileNotFoundError(
-            f"{directory} is not a complete grpo_lab checkpoint (no COMPLETE marker or {STATE_FILE}). "
-            "Give a directory written by save()."
+            f"{directory} is not a complete grpo_lab checkpoint (no COMPLETE marker or {STATE_FILE}).{hint}"
         )
     return directory
 

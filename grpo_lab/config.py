@@ -721,7 +721,8 @@ def parse_value(name: str, raw: str):
                 return parts[0] if len(parts) == 1 else parts
             return [float(p) for p in parts]
     except (ValueError, json.JSONDecodeError):
-        raise ValueError(f"--{name}: cannot read {raw!r} as {kind} ({_annotations()[name]}).") from None
+        annotation = _annotations()[name]
+        raise ValueError(f"--{name}: cannot read {raw!r} as {kind}{'' if annotation == kind else f' ({annotation})'}.") from None
     if name == "scale_rewards" and text.lower() in ("true", "false"):
         return text.lower() == "true"
     return text

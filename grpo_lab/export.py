@@ -69,7 +69,9 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
     import argparse
     import dataclasses
 
+    from grpo_lab.checkpoint import check_complete
     from grpo_lab.config import GRPOConfig
+    from grpo_lab.reporting import reporter_names
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume_from", default=None)
@@ -82,11 +84,15 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
               "session.save() or a checkpoint-N of a trainer)", file=sys.stderr)
         raise SystemExit(2)
     try:
+        if known.resume_from is not None:
+            check_complete(known.resume_from)
         if edits:
             base = dataclasses.replace(base, **edits)
-        return GRPOConfig.from_args(rest, base=base), known.resume_from
-    except (ValueError, TypeError, NotImplementedError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        config = GRPOConfig.from_args(rest, base=base)
+        reporter_names(config.report_to)  # an unsupported or missing tracker, before the model loads
+        return config, known.resume_from
+    except (FileNotFoundError, ImportError, ValueError, TypeError, NotImplementedError) as error:
+        print(f"error: {'--resume_from: ' if isinstance(error, FileNotFoundError) else ''}{error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -33,10 +33,10 @@ class _Silent:
 
 
 class _NotebookBar:
-    def __init__(self, total: int):
+    def __init__(self, total: int, done: int):
         from IPython.display import HTML, display
 
-        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.total, self.done, self.start = total, done, time.perf_counter()
         self._html = HTML
         self.handle = display(HTML(self._render("")), display_id=True)
 
@@ -66,12 +66,13 @@ class _RichBar:
 
 
 @contextmanager
-def progress_bar(total: int, *, enabled: bool = True, description: str = "GRPO"):
-    """Yield an object with ``advance(metrics_row)`` and ``note(message)``."""
+def progress_bar(total: int, *, done: int = 0, enabled: bool = True, description: str = "GRPO"):
+    """Yield an object with ``advance(metrics_row)`` and ``note(message)``; the bar starts at
+    ``done`` of ``total`` (a resumed run shows the steps it continues from)."""
     if not enabled:
         yield _Silent()
     elif in_notebook():
-        yield _NotebookBar(total)
+        yield _NotebookBar(total, done)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Column
@@ -80,4 +81,4 @@ def progress_bar(total: int, *, enabled: bool = True, description: str = "GRPO")
         columns = (TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[metrics]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)))
         with Progress(*columns, transient=False, expand=True) as progress:
-            yield _RichBar(progress, progress.add_task(description, total=total, metrics=""))
+            yield _RichBar(progress, progress.add_task(description, total=total, completed=done, metrics=""))

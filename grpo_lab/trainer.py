@@ -93,7 +93,8 @@ class GRPOTrainer:
         log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}
         try:
-            with progress_bar(total - self.session.global_step, enabled=main and self.args.disable_tqdm is not True) as bar:
+            shown = main and self.args.disable_tqdm is not True
+            with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
                     row = self.session.step()
                     bar.advance(row)

@@ -337,7 +337,7 @@ def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninter
     assert whole[3]["clip_ratio/region_mean"] > 0 and one_rows[0]["clip_ratio/region_mean"] == 0
 
 
-def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys):
+def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys, tmp_path):
     from grpo_lab.config import GRPOConfig
     from grpo_lab.export import cli_config
 
@@ -357,6 +357,19 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
     with pytest.raises(SystemExit) as stopped:
         cli_config(base, ["--resume_from", "/no/such/run"])
     assert stopped.value.code == 2 and "--resume_from /no/such/run: no such directory" in capsys.readouterr().err
+    for step in (2, 10, 4):  # a trainer's output_dir given in place of one of its checkpoints
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        cli_config(base, ["--resume_from", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "It holds a trainer's checkpoints: give one, e.g. the newest, " in error
+    assert f"{tmp_path / 'checkpoint-10'} (or pass resume_from_checkpoint=True" in error
+    with pytest.raises(SystemExit) as stopped:
+        cli_config(base, ["--max_steps", "three", "--report_to", "mlflow"])
+    assert capsys.readouterr().err == "error: --max_steps: cannot read 'three' as int.\n"
+    with pytest.raises(SystemExit) as stopped:
+        cli_config(base, ["--report_to", "mlflow"])
+    assert capsys.readouterr().err.startswith("error: report_to=mlflow is not supported by grpo_lab's trainer yet")
 
 
 def test_the_example_recipe_trains(tmp_path):

@@ -94,11 +94,22 @@ def _wandb_history_and_config(run_file) -> tuple[dict, dict]:
     return history, config
 
 
-def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, monkeypatch):
+@pytest.fixture
+def offline_wandb(monkeypatch):
+    """wandb logging to local files only, its process-wide state torn down afterwards (flushing its
+    files) so that no test sees another's."""
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    yield wandb
+    wandb.teardown()
+
+
+def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, offline_wandb):
     trainer = _trainer(task, tmp_path, max_steps=2, report_to="wandb", log_completions=True, num_completions_to_print=3)
     trainer.train()
+    offline_wandb.teardown()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = _wandb_history_and_config(run_file)
@@ -114,18 +125,15 @@ def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
     assert config["learning_rate"] == 1e-3 and config["max_steps"] == 2
 
 
-def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_path, monkeypatch):
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run = wandb.init(project="mine", dir=str(tmp_path), config={"note": "kept"})
+def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_path, offline_wandb):
+    run = offline_wandb.init(project="mine", dir=str(tmp_path), config={"note": "kept"})
     try:
         trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="wandb")
         trainer.train()
-        assert wandb.run is run and run.config["note"] == "kept" and run.config["max_steps"] == 2
+        assert offline_wandb.run is run and run.config["note"] == "kept" and run.config["max_steps"] == 2
     finally:
         run.finish()
+        offline_wandb.teardown()
     assert not (tmp_path / "out" / "wandb").exists()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = _wandb_history_and_config(run_file)
@@ -153,7 +161,7 @@ def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(ta
     assert len(list((tmp_path / "tenth").glob("checkpoint-*"))) == 4  # ceil(0.1 * 4) = every step
 
 
-def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path):
+def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path, capsys):
     reference = _trainer(task, tmp_path / "ref", max_steps=4)
     reference.train()
 
@@ -173,7 +181,9 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
 
     calls["n"] = 100  # the crash does not happen again
     resumed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
+    capsys.readouterr()
     resumed.train(resume_from_checkpoint=True)
+    assert " 4/4 " in capsys.readouterr().out  # the bar counts the run's steps, from the two already taken
     history = resumed.session.history.drop(columns=["rewards/crashes_on_third_step/mean", "rewards/crashes_on_third_step/std"])
     pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
 
