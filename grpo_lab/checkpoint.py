@@ -24,6 +24,8 @@ import torch
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+CHECKPOINT_PREFIX = "checkpoint-"
+"""A trainer's checkpoints are ``<output_dir>/checkpoint-<step>``."""
 
 
 def rng_state() -> dict:
@@ -124,6 +126,12 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict]) -
     )
 
 
+def trainer_checkpoints(output_dir: Path) -> list[Path]:
+    """The ``checkpoint-<step>`` directories in ``output_dir``, oldest step first."""
+    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*") if p.name.removeprefix(CHECKPOINT_PREFIX).isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+
 def check_complete(directory: Path) -> Path:
     directory = Path(directory)
     if not directory.exists():
@@ -131,10 +139,7 @@ def check_complete(directory: Path) -> Path:
             f"{directory} does not exist. Give a directory written by session.save() or a trainer's checkpoint-N."
         )
     if not (directory / "COMPLETE").exists() or not (directory / STATE_FILE).exists():
-        inside = sorted(
-            (p for p in directory.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()),
-            key=lambda p: int(p.name.removeprefix("checkpoint-")),
-        )
+        inside = trainer_checkpoints(directory)
         hint = (
             f" It holds a trainer's checkpoints: give one, e.g. the newest, {inside[-1]} (or pass "
             "resume_from_checkpoint=True to a trainer with this output_dir)."

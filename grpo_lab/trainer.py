@@ -13,17 +13,15 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
 
+from grpo_lab.checkpoint import CHECKPOINT_PREFIX, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import make_reporters, reporter_names
 from grpo_lab.session import GRPOSession
-
-CHECKPOINT_PREFIX = "checkpoint-"
 
 
 class GRPOTrainer:
@@ -149,8 +147,7 @@ class GRPOTrainer:
         return path
 
     def _checkpoints(self) -> list[Path]:
-        found = [p for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*") if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
-        return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+        return trainer_checkpoints(self.output_dir)
 
     def _latest_checkpoint(self) -> Path:
         checkpoints = self._checkpoints()
