@@ -112,8 +112,11 @@ def _write_reward_curve(history, path):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from grpo_lab.checkpoint import check_complete
     from grpo_lab.recipes import build_trainer
 
+    if args.resume_from is not None:
+        check_complete(args.resume_from)  # before the model loads
     overrides = args.overrides + (["--disable_tqdm", "true"] if args.json else [])
     trainer = build_trainer(args.recipe, overrides)
     last = trainer.train(resume_from_checkpoint=args.resume_from)

@@ -6,7 +6,8 @@ A recipe holds ``GRPOConfig`` fields plus four optional keys:
 
     model: path/or/hub-id          # default: the tiny model shipped with grpo_lab
     reward_funcs:                  # "module:function"; default: the embedded task's rewards
-      - grpo_lab.tasks.addition:correctness_reward
+      - grpo_lab.tasks.addition:correctness_reward   # modules beside the recipe or in the working
+                                                     # directory import too (my_rewards:fn)
     train_dataset: default_task    # "default_task" or a directory written by Dataset.save_to_disk
     eval_dataset: default_task
     learning_rate: 1.0e-4          # any GRPOConfig field
@@ -15,6 +16,7 @@ A recipe holds ``GRPOConfig`` fields plus four optional keys:
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 
 import yaml
@@ -22,15 +24,18 @@ import yaml
 RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset")
 
 
-def import_object(reference: str):
-    """``"package.module:attribute"`` -> the attribute."""
+def import_object(reference: str, search: tuple[Path, ...] = ()):
+    """``"package.module:attribute"`` -> the attribute; the directories ``search`` join ``sys.path``
+    first (a console script's ``sys.path`` does not hold the working directory)."""
     module, _, attribute = reference.partition(":")
     if not attribute:
         raise ValueError(f"{reference!r} is not of the form 'package.module:function'.")
+    sys.path[:0] = [str(directory) for directory in search if str(directory) not in sys.path]
     try:
         return getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"Cannot import {reference!r}: {error}") from error
+        where = " (looked in " + ", ".join(str(d) for d in search) + " and on sys.path)" if search else ""
+        raise ValueError(f"Cannot import {reference!r}: {error}{where}") from error
 
 
 def _dataset(reference, task, split: str):
@@ -53,7 +58,8 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
     task = default_task()
     setup = {key: recipe.pop(key, None) for key in RECIPE_KEYS}
     config = GRPOConfig.from_args(argv or [], base=task.config(**recipe) if setup["model"] is None else GRPOConfig(**recipe))
-    funcs = [import_object(r) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
+    search = (Path(recipe_path).resolve().parent, Path.cwd())
+    funcs = [import_object(r, search) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
     return GRPOTrainer(
         setup["model"] or task.model, funcs, args=config,
         train_dataset=_dataset(setup["train_dataset"], task, "train"),

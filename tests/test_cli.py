@@ -16,3 +16,43 @@ def test_demo_trains_saves_and_reports_with_config_style_option_names(tmp_path, 
     assert report["improvement_points"] == pytest.approx(100 * (report["greedy_accuracy_after"] - report["greedy_accuracy_before"]), abs=0.01)
     assert len(pd.read_csv(report["history"])) == 2
     assert (out / "model" / "config.json").exists() and (out / "reward_curve.html").exists()
+
+
+REWARDS = '''
+CALLS = []
+
+
+def fails_on_second_call(completions, **kwargs):
+    CALLS.append(1)
+    if len(CALLS) == 2:
+        raise ValueError("bad completion in a reward function")
+    return [0.0] * len(completions)
+'''
+
+
+def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "my_rewards.py").write_text(REWARDS)
+    (recipes / "r.yaml").write_text(
+        "reward_funcs:\n  - grpo_lab.tasks.addition:correctness_reward\n  - my_rewards:fails_on_second_call\n"
+        f"max_steps: 3\nper_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 8\n"
+        f"output_dir: {tmp_path / 'out'}\n"
+    )
+    command = [str(Path(sys.executable).parent / "grpo-lab"), "train", str(recipes / "r.yaml")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    failed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert failed.returncode == 1
+    assert "Traceback" in failed.stderr and "my_rewards.py" in failed.stderr
+    assert "bad completion in a reward function" in failed.stderr.splitlines()[-1]
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [1]
+    # a mistake in the command is one line
+    usage = subprocess.run([*command, "--resume_from", str(tmp_path / "out")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert usage.stderr.splitlines()[-1].startswith(f"grpo-lab train: error: {tmp_path / 'out'} is not a complete")
