@@ -11,7 +11,7 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 
 
 def _has_accelerator_device() -> bool:
@@ -72,20 +72,11 @@ def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
     return accelerator.gather(tensor.contiguous())
 
 
-def gather_list(accelerator: Accelerator, items: list) -> list:
-    """Concatenate Python lists across processes in rank order."""
-    if accelerator.num_processes == 1:
-        return list(items)
-    return gather_object(list(items))
-
-
 def gather_to_main(accelerator: Accelerator, item) -> list | None:
     """``item`` (any picklable object) of every process, in rank order, on the main process; None
     on the others."""
     if accelerator.num_processes == 1:
         return [item]
-    import torch.distributed
-
     items = [None] * accelerator.num_processes if accelerator.is_main_process else None
     torch.distributed.gather_object(item, items, dst=0)
     return items
