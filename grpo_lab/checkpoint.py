@@ -128,7 +128,10 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict]) -
 
 def trainer_checkpoints(output_dir: Path) -> list[Path]:
     """The ``checkpoint-<step>`` directories in ``output_dir``, oldest step first."""
-    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*") if p.name.removeprefix(CHECKPOINT_PREFIX).isdigit()]
+    found = [
+        p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+        if p.name.removeprefix(CHECKPOINT_PREFIX).isascii() and p.name.removeprefix(CHECKPOINT_PREFIX).isdigit()
+    ]
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
 
@@ -141,8 +144,7 @@ def check_complete(directory: Path) -> Path:
     if not (directory / "COMPLETE").exists() or not (directory / STATE_FILE).exists():
         inside = trainer_checkpoints(directory)
         hint = (
-            f" It holds a trainer's checkpoints: give one, e.g. the newest, {inside[-1]} (or pass "
-            "resume_from_checkpoint=True to a trainer with this output_dir)."
+            f" It holds a trainer's checkpoints: give one of them, e.g. the newest, {inside[-1]}."
             if inside else " Give a directory written by save() or a trainer's checkpoint-N."
         )
         raise FileNotFoundError(

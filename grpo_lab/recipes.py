@@ -25,17 +25,23 @@ RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset")
 
 
 def import_object(reference: str, search: tuple[Path, ...] = ()):
-    """``"package.module:attribute"`` -> the attribute; the directories ``search`` join ``sys.path``
-    first (a console script's ``sys.path`` does not hold the working directory)."""
+    """``"package.module:attribute"`` -> the attribute; the directories ``search`` join the front of
+    ``sys.path`` for the rest of the process, as a script's own folder does (a console script's
+    ``sys.path`` holds neither the recipe's folder nor the working directory)."""
     module, _, attribute = reference.partition(":")
     if not attribute:
         raise ValueError(f"{reference!r} is not of the form 'package.module:function'.")
     sys.path[:0] = [str(directory) for directory in search if str(directory) not in sys.path]
     try:
-        return getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name != module.split(".")[0]:
+            raise  # the module was found; something it imports was not
         where = " (looked in " + ", ".join(str(d) for d in search) + " and on sys.path)" if search else ""
         raise ValueError(f"Cannot import {reference!r}: {error}{where}") from error
+    if not hasattr(imported, attribute):
+        raise ValueError(f"Cannot import {reference!r}: module {module!r} has no attribute {attribute!r}")
+    return getattr(imported, attribute)
 
 
 def _dataset(reference, task, split: str):

@@ -2,14 +2,15 @@
 Biases, as ``report_to`` asks.
 
 A reporter takes each step's metrics row (``log``), the completions of a step that the trainer
-prints with ``log_completions`` (``log_completions``, a pandas DataFrame) and ``close``. The trainer
-makes them on the main process only.
+prints with ``log_completions`` (``log_completions``, a pandas DataFrame) and ``close(failed)``. The
+trainer makes them on the main process only, and closes each one however the run ends.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 SUPPORTED_REPORTERS = ("tensorboard", "wandb")
@@ -36,10 +37,23 @@ def reporter_names(report_to) -> list[str]:
     return wanted
 
 
-def make_reporters(names: list[str], config, output_dir: Path) -> list:
-    """One reporter per name in ``names`` (from :func:`reporter_names`)."""
+@contextmanager
+def open_reporters(names: list[str], config, output_dir: Path):
+    """Yield one reporter per name in ``names`` (from :func:`reporter_names`); on the way out each is
+    closed, told whether the run failed, even if another one fails to open or close."""
     kinds = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter}
-    return [kinds[name](config, Path(output_dir)) for name in names]
+    with ExitStack() as stack:
+        failed = [False]
+        opened = []
+        for name in names:
+            reporter = kinds[name](config, Path(output_dir))
+            stack.callback(lambda reporter=reporter: reporter.close(failed=failed[0]))
+            opened.append(reporter)
+        try:
+            yield opened
+        except BaseException:
+            failed[0] = True
+            raise
 
 
 class TensorBoardReporter:
@@ -58,18 +72,22 @@ class TensorBoardReporter:
     def log_completions(self, step: int, completions) -> None:
         """TensorBoard gets scalars only; the completions are printed by the trainer."""
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
 class WandbReporter:
-    """A Weights & Biases run: the config once, each metrics row at its step, and the printed
-    completions as a table under ``completions``.
+    """A Weights & Biases run: the config once, each metrics row, and the printed completions as a
+    table under ``completions``, all against ``train/global_step`` (the optimizer step).
 
     Continues a run already started in the process (``wandb.init`` called by the user), else starts
-    one in project ``$WANDB_PROJECT`` (default "grpo_lab") with its files under ``output_dir``;
-    ``WANDB_MODE=offline`` and wandb's other variables apply as usual.
+    one in project ``$WANDB_PROJECT`` (default "grpo_lab") with its files under ``$WANDB_DIR`` or
+    ``output_dir``; ``WANDB_MODE=offline`` and wandb's other variables apply as usual. The step is a
+    logged value, not wandb's own step counter, so a run that already logged (or a resumed run that
+    logs earlier steps again) keeps every point.
     """
+
+    STEP = "train/global_step"
 
     def __init__(self, config, output_dir: Path):
         import wandb
@@ -77,20 +95,24 @@ class WandbReporter:
         self.wandb = wandb
         self.owns_run = wandb.run is None
         if self.owns_run:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            directory = Path(os.environ.get("WANDB_DIR") or output_dir)
+            directory.mkdir(parents=True, exist_ok=True)
             self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), config=config.to_dict(), dir=str(output_dir)
+                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), config=config.to_dict(), dir=str(directory)
             )
         else:
             self.run = wandb.run
             self.run.config.update(config.to_dict(), allow_val_change=True)
+        self.run.define_metric(self.STEP)
+        self.run.define_metric("*", step_metric=self.STEP, step_sync=True)
 
     def log(self, row: dict) -> None:
-        self.run.log({key: value for key, value in row.items() if key != "step"}, step=row["step"])
+        self.run.log({self.STEP: row["step"], **{key: value for key, value in row.items() if key != "step"}})
 
     def log_completions(self, step: int, completions) -> None:
-        self.run.log({"completions": self.wandb.Table(dataframe=completions.reset_index(drop=True))}, step=step)
+        table = self.wandb.Table(dataframe=completions.reset_index(drop=True))
+        self.run.log({self.STEP: step, "completions": table})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.owns_run:
-            self.run.finish()
+            self.run.finish(exit_code=1 if failed else None)

@@ -20,7 +20,7 @@ from pathlib import Path
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.progress import progress_bar
-from grpo_lab.reporting import make_reporters, reporter_names
+from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.session import GRPOSession
 
 
@@ -68,7 +68,7 @@ class GRPOTrainer:
         """
         fresh = not resume_from_checkpoint and self.session.global_step == 0  # not this trainer's own run, continued
         if fresh and self.accelerator.is_main_process:
-            earlier = sorted(p.name for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*")) + [
+            earlier = [p.name for p in trainer_checkpoints(self.output_dir)] + [
                 name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
             ]
             if earlier:
@@ -86,12 +86,12 @@ class GRPOTrainer:
             self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
-        sinks = make_reporters(self.reporters, self.args, self.output_dir) if main else []
         save_every = steps_between(self.args.save_steps, total)
         log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}
-        try:
-            shown = main and self.args.disable_tqdm is not True
+        shown = main and self.args.disable_tqdm is not True
+        # closed however the run ends: what was logged before a crash reaches the reporters' files
+        with open_reporters(self.reporters if main else [], self.args, self.output_dir) as sinks:
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
                     row = self.session.step()
@@ -102,9 +102,6 @@ class GRPOTrainer:
                         self.save_checkpoint()
             if row and row["step"] % save_every:
                 self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
-        finally:  # what was logged before a crash reaches the reporters' files
-            for sink in sinks:
-                sink.close()
         return row
 
     def _log(self, row: dict, sinks: list, completions_every: int) -> None:

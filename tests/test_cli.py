@@ -51,8 +51,10 @@ def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_
     assert "Traceback" in failed.stderr and "my_rewards.py" in failed.stderr
     assert "bad completion in a reward function" in failed.stderr.splitlines()[-1]
     assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [1]
-    # a mistake in the command is one line
-    usage = subprocess.run([*command, "--resume_from", str(tmp_path / "out")], cwd=tmp_path, env=env,
-                           capture_output=True, text=True)
+    # a directory that is not a checkpoint is one line, said before the model loads (this recipe's
+    # model does not exist: loading it would fail with another error)
+    (recipes / "no_model.yaml").write_text(f"model: {tmp_path / 'no_model'}\n")
+    usage = subprocess.run([command[0], "train", str(recipes / "no_model.yaml"), "--resume_from", str(tmp_path / "out")],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
     assert usage.stderr.splitlines()[-1].startswith(f"grpo-lab train: error: {tmp_path / 'out'} is not a complete")

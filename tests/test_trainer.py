@@ -83,12 +83,13 @@ def _wandb_records(run_file):
 
 
 def _wandb_history_and_config(run_file) -> tuple[dict, dict]:
-    """``{step: {metric: value}}`` and the run's config, from a .wandb file."""
+    """``{optimizer step: {metric: value}}`` and the run's config, from a .wandb file."""
     history, config = {}, {}
     for record in _wandb_records(run_file):
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            history.setdefault(items["_step"], {}).update(items)
+            if "train/global_step" in items:  # a row the trainer logged
+                history.setdefault(items["train/global_step"], {}).update(items)
         if record.WhichOneof("record_type") == "run":
             config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
     return history, config
@@ -127,6 +128,8 @@ def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
 
 def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_path, offline_wandb):
     run = offline_wandb.init(project="mine", dir=str(tmp_path), config={"note": "kept"})
+    for value in range(3):  # the user's own logging first: wandb's step counter is ahead of the trainer's steps
+        run.log({"before_training": value})
     try:
         trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="wandb")
         trainer.train()
@@ -161,7 +164,7 @@ def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(ta
     assert len(list((tmp_path / "tenth").glob("checkpoint-*"))) == 4  # ceil(0.1 * 4) = every step
 
 
-def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path, capsys):
+def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path, capsys, offline_wandb):
     reference = _trainer(task, tmp_path / "ref", max_steps=4)
     reference.train()
 
@@ -174,10 +177,21 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
         return [0.0] * len(completions)
 
     funcs = [*task.reward_funcs, crashes_on_third_step]
-    crashed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
+    crashed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2,
+                       report_to=["tensorboard", "wandb"])
     with pytest.raises(RuntimeError, match="simulated crash"):
         crashed.train()
     assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
+    # the trackers were closed on the way out, and the wandb run is marked as failed
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "runs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2]
+    offline_wandb.teardown()
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1] and sorted(_wandb_history_and_config(run_file)[0]) == [1, 2]
 
     calls["n"] = 100  # the crash does not happen again
     resumed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
