@@ -43,20 +43,23 @@ def open_reporters(names: list[str], config, output_dir: Path):
     closed, told whether the run failed, even if another one fails to open or close."""
     kinds = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter}
     with ExitStack() as stack:
-        failed = [False]
-        opened = []
-        for name in names:
-            reporter = kinds[name](config, Path(output_dir))
-            stack.callback(lambda reporter=reporter: reporter.close(failed=failed[0]))
-            opened.append(reporter)
-        try:
-            yield opened
-        except BaseException:
-            failed[0] = True
-            raise
+        yield [stack.enter_context(kinds[name](config, Path(output_dir))) for name in names]
 
 
-class TensorBoardReporter:
+class _Reporter:
+    """As a context manager, a reporter closes on exit, failed when an exception is on its way."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.close(failed=kind is not None)
+
+    def close(self, failed: bool = False) -> None:
+        raise NotImplementedError
+
+
+class TensorBoardReporter(_Reporter):
     """Scalars to ``logging_dir`` (default ``output_dir/runs``), one point per step and metric."""
 
     def __init__(self, config, output_dir: Path):
@@ -76,7 +79,7 @@ class TensorBoardReporter:
         self.writer.close()
 
 
-class WandbReporter:
+class WandbReporter(_Reporter):
     """A Weights & Biases run: the config once, each metrics row, and the printed completions as a
     table under ``completions``, all against ``train/global_step`` (the optimizer step).
 
