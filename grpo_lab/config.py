@@ -342,6 +342,14 @@ class GRPOConfig:
     models with a plain key/value cache and, in training mode, only without gradient checkpointing
     (transformers drops the cache there) or dropout (and router jitter); otherwise the plain pass
     runs."""
+    compact_forward: bool = True
+    """grpo_lab only: for Llama, Qwen2 and Qwen3 models (LoRA adapters included), run the model's
+    modules through grpo_lab's compact forward pass (``grpo_lab/compact_forward.py``) instead of
+    transformers' forward, in transformers generation (a sampling loop that draws the tokens
+    ``model.generate`` draws) and in the log-prob passes that share the prompt: the same logits
+    without transformers' per-call machinery. Other models, a model wrapped for DDP, sharded,
+    quantized or offloaded weights, and generation_kwargs beyond temperature, top_k, top_p and
+    min_p take transformers' path."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
     the tensorboard package), "wandb" (the wandb package; metrics, config and completion tables) or

@@ -306,6 +306,7 @@ class Engine:
         logits = self.prefix_sharing.logits(
             model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], completion_ids,
             rollout.completion_mask_BT[index_B], enabled=self.config.share_prompt_prefix,
+            compact=self.config.compact_forward,
         )
         logits_BTV = logits.float() / self.config.temperature
         logprobs_BT = ops.selective_log_softmax(logits_BTV, completion_ids)

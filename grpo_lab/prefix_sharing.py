@@ -8,7 +8,8 @@ instead of ``B x (P + T)`` (U distinct prompts, B completions; the last token pr
 keys/values is differentiable, and the backward pass sums each completion's contribution into the
 shared prompt activations. Generation with transformers does the same for the prompt's
 pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed cache to
-``model.generate``.
+``model.generate``. For the models ``compact_forward`` supports, both calls of a log-prob pass run
+through it (``compact=True``) instead of transformers' forward, with the same logits.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
 ``DynamicCache`` with full-attention layers) and, in training mode, the model neither checkpoints
@@ -28,6 +29,7 @@ import warnings
 
 import torch
 
+from grpo_lab import compact_forward
 from grpo_lab.models import CACHE
 
 
@@ -111,19 +113,29 @@ class PrefixSharing:
         return out
 
     def logits(
-        self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True
+        self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True,
+        compact: bool = False,
     ) -> torch.Tensor:
         """(B, T, V) logits predicting each completion token (the same values as ``full_logits``);
-        ``enabled=False`` always runs the plain pass."""
+        ``enabled=False`` always runs the plain pass. With ``compact``, the two calls run the model's
+        modules through ``compact_forward`` where it supports the model."""
         args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
         if not enabled or self._skip_reason(model) is not None:
             return full_logits(*args)
         # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
-        # must make as many forward calls as the others (each call may synchronise).
+        # must make as many forward calls as the others (each call may synchronise). The last
+        # completion token predicts nothing; it is run only when it is the only one, so that the
+        # second call is never empty.
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         prompt_length, num_completion_tokens = prompt_ids_BP.shape[1], completion_ids_BT.shape[1]
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
+        end = prompt_length + max(num_completion_tokens - 1, 1)
+        if compact and compact_forward.unsupported_reason(model) is None:
+            return _compact_logits(
+                model, prompt_ids_BP[first_U], completion_ids_BT[:, : end - prompt_length], positions_BL[:, :end],
+                attention_mask_BL[:, :end].bool(), first_U, inverse_B,
+            )[:, :num_completion_tokens]
         prefill = self._prefill(
             model, prompt_ids_BP[first_U], prompt_mask_BP[first_U], positions_BL[first_U, :prompt_length]
         )
@@ -131,9 +143,6 @@ class PrefixSharing:
             return full_logits(*args)
         cache = getattr(prefill, CACHE)
         _select_rows(cache, inverse_B)
-        # The last completion token predicts nothing; it is run only when it is the only one, so
-        # that the second call is never empty.
-        end = prompt_length + max(num_completion_tokens - 1, 1)
         rest_BTV = model(
             input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
             position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache},
@@ -153,6 +162,21 @@ class PrefixSharing:
         if prefill is None:
             return None
         return _select_rows(getattr(prefill, CACHE), inverse_B)
+
+
+def _compact_logits(model, prompt_ids_UP, completion_ids_BT, positions_BL, valid_BL, first_U, inverse_B) -> torch.Tensor:
+    """(B, 1 + T, V) logits from the last prompt position on, by ``compact_forward``: the distinct
+    prompts, then the completions on top of their prompt's keys and values."""
+    prompt_length = prompt_ids_UP.shape[1]
+    cache = compact_forward.new_cache(model)
+    last_UV = compact_forward.forward(
+        model, prompt_ids_UP, positions_BL[first_U, :prompt_length], valid_BL[first_U], cache, 0, last_only=True
+    )
+    rest_BTV = compact_forward.forward(
+        model, completion_ids_BT, positions_BL[:, prompt_length:], valid_BL,
+        compact_forward.select_rows(cache, inverse_B), prompt_length,
+    )
+    return torch.cat([last_UV.index_select(0, inverse_B).unsqueeze(1), rest_BTV], dim=1)
 
 
 def _select_rows(cache, index_B: torch.Tensor):

@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.prefix_sharing import PrefixSharing
+from grpo_lab.rollout import decoding
 from grpo_lab.rollout.batch import GeneratedBatch
 from grpo_lab.rollout.kv_buffer import buffer_cache
 
@@ -87,15 +88,31 @@ def _reuses_a_given_cache(model, generation_config: GenerationConfig) -> bool:
     )
 
 
+def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing) -> torch.Tensor:
+    """(B, T) completion tokens from ``model.generate``, continuing a shared prompt cache where it can."""
+    cache = None
+    if prefix_sharing is not None and _reuses_a_given_cache(model, generation_config):
+        cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
+        if cache is not None:
+            buffer_cache(cache, new_tokens=generation_config.max_new_tokens)
+    sequences = model.generate(
+        input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
+        **({} if cache is None else {CACHE: cache}),
+    )
+    return sequences[:, prompt_ids_BP.shape[1]:]
+
+
 @torch.no_grad()
 def generate(
     model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig,
-    prefix_sharing: PrefixSharing | None = None,
+    prefix_sharing: PrefixSharing | None = None, *, compact: bool = False,
 ) -> GeneratedBatch:
     """Sample one completion per prompt text (repeat a prompt to get several).
 
-    With ``prefix_sharing``, a repeated prompt is pre-filled once and its cache reused by its copies;
-    that cache then takes each decoding step's keys and values in place (``kv_buffer``).
+    With ``compact``, grpo_lab's own loop samples (``decoding``) where the model and settings allow
+    it, else ``model.generate``. With ``prefix_sharing``, a repeated prompt is pre-filled once and
+    its keys and values reused by its copies (for ``model.generate``, a cache that then takes each
+    decoding step's keys and values in place: ``kv_buffer``).
     """
     device = next(model.parameters()).device
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
@@ -103,18 +120,14 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        cache = None
-        if prefix_sharing is not None and _reuses_a_given_cache(model, generation_config):
-            cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
-            if cache is not None:
-                buffer_cache(cache, new_tokens=generation_config.max_new_tokens)
-        sequences = model.generate(
-            input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
-            **({} if cache is None else {CACHE: cache}),
-        )
+        if compact and decoding.unsupported_reason(model, generation_config) is None:
+            completion_ids_BT = decoding.sample(
+                model, prompt_ids_BP, prompt_mask_BP, generation_config, share_prompts=prefix_sharing is not None
+            )
+        else:
+            completion_ids_BT = _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing)
     finally:
         model.train(was_training)
-    completion_ids_BT = sequences[:, prompt_ids_BP.shape[1]:]
     completion_mask_BT, is_truncated_B = completion_mask_from_ids(
         completion_ids_BT, eos_token_id=generation_config.eos_token_id
     )
@@ -141,7 +154,7 @@ class TransformersBackend:
         with self.accelerator.autocast():
             return generate(
                 self._model_fn(), self.tokenizer, prompt_texts, settings,
-                self.prefix_sharing if config.share_prompt_prefix else None,
+                self.prefix_sharing if config.share_prompt_prefix else None, compact=config.compact_forward,
             )
 
     def sync_weights(self, model, version: int) -> None:

@@ -1,0 +1,133 @@
+"""The forward pass of Llama, Qwen2 and Qwen3 models through their own modules, without
+transformers' general machinery around them.
+
+A transformers forward call wraps the model's arithmetic in keyword handling, mask building, cache
+objects, output recording and output classes. For a small model on a CPU that wrapping costs about
+as much as the arithmetic (benchmarks/README.md). ``forward`` runs the same modules (embedding,
+norms, projections, MLPs, rotary embedding, head) in one short function, with keys and values kept
+in one pair of (B, K, S, D) buffers per layer that each call writes in place. Generation
+(``grpo_lab.rollout.decoding``) and the log-prob passes with a shared prompt
+(``grpo_lab.prefix_sharing``) run on it. Its logits and gradients equal transformers' on the
+shipped float32 model (tests compare them). Because the modules themselves run, a PEFT model's
+LoRA layers apply their adapters.
+
+``unsupported_reason`` names what keeps a model on transformers' forward: another architecture,
+sliding-window layers, weights that are sharded, quantized or dispatched over devices by hooks,
+prompt-learning adapters, or a wrapper such as DistributedDataParallel (whose own forward must run).
+
+Shapes: B rows, L positions in one call, S positions the buffers hold, K key/value heads, D head
+size, E hidden size, V vocabulary entries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Model classes whose forward pass ``forward`` reproduces (Qwen2 adds projection biases, which the
+modules carry; Qwen3 adds per-head query and key norms)."""
+
+
+def transformers_model(model):
+    """The transformers model that runs: a PEFT model's base model (whose layers apply the adapters),
+    None for prompt-learning adapters (which add virtual tokens)."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None:
+        return None if peft_config.is_prompt_learning else model.get_base_model()
+    return model
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``forward`` cannot stand in for ``model``'s own forward pass, or None when it can."""
+    base = transformers_model(model)
+    if base is None:
+        return "prompt-learning adapters (prefix or prompt tuning) add virtual tokens"
+    name = type(base).__name__
+    if name not in ARCHITECTURES:
+        return f"{name} is not one of {', '.join(ARCHITECTURES)}"
+    if any(kind != "full_attention" for kind in getattr(base.config, "layer_types", None) or []):
+        return "the model has sliding-window attention layers"
+    if getattr(base, "hf_quantizer", None) is not None:
+        return "the model's weights are quantized"
+    parameters = list(base.parameters())
+    if any(type(p.data) is not torch.Tensor or p.numel() == 0 for p in parameters):
+        return "the model's parameters are sharded (FSDP or DeepSpeed ZeRO-3)"
+    devices = {p.device for p in parameters}
+    if len(devices) > 1 or any(device.type == "meta" for device in devices) or len(
+        set((getattr(base, "hf_device_map", None) or {}).values())
+    ) > 1:
+        return "the model is dispatched over several devices or offloaded (device_map)"
+    return None
+
+
+def _attention(attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: int, start: int, size: int):
+    """One attention block. The L new positions' keys and values are written from ``start`` into the
+    layer's (B, K, S, D) buffers ``cache[index]`` (allocated with room for ``size`` positions on
+    first use); each position attends to the buffers up to its own, as ``mask_B1LS`` allows."""
+    B, L, _ = hidden_BLE.shape
+    shape = (B, L, -1, attention.head_dim)
+    query, key = attention.q_proj(hidden_BLE).view(shape), attention.k_proj(hidden_BLE).view(shape)
+    if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+        query, key = attention.q_norm(query), attention.k_norm(key)
+    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    if cache[index] is None:
+        cache[index] = tuple(key.new_empty(B, key.shape[1], size, attention.head_dim) for _ in range(2))
+    keys, values = cache[index]
+    end = start + L
+    keys[:, :, start:end] = key
+    values[:, :, start:end] = attention.v_proj(hidden_BLE).view(shape).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        query, keys[:, :, :end], values[:, :, :end], attn_mask=mask_B1LS, scale=attention.scaling,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return attention.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+def attention_mask(valid_BS: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """(B, 1, L, end) boolean mask for positions ``start:end``: each sees the valid positions up to
+    its own. A position that would see none (left padding) sees itself, so that attention over it
+    stays finite; its output is never used."""
+    key_positions_S = torch.arange(end, device=valid_BS.device)
+    query_positions_L1 = torch.arange(start, end, device=valid_BS.device).unsqueeze(1)
+    allowed_B1LS = valid_BS[:, None, None, :end] & (key_positions_S <= query_positions_L1)
+    alone_B1L1 = ~allowed_B1LS.any(dim=-1, keepdim=True)
+    return allowed_B1LS | (alone_B1L1 & (key_positions_S == query_positions_L1))
+
+
+def forward(model, ids_BL, positions_BL, valid_BS, cache: list, start: int, *, last_only: bool = False) -> torch.Tensor:
+    """Logits of ``model`` (B, L, V; (B, V) for the last position with ``last_only``) for tokens
+    ``ids_BL`` at positions ``start:start + L`` of the rows, continuing what ``cache`` holds.
+
+    Args:
+        model: a model for which ``unsupported_reason`` is None.
+        positions_BL: rotary positions of the new tokens (left padding skipped).
+        valid_BS: which of the S positions hold a token (False for padding); S is the room of the
+            buffers, and what earlier calls wrote stays valid.
+        cache: one (keys, values) pair of (B, K, S, D) buffers per layer; from ``new_cache`` (None in
+            every entry) the first call allocates them. Calls extend it in place.
+    """
+    base = transformers_model(model)
+    inner = base.model
+    hidden_BLE = inner.embed_tokens(ids_BL)
+    cos, sin = inner.rotary_emb(hidden_BLE, positions_BL)
+    mask_B1LS = attention_mask(valid_BS, start, start + ids_BL.shape[1])
+    for index, layer in enumerate(inner.layers):
+        hidden_BLE = hidden_BLE + _attention(
+            layer.self_attn, layer.input_layernorm(hidden_BLE), cos, sin, mask_B1LS, cache, index, start,
+            valid_BS.shape[1],
+        )
+        hidden_BLE = hidden_BLE + layer.mlp(layer.post_attention_layernorm(hidden_BLE))
+    return base.lm_head(inner.norm(hidden_BLE[:, -1] if last_only else hidden_BLE))
+
+
+def new_cache(model) -> list:
+    """An empty cache for ``forward``: one entry per layer, filled by the first call."""
+    return [None] * len(transformers_model(model).model.layers)
+
+
+def select_rows(cache: list, index_B: torch.Tensor) -> list:
+    """The cache with every buffer indexed to the rows ``index_B`` (copies, differentiable)."""
+    return [tuple(buffer.index_select(0, index_B) for buffer in pair) for pair in cache]

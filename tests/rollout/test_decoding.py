@@ -1,0 +1,102 @@
+"""grpo_lab's sampling loop draws, under one seed, the tokens ``model.generate`` draws, for the
+sampling settings it supports; any other setting goes to ``model.generate``."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.prefix_sharing import PrefixSharing
+from grpo_lab.rollout import decoding
+from grpo_lab.rollout.hf import generate, sampling_config
+from grpo_lab.rollout.prompts import render_prompts
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(task):
+    return AutoModelForCausalLM.from_pretrained(task.model), prepare_tokenizer(load_tokenizer(task.model))
+
+
+@pytest.fixture(scope="module")
+def texts(task, model_and_tokenizer):
+    """6 prompts of different lengths, 8 copies each (GRPO groups)."""
+    prompts = render_prompts([task.train_dataset[i]["prompt"] for i in range(5)], model_and_tokenizer[1]) + ["7+8="]
+    return [text for text in prompts for _ in range(8)]
+
+
+def _draw(model, tokenizer, texts, settings, *, compact, sharing=True, seed=3):
+    torch.manual_seed(seed)
+    return generate(model, tokenizer, texts, settings, PrefixSharing() if sharing else None, compact=compact)
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(),  # temperature 1, no top-k or top-p: the benchmarks' and TRL's defaults
+    dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+    dict(do_sample=False),
+])
+@pytest.mark.parametrize("sharing", [True, False])
+def test_the_loop_draws_the_tokens_generate_draws(model_and_tokenizer, texts, sampling, sharing):
+    model, tokenizer = model_and_tokenizer
+    settings = sampling_config(tokenizer, max_new_tokens=8, **sampling)
+    assert decoding.unsupported_reason(model, settings) is None
+    expected = _draw(model, tokenizer, texts, settings, compact=False, sharing=sharing)
+    got = _draw(model, tokenizer, texts, settings, compact=True, sharing=sharing)
+    assert torch.equal(got.completion_ids_BT, expected.completion_ids_BT)
+    assert torch.equal(got.completion_mask_BT, expected.completion_mask_BT)
+    assert torch.equal(got.is_truncated_B, expected.is_truncated_B)
+    # Not a trivial batch: rows end at different lengths, and another seed draws other tokens.
+    lengths = expected.completion_mask_BT.sum(1)
+    assert lengths.min() < lengths.max()
+    if sampling.get("do_sample", True):
+        other = _draw(model, tokenizer, texts, settings, compact=True, sharing=sharing, seed=4)
+        assert not torch.equal(other.completion_ids_BT, got.completion_ids_BT)
+
+
+def test_rows_that_never_finish_stop_at_max_new_tokens(model_and_tokenizer, texts):
+    model, tokenizer = model_and_tokenizer
+    settings = sampling_config(tokenizer, max_new_tokens=3)
+    got = _draw(model, tokenizer, texts, settings, compact=True)
+    assert got.completion_ids_BT.shape == (len(texts), 3)
+    assert torch.equal(got.completion_ids_BT, _draw(model, tokenizer, texts, settings, compact=False).completion_ids_BT)
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (dict(repetition_penalty=1.2), "repetition_penalty needs model.generate"),
+    (dict(generation_kwargs={"no_repeat_ngram_size": 2}), "the generation settings no_repeat_ngram_size need model.generate"),
+    (dict(generation_kwargs={"num_beams": 2, "typical_p": 0.9}),
+     "the generation settings num_beams, typical_p need model.generate"),
+    (dict(generation_kwargs={"use_cache": False}), "use_cache=False asks model.generate to recompute every step"),
+])
+def test_other_generation_settings_go_to_generate(model_and_tokenizer, texts, extra, reason):
+    model, tokenizer = model_and_tokenizer
+    settings = sampling_config(tokenizer, max_new_tokens=4, **extra)
+    assert decoding.unsupported_reason(model, settings) == reason
+    if "num_beams" not in extra.get("generation_kwargs", {}):  # beams return one row per prompt anyway
+        got = _draw(model, tokenizer, texts[:8], settings, compact=True)
+        assert torch.equal(got.completion_ids_BT, _draw(model, tokenizer, texts[:8], settings, compact=False).completion_ids_BT)
+
+
+def test_the_models_generation_defaults_fill_only_what_the_settings_leave_unset(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    settings = sampling_config(tokenizer, max_new_tokens=4)  # sets repetition_penalty=1.0 itself
+    saved = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(repetition_penalty=1.05, top_k=20, max_length=20)
+        assert decoding.unsupported_reason(model, settings) is None
+        assert decoding.effective_settings(model, settings)["top_k"] == 0
+        model.generation_config = GenerationConfig(min_p=0.1, no_repeat_ngram_size=3)
+        assert decoding.effective_settings(model, settings)["min_p"] == 0.1  # unset (None) in the settings
+        assert decoding.unsupported_reason(model, settings) == (
+            "the generation settings no_repeat_ngram_size need model.generate"
+        )
+    finally:
+        model.generation_config = saved
+
+
+def test_warpers_follow_generates_order(model_and_tokenizer):
+    tokenizer = model_and_tokenizer[1]
+    settings = dict(vars(sampling_config(tokenizer, max_new_tokens=4, temperature=0.5, top_k=3, top_p=0.5, min_p=0.1)))
+    names = [type(warper).__name__ for warper in decoding.warpers(settings)]
+    assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"]
+    plain = dict(vars(sampling_config(tokenizer, max_new_tokens=4)))
+    assert len(decoding.warpers(plain)) == 0

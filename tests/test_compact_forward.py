@@ -1,0 +1,151 @@
+"""The compact forward pass gives transformers' logits and gradients: on the shipped Llama (exactly,
+in float32), on small random Qwen2 and Qwen3 models (grouped-query attention, biases, query/key
+norms) and through a LoRA adapter; models it cannot run are named and take transformers' path."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from grpo_lab import compact_forward
+from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.prefix_sharing import PrefixSharing, full_logits
+from grpo_lab.rollout.prompts import render_prompts
+
+GROUP = 4
+SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def batch(task):
+    """3 prompts of different lengths (left padded), 4 completions each of 1 to 6 tokens (right padded)."""
+    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
+    texts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) + ["12+3="]
+    encoded = tokenizer([t for t in texts for _ in range(GROUP)], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
+    generator = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(3, 280, (len(texts) * GROUP, 6), generator=generator)
+    completion_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 5] * len(texts))[:, None]).long()
+    assert encoded["attention_mask"].min() == 0, "the prompts should need padding"
+    return encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask
+
+
+def _logits_and_grads(model, batch, *, compact: bool):
+    model.zero_grad()
+    logits_BTV = PrefixSharing().logits(model, *batch, compact=compact)
+    completion_ids, completion_mask = batch[2], batch[3]
+    logprobs_BT = torch.log_softmax(logits_BTV, -1).gather(-1, completion_ids[..., None])[..., 0]
+    (logprobs_BT * completion_mask).sum().backward()
+    return logits_BTV.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _small(config_class, model_class, **overrides):
+    torch.manual_seed(0)
+    return model_class(config_class(**{**SMALL_MODEL, **overrides})).train()
+
+
+def test_the_shipped_model_gets_transformers_logits_and_gradients_exactly(task, batch):
+    model = AutoModelForCausalLM.from_pretrained(task.model).train()
+    assert compact_forward.unsupported_reason(model) is None
+    transformers_logits, transformers_grads = _logits_and_grads(model, batch, compact=False)
+    compact_logits, compact_grads = _logits_and_grads(model, batch, compact=True)
+    mask = batch[3].bool()  # the logits after a completion's end predict nothing and are not compared
+    assert torch.equal(compact_logits[mask], transformers_logits[mask])
+    assert compact_grads.keys() == transformers_grads.keys()
+    for name, grad in transformers_grads.items():
+        torch.testing.assert_close(compact_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_qwen_models_get_transformers_logits_and_gradients(batch, architecture):
+    if architecture == "qwen2":
+        model = _small(Qwen2Config, Qwen2ForCausalLM)  # q/k/v projections with biases
+    else:
+        model = _small(Qwen3Config, Qwen3ForCausalLM)  # RMSNorm on each query and key head
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert compact_forward.unsupported_reason(model) is None
+    transformers_logits, transformers_grads = _logits_and_grads(model, batch, compact=False)
+    compact_logits, compact_grads = _logits_and_grads(model, batch, compact=True)
+    mask = batch[3].bool()
+    torch.testing.assert_close(compact_logits[mask], transformers_logits[mask], rtol=1e-5, atol=1e-5)
+    for name, grad in transformers_grads.items():
+        torch.testing.assert_close(compact_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_lora_adapter_applies_in_the_compact_pass(task, batch):
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(task.model)
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            init_lora_weights=False)).train()
+    assert compact_forward.unsupported_reason(model) is None
+    with torch.no_grad():
+        with model.disable_adapter():
+            without_adapter = PrefixSharing().logits(model, *batch, compact=True)
+        expected = full_logits(model, *batch)
+    transformers_logits, transformers_grads = _logits_and_grads(model, batch, compact=False)
+    compact_logits, compact_grads = _logits_and_grads(model, batch, compact=True)
+    mask = batch[3].bool()
+    assert (without_adapter[mask] - expected[mask]).abs().max() > 1e-2, "the adapter should change the logits"
+    torch.testing.assert_close(compact_logits[mask], transformers_logits[mask], rtol=1e-5, atol=1e-5)
+    assert compact_grads.keys() == transformers_grads.keys() and all("lora_" in name for name in compact_grads)
+    for name, grad in transformers_grads.items():
+        torch.testing.assert_close(compact_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_models_it_cannot_run_are_named_and_take_transformers_path(task, batch):
+    from peft import PrefixTuningConfig, get_peft_model
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=1,
+                                          eos_token_id=2)).eval()
+    assert compact_forward.unsupported_reason(gpt2) == (
+        "GPT2LMHeadModel is not one of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    )
+    sliding = _small(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert compact_forward.unsupported_reason(sliding) == "the model has sliding-window attention layers"
+    prefix = get_peft_model(AutoModelForCausalLM.from_pretrained(task.model),
+                            PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert "prompt-learning" in compact_forward.unsupported_reason(prefix)
+    shipped = AutoModelForCausalLM.from_pretrained(task.model)
+    shipped.model.norm.weight.data = torch.empty(0)  # as a ZeRO-3 partition looks outside its forward
+    assert "sharded" in compact_forward.unsupported_reason(shipped)
+    with torch.no_grad():  # a model it cannot run still gets its logits, from transformers
+        mask = batch[3].bool()
+        torch.testing.assert_close(PrefixSharing().logits(gpt2, *batch, compact=True)[mask],
+                                   full_logits(gpt2, *batch)[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_left_padding_that_sees_nothing_attends_to_itself():
+    valid_BS = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    mask_B1LS = compact_forward.attention_mask(valid_BS, 0, 4)
+    assert mask_B1LS.shape == (2, 1, 4, 4)
+    assert mask_B1LS[0, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert mask_B1LS[1, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    # Continuing at position 2 (one call after another): the new positions see the earlier ones.
+    assert compact_forward.attention_mask(valid_BS, 2, 4)[0, 0].int().tolist() == [[0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+def test_a_session_trains_the_same_with_either_forward_pass(make_session):
+    """Generation draws the same tokens and the loss pass gets the same logits, so two sessions from one
+    seed, one on each path, take the same steps (metrics and weights)."""
+    runs = []
+    for compact in (True, False):
+        session = make_session(compact_forward=compact, max_steps=3)
+        results = [session.step() for _ in range(3)]
+        runs.append((results, session.model))
+    (compact_results, compact_model), (plain_results, plain_model) = runs
+    for compact_step, plain_step in zip(compact_results, plain_results):
+        compact_step.pop("step_time"), plain_step.pop("step_time")
+        assert compact_step == plain_step
+    for (name, compact_param), plain_param in zip(compact_model.named_parameters(), plain_model.parameters()):
+        torch.testing.assert_close(compact_param, plain_param, rtol=1e-5, atol=1e-6, msg=name)
