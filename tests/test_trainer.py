@@ -47,6 +47,19 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys
     torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
 
 
+def test_train_again_on_a_finished_run_does_nothing_until_max_steps_is_raised(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=2, report_to="tensorboard")
+    last = trainer.train()
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    with pytest.warns(UserWarning, match=r"Nothing to train: the run is at step 2 of 2\. Raise max_steps"):
+        again = trainer.train()
+    assert again["step"] == 2 and again["reward"] == pytest.approx(last["reward"])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()) == files  # no empty tracker run
+    trainer.args.max_steps = 3
+    assert trainer.train()["step"] == 3
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
 def test_tensorboard_receives_the_metrics_jsonl_values(task, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
