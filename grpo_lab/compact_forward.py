@@ -11,9 +11,10 @@ in one pair of (B, K, S, D) buffers per layer that each call writes in place. Ge
 shipped float32 model (tests compare them). Because the modules themselves run, a PEFT model's
 LoRA layers apply their adapters.
 
-``unsupported_reason`` names what keeps a model on transformers' forward: another architecture,
-sliding-window layers, weights that are sharded, quantized or dispatched over devices by hooks,
-prompt-learning adapters, or a wrapper such as DistributedDataParallel (whose own forward must run).
+``unsupported_reason`` names what keeps a model on transformers' forward: another architecture (a
+subclass included), sliding-window layers, forward hooks on the model or its layers, weights that
+are sharded, quantized or dispatched over devices, prompt-learning adapters, or a wrapper such as
+DistributedDataParallel (whose own forward must run).
 
 Shapes: B rows, L positions in one call, S positions the buffers hold, K key/value heads, D head
 size, E hidden size, V vocabulary entries.
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
 """Model classes whose forward pass ``forward`` reproduces (Qwen2 adds projection biases, which the
-modules carry; Qwen3 adds per-head query and key norms)."""
+modules carry; Qwen3 adds per-head query and key norms). Subclasses are not included: they may
+change the forward pass."""
 
 
 def transformers_model(model):
@@ -45,9 +48,18 @@ def unsupported_reason(model) -> str | None:
     base = transformers_model(model)
     if base is None:
         return "prompt-learning adapters (prefix or prompt tuning) add virtual tokens"
-    name = type(base).__name__
-    if name not in ARCHITECTURES:
-        return f"{name} is not one of {', '.join(ARCHITECTURES)}"
+    if type(base) not in ARCHITECTURES:
+        names = ", ".join(architecture.__name__ for architecture in ARCHITECTURES)
+        return f"{type(base).__module__}.{type(base).__name__} is not one of transformers' {names}"
+    inner = base.model
+    if len(inner.layers) != base.config.num_hidden_layers:
+        return f"the model has {len(inner.layers)} layers, its config num_hidden_layers={base.config.num_hidden_layers}"
+    containers = {"the model": base, "model": inner}
+    for index, layer in enumerate(inner.layers):
+        containers[f"model.layers.{index}"], containers[f"model.layers.{index}.self_attn"] = layer, layer.self_attn
+    hooked = [name for name, module in containers.items() if module._forward_hooks or module._forward_pre_hooks]
+    if hooked:
+        return f"forward hooks on {hooked[0]} would not run (only its submodules are called)"
     if any(kind != "full_attention" for kind in getattr(base.config, "layer_types", None) or []):
         return "the model has sliding-window attention layers"
     if getattr(base, "hf_quantizer", None) is not None:
@@ -73,15 +85,18 @@ def _attention(attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: i
     if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
         query, key = attention.q_norm(query), attention.k_norm(key)
     query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    value = attention.v_proj(hidden_BLE).view(shape).transpose(1, 2)
     if cache[index] is None:
-        cache[index] = tuple(key.new_empty(B, key.shape[1], size, attention.head_dim) for _ in range(2))
+        cache[index] = tuple(t.new_empty(B, t.shape[1], size, attention.head_dim) for t in (key, value))
     keys, values = cache[index]
     end = start + L
-    keys[:, :, start:end] = key
-    values[:, :, start:end] = attention.v_proj(hidden_BLE).view(shape).transpose(1, 2)
+    keys[:, :, start:end], values[:, :, start:end] = key, value
+    # With a mask, transformers repeats shared key/value heads rather than asking attention for
+    # grouped queries (which on CUDA falls back to the slowest kernel when a mask is given).
+    groups = query.shape[1] // keys.shape[1]
     out = F.scaled_dot_product_attention(
-        query, keys[:, :, :end], values[:, :, :end], attn_mask=mask_B1LS, scale=attention.scaling,
-        enable_gqa=query.shape[1] != keys.shape[1],
+        query, repeat_kv(keys[:, :, :end], groups), repeat_kv(values[:, :, :end], groups), attn_mask=mask_B1LS,
+        scale=attention.scaling,
     )
     return attention.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
@@ -114,7 +129,7 @@ def forward(model, ids_BL, positions_BL, valid_BS, cache: list, start: int, *, l
     hidden_BLE = inner.embed_tokens(ids_BL)
     cos, sin = inner.rotary_emb(hidden_BLE, positions_BL)
     mask_B1LS = attention_mask(valid_BS, start, start + ids_BL.shape[1])
-    for index, layer in enumerate(inner.layers):
+    for index, layer in enumerate(inner.layers):  # as many as num_hidden_layers (unsupported_reason)
         hidden_BLE = hidden_BLE + _attention(
             layer.self_attn, layer.input_layernorm(hidden_BLE), cos, sin, mask_B1LS, cache, index, start,
             valid_BS.shape[1],

@@ -143,6 +143,11 @@ class GRPOSession:
         return pd.DataFrame(self._history)
 
     @property
+    def last_metrics(self) -> dict:
+        """The metrics of the last optimizer step, as ``step()`` returned them (empty before the first)."""
+        return dict(self._history[-1]) if self._history else {}
+
+    @property
     def completions_log(self) -> pd.DataFrame:
         """Every scored completion of every step: step, prompt, completion, rewards, advantage."""
         frames = [pd.DataFrame(columns) for columns in self._completion_log]

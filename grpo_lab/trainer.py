@@ -86,13 +86,13 @@ class GRPOTrainer:
             self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
         total = self.session.engine.total_steps()
         if self.session.global_step >= total:
-            warnings.warn(
-                f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps (or "
-                "num_train_epochs) in trainer.args to train further.",
-                stacklevel=2,
-            )
-            history = self.session.history
-            return history.iloc[-1].to_dict() if len(history) else {}
+            if self.accelerator.is_main_process:
+                warnings.warn(
+                    f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
+                    "(or num_train_epochs) in trainer.args to train further.",
+                    stacklevel=2,
+                )
+            return self.session.last_metrics
         main = self.accelerator.is_main_process
         save_every = steps_between(self.args.save_steps, total)
         log_every = steps_between(self.args.logging_steps, total)

@@ -8,6 +8,8 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -109,8 +111,22 @@ def test_models_it_cannot_run_are_named_and_take_transformers_path(task, batch):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=1,
                                           eos_token_id=2)).eval()
     assert compact_forward.unsupported_reason(gpt2) == (
-        "GPT2LMHeadModel is not one of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel is not one of transformers' LlamaForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM"
     )
+
+    class MyLlama(LlamaForCausalLM):  # a subclass may change forward()
+        pass
+
+    assert "MyLlama is not one of" in compact_forward.unsupported_reason(MyLlama(LlamaConfig(**SMALL_MODEL)))
+    hooked = AutoModelForCausalLM.from_pretrained(task.model)
+    hooked.model.layers[1].register_forward_hook(lambda module, args, output: output)
+    assert compact_forward.unsupported_reason(hooked) == (
+        "forward hooks on model.layers.1 would not run (only its submodules are called)"
+    )
+    fewer = AutoModelForCausalLM.from_pretrained(task.model)
+    fewer.config.num_hidden_layers = 2
+    assert compact_forward.unsupported_reason(fewer) == "the model has 4 layers, its config num_hidden_layers=2"
     sliding = _small(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert compact_forward.unsupported_reason(sliding) == "the model has sliding-window attention layers"
     prefix = get_peft_model(AutoModelForCausalLM.from_pretrained(task.model),

@@ -42,22 +42,28 @@ _SAMPLING_FIELDS = {
     "eos_token_id", "bos_token_id", "repetition_penalty", "use_cache",
 }
 """Generation settings the loop honours (or, like max_length beside max_new_tokens, that do not
-apply); any other that is set (not None, False or transformers' default) needs ``model.generate``."""
+apply); any other set to something but None, False or transformers' default needs ``model.generate``."""
 
 
 @functools.cache
 def _global_defaults() -> dict[str, Any]:
-    return dict(vars(GenerationConfig()))
+    """transformers' values for the settings a generation config leaves unset (top_k=50, num_beams=1,
+    ...), which ``generate`` applies after the model's own defaults; empty where a transformers
+    release does not list them."""
+    listed = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return dict(listed()) if listed is not None else {}
 
 
 def effective_settings(model, generation_config: GenerationConfig) -> dict[str, Any]:
-    """The settings ``model.generate`` samples with: ``generation_config``'s, and for those it leaves
-    unset (None), the model's own generation defaults (``generate`` merges them so)."""
+    """The settings ``model.generate`` samples with: ``generation_config``'s, then for those it leaves
+    unset (None) the model's own generation defaults, then transformers' (``generate`` merges them
+    in that order)."""
     settings = dict(vars(generation_config))
-    defaults = getattr(model, "generation_config", None)
-    for name, value in vars(defaults).items() if defaults is not None else ():
-        if settings.get(name) is None:
-            settings[name] = value
+    model_defaults = getattr(model, "generation_config", None)
+    for defaults in (vars(model_defaults) if model_defaults is not None else {}, _global_defaults()):
+        for name, value in defaults.items():
+            if settings.get(name) is None:
+                settings[name] = value
     return settings
 
 
@@ -74,6 +80,9 @@ def unsupported_reason(model, generation_config: GenerationConfig) -> str | None
     )
     if others:
         return f"the generation settings {', '.join(others)} need model.generate"
+    unset = [name for name in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p") if settings[name] is None]
+    if unset:
+        return f"{', '.join(unset)} unset: model.generate applies its own defaults"
     if (settings["repetition_penalty"] or 1.0) != 1.0:
         return "repetition_penalty needs model.generate"
     if settings["use_cache"] is False:
@@ -112,7 +121,9 @@ def sample(
     settings = effective_settings(compact_forward.transformers_model(model), generation_config)
     process = warpers(settings)
     eos = settings["eos_token_id"]
-    eos_ids = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos], device=prompt_ids_BP.device)
+    eos_ids = torch.tensor(
+        eos if isinstance(eos, list) else [] if eos is None else [eos], dtype=torch.long, device=prompt_ids_BP.device
+    )
     B, P = prompt_ids_BP.shape
     max_new = settings["max_new_tokens"]
     if share_prompts:
@@ -126,7 +137,9 @@ def sample(
         model, prompt_ids_BP[first_U], positions_BP[first_U], valid_BS[first_U], cache, 0, last_only=True
     ).index_select(0, inverse_B)
     cache = compact_forward.select_rows(cache, inverse_B)
-    tokens_BT = prompt_ids_BP.new_full((B, max_new), settings["pad_token_id"] or 0)
+    # generate pads finished rows with pad_token_id, or without one with the first EOS id
+    pad = settings["pad_token_id"] if settings["pad_token_id"] is not None else int(eos_ids[0]) if len(eos_ids) else 0
+    tokens_BT = prompt_ids_BP.new_full((B, max_new), pad)
     finished_B = torch.zeros(B, dtype=torch.bool, device=prompt_ids_BP.device)
     next_position_B1 = positions_BP[:, -1:] + 1
     for step in range(max_new):
@@ -135,12 +148,11 @@ def sample(
             token_B = torch.multinomial(torch.softmax(scores_BV, dim=-1), num_samples=1).squeeze(1)
         else:
             token_B = scores_BV.argmax(dim=-1)
-        token_B = torch.where(finished_B, tokens_BT[:, step], token_B)
-        tokens_BT[:, step] = token_B
-        finished_B |= torch.isin(token_B, eos_ids)
+        tokens_BT[:, step] = torch.where(finished_B, pad, token_B)
+        finished_B |= torch.isin(tokens_BT[:, step], eos_ids)
         if step == max_new - 1 or bool(finished_B.all()):
-            return tokens_BT[:, : step + 1]
+            break
         logits_BV = compact_forward.forward(
-            model, token_B.unsqueeze(1), next_position_B1 + step, valid_BS, cache, P + step, last_only=True
+            model, tokens_BT[:, step : step + 1], next_position_B1 + step, valid_BS, cache, P + step, last_only=True
         )
-    return tokens_BT[:, :0]
+    return tokens_BT[:, : step + 1]

@@ -1,6 +1,8 @@
 """grpo_lab's sampling loop draws, under one seed, the tokens ``model.generate`` draws, for the
 sampling settings it supports; any other setting goes to ``model.generate``."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -100,3 +102,35 @@ def test_warpers_follow_generates_order(model_and_tokenizer):
     assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"]
     plain = dict(vars(sampling_config(tokenizer, max_new_tokens=4)))
     assert len(decoding.warpers(plain)) == 0
+
+
+def test_settings_left_unset_take_generates_defaults(model_and_tokenizer, texts):
+    """A bare GenerationConfig leaves top_k unset, which generate fills with transformers' 50; the loop
+    must do the same. Settings given their default value (num_beams=1) stay with the loop."""
+    model, tokenizer = model_and_tokenizer
+    settings = GenerationConfig(do_sample=True, max_new_tokens=6, num_beams=1, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id)
+    assert decoding.unsupported_reason(model, settings) is None
+    assert decoding.effective_settings(model, settings)["top_k"] == 50
+    got = _draw(model, tokenizer, texts, settings, compact=True)
+    assert torch.equal(got.completion_ids_BT, _draw(model, tokenizer, texts, settings, compact=False).completion_ids_BT)
+
+
+def test_without_a_pad_token_finished_rows_are_filled_with_eos_as_generate_does(model_and_tokenizer, texts):
+    model, tokenizer = model_and_tokenizer
+    settings = sampling_config(tokenizer, max_new_tokens=8)
+    settings.pad_token_id = None
+    ids, mask = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).values()
+    saved, model.generation_config = model.generation_config, GenerationConfig()  # no pad token anywhere
+    try:
+        model.eval()
+        torch.manual_seed(0)
+        got = decoding.sample(model, ids, mask, settings)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # generate's note that it pads with the EOS token
+            expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)[:, ids.shape[1]:]
+    finally:
+        model.generation_config = saved
+    assert (got == tokenizer.eos_token_id).sum(1).max() > 1, "some rows should be padded after their EOS"
+    assert torch.equal(got, expected)
