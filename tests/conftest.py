@@ -47,6 +47,27 @@ def make_session(task, tmp_path):
     return make
 
 
+@pytest.fixture
+def batch(task):
+    """A log-prob pass's input: 3 prompts of different lengths (left padded), 4 completions each of 1 to
+    6 tokens (right padded, pad tokens after the end). Returns (prompt_ids, prompt_mask,
+    completion_ids, completion_mask)."""
+    import torch
+
+    from grpo_lab.models import load_tokenizer, prepare_tokenizer
+    from grpo_lab.rollout.prompts import render_prompts
+
+    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
+    texts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) + ["12+3="]
+    encoded = tokenizer([t for t in texts for _ in range(4)], return_tensors="pt", padding=True, add_special_tokens=False)
+    generator = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(3, 200, (len(texts) * 4, 6), generator=generator)
+    completion_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 5] * len(texts))[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    assert encoded["attention_mask"].min() == 0, "the prompts should need padding"
+    return encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``vllm`` run in the vLLM environment (``make test-vllm``); elsewhere they are
     deselected (reported as such), not skipped: vLLM cannot be installed beside this transformers."""

@@ -17,27 +17,10 @@ from transformers import (
 )
 
 from grpo_lab import compact_forward
-from grpo_lab.models import load_tokenizer, prepare_tokenizer
 from grpo_lab.prefix_sharing import PrefixSharing, full_logits
-from grpo_lab.rollout.prompts import render_prompts
 
-GROUP = 4
 SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def batch(task):
-    """3 prompts of different lengths (left padded), 4 completions each of 1 to 6 tokens (right padded)."""
-    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
-    texts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) + ["12+3="]
-    encoded = tokenizer([t for t in texts for _ in range(GROUP)], return_tensors="pt", padding=True,
-                        add_special_tokens=False)
-    generator = torch.Generator().manual_seed(0)
-    completion_ids = torch.randint(3, 280, (len(texts) * GROUP, 6), generator=generator)
-    completion_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 5] * len(texts))[:, None]).long()
-    assert encoded["attention_mask"].min() == 0, "the prompts should need padding"
-    return encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask
 
 
 def _logits_and_grads(model, batch, *, compact: bool):

@@ -14,6 +14,7 @@ from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
 
 GROUP = 4
+"""Completions per prompt in the ``batch`` fixture (tests/conftest.py)."""
 
 
 def test_distinct_prompts_by_hand():
@@ -46,22 +47,6 @@ class TokenCounter:
 def model(task):
     model = AutoModelForCausalLM.from_pretrained(task.model).train()
     return model, TokenCounter(model)
-
-
-@pytest.fixture
-def batch(task):
-    """3 prompts of different lengths (left padded), 4 completions each of 1 to 6 tokens (right padded)."""
-    tokenizer = prepare_tokenizer(load_tokenizer(task.model))
-    texts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) + ["12+3="]
-    encoded = tokenizer([t for t in texts for _ in range(GROUP)], return_tensors="pt", padding=True,
-                        add_special_tokens=False)
-    generator = torch.Generator().manual_seed(0)
-    completion_ids = torch.randint(3, 200, (len(texts) * GROUP, 6), generator=generator)
-    lengths = torch.tensor([6, 1, 3, 5] * len(texts))
-    completion_mask = (torch.arange(6) < lengths[:, None]).long()
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    assert encoded["attention_mask"].min() == 0, "the prompts should need padding"
-    return encoded["input_ids"], encoded["attention_mask"], completion_ids, completion_mask
 
 
 def _expected_tokens(batch) -> tuple[int, int]:
