@@ -164,7 +164,9 @@ class PrefixSharing:
         return _select_rows(getattr(prefill, CACHE), inverse_B)
 
 
-def _compact_logits(model, prompt_ids_UP, completion_ids_BT, positions_BL, valid_BL, first_U, inverse_B) -> torch.Tensor:
+def _compact_logits(
+    model, prompt_ids_UP, completion_ids_BT, positions_BL, valid_BL, first_U, inverse_B
+) -> torch.Tensor:
     """(B, 1 + T, V) logits from the last prompt position on, by ``compact_forward``: the distinct
     prompts, then the completions on top of their prompt's keys and values."""
     prompt_length = prompt_ids_UP.shape[1]

@@ -85,15 +85,15 @@ class GRPOTrainer:
             model = None if self.session.engine.owns_optimizer else self.session.model
             self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
         total = self.session.engine.total_steps()
+        main = self.accelerator.is_main_process
         if self.session.global_step >= total:
-            if self.accelerator.is_main_process:
+            if main:
                 warnings.warn(
                     f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
                     "(or num_train_epochs) in trainer.args to train further.",
                     stacklevel=2,
                 )
             return self.session.last_metrics
-        main = self.accelerator.is_main_process
         save_every = steps_between(self.args.save_steps, total)
         log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}

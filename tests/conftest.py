@@ -59,7 +59,8 @@ def batch(task):
 
     tokenizer = prepare_tokenizer(load_tokenizer(task.model))
     texts = render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) + ["12+3="]
-    encoded = tokenizer([t for t in texts for _ in range(4)], return_tensors="pt", padding=True, add_special_tokens=False)
+    encoded = tokenizer([t for t in texts for _ in range(4)], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
     generator = torch.Generator().manual_seed(0)
     completion_ids = torch.randint(3, 200, (len(texts) * 4, 6), generator=generator)
     completion_mask = (torch.arange(6) < torch.tensor([6, 1, 3, 5] * len(texts))[:, None]).long()

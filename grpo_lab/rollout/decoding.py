@@ -72,7 +72,8 @@ def unsupported_reason(model, generation_config: GenerationConfig) -> str | None
     reason = compact_forward.unsupported_reason(model)
     if reason is not None:
         return reason
-    settings, defaults = effective_settings(compact_forward.transformers_model(model), generation_config), _global_defaults()
+    settings = effective_settings(compact_forward.transformers_model(model), generation_config)
+    defaults = _global_defaults()
     others = sorted(
         name for name, value in settings.items()
         if not name.startswith("_") and name not in _SAMPLING_FIELDS and name != "transformers_version"
@@ -80,7 +81,8 @@ def unsupported_reason(model, generation_config: GenerationConfig) -> str | None
     )
     if others:
         return f"the generation settings {', '.join(others)} need model.generate"
-    unset = [name for name in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p") if settings[name] is None]
+    unset = [name for name in ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")
+             if settings[name] is None]
     if unset:
         return f"{', '.join(unset)} unset: model.generate applies its own defaults"
     if (settings["repetition_penalty"] or 1.0) != 1.0:

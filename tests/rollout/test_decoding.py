@@ -64,7 +64,8 @@ def test_rows_that_never_finish_stop_at_max_new_tokens(model_and_tokenizer, text
 
 @pytest.mark.parametrize("extra, reason", [
     (dict(repetition_penalty=1.2), "repetition_penalty needs model.generate"),
-    (dict(generation_kwargs={"no_repeat_ngram_size": 2}), "the generation settings no_repeat_ngram_size need model.generate"),
+    (dict(generation_kwargs={"no_repeat_ngram_size": 2}),
+     "the generation settings no_repeat_ngram_size need model.generate"),
     (dict(generation_kwargs={"num_beams": 2, "typical_p": 0.9}),
      "the generation settings num_beams, typical_p need model.generate"),
     (dict(generation_kwargs={"use_cache": False}), "use_cache=False asks model.generate to recompute every step"),
@@ -73,9 +74,8 @@ def test_other_generation_settings_go_to_generate(model_and_tokenizer, texts, ex
     model, tokenizer = model_and_tokenizer
     settings = sampling_config(tokenizer, max_new_tokens=4, **extra)
     assert decoding.unsupported_reason(model, settings) == reason
-    if "num_beams" not in extra.get("generation_kwargs", {}):  # beams return one row per prompt anyway
-        got = _draw(model, tokenizer, texts[:8], settings, compact=True)
-        assert torch.equal(got.completion_ids_BT, _draw(model, tokenizer, texts[:8], settings, compact=False).completion_ids_BT)
+    got = _draw(model, tokenizer, texts[:8], settings, compact=True)  # model.generate, both times
+    assert torch.equal(got.completion_ids_BT, _draw(model, tokenizer, texts[:8], settings, compact=False).completion_ids_BT)
 
 
 def test_the_models_generation_defaults_fill_only_what_the_settings_leave_unset(model_and_tokenizer):
