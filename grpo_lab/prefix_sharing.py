@@ -12,7 +12,8 @@ pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed 
 through it (``compact=True``) instead of transformers' forward, with the same logits.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
-``DynamicCache`` with full-attention layers) and, in training mode, the model neither checkpoints
+``DynamicCache`` with full-attention layers), its rotary embedding does not depend on the length of
+each call (not "dynamic" or "longrope" scaling) and, in training mode, the model neither checkpoints
 activations (transformers drops the cache there) nor draws anything random (the copies of a
 prompt would share one dropout or router-jitter draw). Anywhere else the plain pass runs; a cache
 that cannot be shared is named in a warning and in ``PrefixSharing.disabled_reason``. Without
@@ -91,6 +92,9 @@ class PrefixSharing:
         self.disabled_reason: dict[int, str] = {}
 
     def _skip_reason(self, model) -> str | None:
+        rope = _length_dependent_rope(model)
+        if rope is not None:
+            return f"{rope} rotary scaling depends on each call's length (a prompt run alone is scaled otherwise)"
         if model.training:
             modules = list(model.modules())
             if any(_checkpoints(module) for module in modules):
@@ -190,6 +194,16 @@ def _select_rows(cache, index_B: torch.Tensor):
             index = index_B.to(layer.keys.device)
             layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
     return cache
+
+
+def _length_dependent_rope(model) -> str | None:
+    """The model's rotary scaling type when it depends on the length a forward call sees ("dynamic"
+    NTK, "longrope"): a prompt run alone would get other rotary frequencies than in the whole row."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    for settings in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(settings, dict) and settings.get("rope_type", settings.get("type")) in ("dynamic", "longrope"):
+            return settings.get("rope_type", settings.get("type"))
+    return None
 
 
 def _checkpoints(module) -> bool:

@@ -6,10 +6,11 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from grpo_lab import prefix_sharing
 from grpo_lab.models import enable_gradient_checkpointing, load_tokenizer, prepare_tokenizer
-from grpo_lab.prefix_sharing import PrefixSharing, distinct_prompts, full_logits
+from grpo_lab.prefix_sharing import PrefixSharing, distinct_prompts, full_logits, position_ids
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
 
@@ -254,3 +255,32 @@ def test_the_old_policy_pass_takes_the_training_pass_path_so_the_first_ratio_is_
     mask = rollout.completion_mask_BT.bool()
     assert torch.equal(result.logprobs_BT[mask], rollout.old_logprobs_BT[mask])
     assert torch.equal(result.ratio_BT[mask], torch.ones_like(result.ratio_BT[mask]))
+
+
+def test_rotary_scaling_that_depends_on_the_call_length_runs_the_plain_pass():
+    """Dynamic NTK scaling picks its frequencies from the longest position a call sees: a prompt run
+    alone (positions up to 9 here, under the 12 the model was trained on) is rotated unlike the same
+    prompt inside its 16-position row, so sharing it would change the logits."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, head_dim=16, max_position_embeddings=12, pad_token_id=0,
+                         rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    model = LlamaForCausalLM(config).eval()
+    prompt_ids = torch.randint(3, 290, (2, 10)).repeat_interleave(GROUP, 0)
+    completion_ids = torch.randint(3, 290, (2 * GROUP, 6))
+    args = (model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids))
+    sharing = PrefixSharing()
+    assert sharing._skip_reason(model) == (
+        "dynamic rotary scaling depends on each call's length (a prompt run alone is scaled otherwise)"
+    )
+    with torch.no_grad():
+        plain = full_logits(*args)
+        assert torch.equal(sharing.logits(*args, compact=True), plain)
+    first_U, inverse_B = distinct_prompts(prompt_ids, args[2])
+    with torch.no_grad():  # what sharing would have given
+        shared = prefix_sharing._compact_logits(
+            model, prompt_ids[first_U], completion_ids[:, :5],
+            position_ids(torch.ones(2 * GROUP, 15, dtype=torch.long)), torch.ones(2 * GROUP, 15, dtype=torch.bool),
+            first_U, inverse_B,
+        )
+    assert (shared - plain).abs().max() > 1e-4
