@@ -140,6 +140,7 @@ def test_a_session_trains_the_same_with_either_forward_pass(make_session):
     runs = []
     for compact in (True, False):
         session = make_session(compact_forward=compact, max_steps=3)
+        assert compact_forward.unsupported_reason(session.model) is None  # the compact path is the one switched
         results = [session.step() for _ in range(3)]
         runs.append((results, session.model))
     (compact_results, compact_model), (plain_results, plain_model) = runs
