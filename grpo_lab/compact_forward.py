@@ -3,12 +3,18 @@ transformers' general machinery around them.
 
 A transformers forward call wraps the model's arithmetic in keyword handling, mask building, cache
 objects, output recording and output classes. For a small model on a CPU that wrapping costs about
-as much as the arithmetic (benchmarks/README.md). ``forward`` runs the same modules (embedding,
-norms, projections, MLPs, rotary embedding, head) in one short function, with keys and values kept
-in one pair of (B, K, S, D) buffers per layer that each call writes in place. Generation
-(``grpo_lab.rollout.decoding``) and the log-prob passes with a shared prompt
-(``grpo_lab.prefix_sharing``) run on it. Its logits and gradients equal transformers' on the
-shipped float32 model (tests compare them). Because the modules themselves run, a PEFT model's
+as much as the arithmetic (benchmarks/README.md). Two short functions run the same modules
+(embedding, norms, projections, MLPs, rotary embedding, head):
+
+- ``forward``, for generation (``grpo_lab.rollout.decoding``): keys and values are kept in one pair
+  of (B, K, S, D) buffers per layer that each call writes in place.
+- ``shared_prompt_forward``, for the log-prob passes with a shared prompt
+  (``grpo_lab.prefix_sharing``): the distinct prompts and the completion tokens in one pass, with
+  only the completion positions whose logits are used: the padding after a completion's end is
+  not run, which transformers' forward (and TRL) computes and discards.
+
+Their logits and gradients equal transformers' up to float rounding (tests compare them on the
+shipped model; ``forward``'s logits bitwise). Because the modules themselves run, a PEFT model's
 LoRA layers apply their adapters.
 
 ``unsupported_reason`` names what keeps a model on transformers' forward: another architecture (a
@@ -16,11 +22,14 @@ subclass included), sliding-window layers, forward hooks on the model or its lay
 are sharded, quantized or dispatched over devices, prompt-learning adapters, or a wrapper such as
 DistributedDataParallel (whose own forward must run).
 
-Shapes: B rows, L positions in one call, S positions the buffers hold, K key/value heads, D head
-size, E hidden size, V vocabulary entries.
+Shapes: B rows, L positions in one call, S positions the buffers hold (or a prompt and its
+completion), U distinct prompts of P positions, N completion positions run, M = U x P + N packed
+rows, H query heads, K key/value heads, D head size, E hidden size, V vocabulary entries.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +145,85 @@ def forward(model, ids_BL, positions_BL, valid_BS, cache: list, start: int, *, l
         )
         hidden_BLE = hidden_BLE + layer.mlp(layer.post_attention_layernorm(hidden_BLE))
     return base.lm_head(inner.norm(hidden_BLE[:, -1] if last_only else hidden_BLE))
+
+
+def shared_prompt_forward(
+    model, prompt_ids_UP, prompt_positions_UP, prompt_valid_UP, ids_BL, positions_BL, run_BL, inverse_B
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the U distinct prompts' last positions and of the completion positions ``run_BL``
+    keeps, in one pass: row b continues prompt ``inverse_B[b]`` with tokens ``ids_BL``.
+
+    Only the kept completion positions are run (padding after a completion's end is skipped): the
+    prompt rows (U x P, as they are) and the N kept completion tokens form one (U x P + N, E) matrix
+    for the norms, projections and MLPs; attention alone lays them out as (U, P) and (B, L) rows.
+
+    Returns:
+        last_UV: (U, V) logits at each prompt's last position.
+        logits_NV: (N, V) logits at the kept positions, in the row-major order of ``run_BL``.
+    """
+    base = transformers_model(model)
+    inner = base.model
+    U, P = prompt_ids_UP.shape
+    B, L = ids_BL.shape
+    slots_N = run_BL.flatten().nonzero().squeeze(1)
+    ids_M = torch.cat([prompt_ids_UP.flatten(), ids_BL.flatten().index_select(0, slots_N)])
+    positions_M = torch.cat([prompt_positions_UP.flatten(), positions_BL.flatten().index_select(0, slots_N)])
+    hidden_ME = inner.embed_tokens(ids_M)
+    cos, sin = (t[0] for t in inner.rotary_emb(hidden_ME, positions_M[None]))
+    layout = _Layout(U, P, B, L, slots_N, inverse_B, attention_mask(prompt_valid_UP, 0, P),
+                     attention_mask(torch.cat([prompt_valid_UP.index_select(0, inverse_B), run_BL], dim=1), P, P + L))
+    for layer in inner.layers:  # as many as num_hidden_layers (unsupported_reason)
+        hidden_ME = hidden_ME + _packed_attention(layer.self_attn, layer.input_layernorm(hidden_ME), cos, sin, layout)
+        hidden_ME = hidden_ME + layer.mlp(layer.post_attention_layernorm(hidden_ME))
+    last_UE = hidden_ME[P - 1 : U * P : P]
+    logits = base.lm_head(inner.norm(torch.cat([last_UE, hidden_ME[U * P :]])))
+    return logits[:U], logits[U:]
+
+
+class _Layout(NamedTuple):
+    """Where ``shared_prompt_forward``'s packed rows sit in attention's (U, P) and (B, L) layouts."""
+
+    U: int
+    P: int
+    B: int
+    L: int
+    slots_N: torch.Tensor  # flat (B x L) index of each kept completion position
+    inverse_B: torch.Tensor
+    prompt_mask_U1PP: torch.Tensor
+    completion_mask_B1LS: torch.Tensor  # S = P + L
+
+
+def _packed_attention(attention, hidden_ME, cos, sin, layout: _Layout):
+    """One attention block over ``shared_prompt_forward``'s packed rows: the prompts attend within
+    themselves, each completion to its prompt's keys and values and its own."""
+    U, P, B, L = layout.U, layout.P, layout.B, layout.L
+    M, D = hidden_ME.shape[0], attention.head_dim
+    query, key = attention.q_proj(hidden_ME).view(M, -1, D), attention.k_proj(hidden_ME).view(M, -1, D)
+    if hasattr(attention, "q_norm"):
+        query, key = attention.q_norm(query), attention.k_norm(key)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
+    H, K = query.shape[1], key.shape[1]
+    qkv_MHD = torch.cat([query, key, attention.v_proj(hidden_ME).view(M, K, D)], dim=1)
+    prompt = qkv_MHD[: U * P].view(U, P, -1, D).transpose(1, 2)
+    completion = (
+        qkv_MHD.new_zeros(B * L, H + 2 * K, D).index_copy(0, layout.slots_N, qkv_MHD[U * P :])
+        .view(B, L, -1, D).transpose(1, 2)
+    )
+    groups = H // K
+    prompt_out = F.scaled_dot_product_attention(
+        prompt[:, :H], repeat_kv(prompt[:, H : H + K], groups), repeat_kv(prompt[:, H + K :], groups),
+        attn_mask=layout.prompt_mask_U1PP, scale=attention.scaling,
+    )
+    kv = torch.cat([prompt[:, H:].index_select(0, layout.inverse_B), completion[:, H:]], dim=2)
+    completion_out = F.scaled_dot_product_attention(
+        completion[:, :H], repeat_kv(kv[:, :K], groups), repeat_kv(kv[:, K:], groups),
+        attn_mask=layout.completion_mask_B1LS, scale=attention.scaling,
+    )
+    out = torch.cat([
+        prompt_out.transpose(1, 2).reshape(U * P, H * D),
+        completion_out.transpose(1, 2).reshape(B * L, H * D).index_select(0, layout.slots_N),
+    ])
+    return attention.o_proj(out)
 
 
 def new_cache(model) -> list:

@@ -8,8 +8,10 @@ instead of ``B x (P + T)`` (U distinct prompts, B completions; the last token pr
 keys/values is differentiable, and the backward pass sums each completion's contribution into the
 shared prompt activations. Generation with transformers does the same for the prompt's
 pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed cache to
-``model.generate``. For the models ``compact_forward`` supports, both calls of a log-prob pass run
-through it (``compact=True``) instead of transformers' forward, with the same logits.
+``model.generate``. For the models ``compact_forward`` supports (``compact=True``), a log-prob pass
+is one call of ``compact_forward.shared_prompt_forward`` instead of two of transformers' forward:
+the distinct prompts and only the completion positions whose next token is kept (the padding after
+each completion's end is not run), with the same logits up to float rounding.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
 ``DynamicCache`` with full-attention layers), its rotary embedding does not depend on the length of
@@ -120,26 +122,25 @@ class PrefixSharing:
         self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True,
         compact: bool = False,
     ) -> torch.Tensor:
-        """(B, T, V) logits predicting each completion token (the same values as ``full_logits``);
-        ``enabled=False`` always runs the plain pass. With ``compact``, the two calls run the model's
-        modules through ``compact_forward`` where it supports the model."""
+        """(B, T, V) logits predicting each completion token (the values of ``full_logits`` wherever the
+        completion mask keeps the token); ``enabled=False`` always runs the plain pass. With
+        ``compact``, where ``compact_forward`` supports the model, one pass runs the model's modules
+        over the distinct prompts and the completion positions whose next token is kept, skipping
+        the padding after each completion's end: logits predicting padding are zeros there."""
         args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
         if not enabled or self._skip_reason(model) is not None:
             return full_logits(*args)
+        first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+        attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
+        positions_BL = position_ids(attention_mask_BL)
+        if compact and compact_forward.unsupported_reason(model) is None:
+            return _packed_logits(model, *args[1:], positions_BL, first_U, inverse_B)
         # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
         # must make as many forward calls as the others (each call may synchronise). The last
         # completion token predicts nothing; it is run only when it is the only one, so that the
         # second call is never empty.
-        first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         prompt_length, num_completion_tokens = prompt_ids_BP.shape[1], completion_ids_BT.shape[1]
-        attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
-        positions_BL = position_ids(attention_mask_BL)
         end = prompt_length + max(num_completion_tokens - 1, 1)
-        if compact and compact_forward.unsupported_reason(model) is None:
-            return _compact_logits(
-                model, prompt_ids_BP[first_U], completion_ids_BT[:, : end - prompt_length], positions_BL[:, :end],
-                attention_mask_BL[:, :end].bool(), first_U, inverse_B,
-            )[:, :num_completion_tokens]
         prefill = self._prefill(
             model, prompt_ids_BP[first_U], prompt_mask_BP[first_U], positions_BL[first_U, :prompt_length]
         )
@@ -168,21 +169,25 @@ class PrefixSharing:
         return _select_rows(getattr(prefill, CACHE), inverse_B)
 
 
-def _compact_logits(
-    model, prompt_ids_UP, completion_ids_BT, positions_BL, valid_BL, first_U, inverse_B
+def _packed_logits(
+    model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, positions_BL, first_U, inverse_B
 ) -> torch.Tensor:
-    """(B, 1 + T, V) logits from the last prompt position on, by ``compact_forward``: the distinct
-    prompts, then the completions on top of their prompt's keys and values."""
-    prompt_length = prompt_ids_UP.shape[1]
-    cache = compact_forward.new_cache(model)
-    last_UV = compact_forward.forward(
-        model, prompt_ids_UP, positions_BL[first_U, :prompt_length], valid_BL[first_U], cache, 0, last_only=True
+    """(B, T, V) logits by ``compact_forward.shared_prompt_forward``, which runs only the completion
+    positions whose next token is kept: zeros where a position predicts padding."""
+    B, T = completion_ids_BT.shape
+    P = prompt_ids_BP.shape[1]
+    # Position j runs when token j + 1 is kept: completion masks are right padded (every rollout
+    # backend makes them so). One column is kept when T is 1, so that no shape is empty.
+    run_BL = completion_mask_BT.new_zeros(B, max(T - 1, 1), dtype=torch.bool)
+    run_BL[:, : T - 1] = completion_mask_BT[:, 1:].bool()
+    last_UV, logits_NV = compact_forward.shared_prompt_forward(
+        model, prompt_ids_BP[first_U], positions_BL[first_U, :P], prompt_mask_BP[first_U].bool(),
+        completion_ids_BT[:, : run_BL.shape[1]], positions_BL[:, P : P + run_BL.shape[1]], run_BL, inverse_B,
     )
-    rest_BTV = compact_forward.forward(
-        model, completion_ids_BT, positions_BL[:, prompt_length:], valid_BL,
-        compact_forward.select_rows(cache, inverse_B), prompt_length,
-    )
-    return torch.cat([last_UV.index_select(0, inverse_B).unsqueeze(1), rest_BTV], dim=1)
+    rows_B = torch.arange(B, device=completion_ids_BT.device) * T
+    slots = torch.cat([rows_B, (rows_B[:, None] + 1 + torch.arange(run_BL.shape[1], device=rows_B.device))[run_BL]])
+    out = logits_NV.new_zeros(B * T, logits_NV.shape[-1])
+    return out.index_copy(0, slots, torch.cat([last_UV.index_select(0, inverse_B), logits_NV])).view(B, T, -1)
 
 
 def _select_rows(cache, index_B: torch.Tensor):

@@ -32,21 +32,41 @@ def _logits_and_grads(model, batch, *, compact: bool):
     return logits_BTV.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_gradients_close(got: dict, expected: dict, *, rtol: float) -> None:
+    """Equal up to float32 rounding: the compact pass skips padding, so its sums over tokens add the
+    same terms in another order."""
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=rtol, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
 def _small(config_class, model_class, **overrides):
     torch.manual_seed(0)
     return model_class(config_class(**{**SMALL_MODEL, **overrides})).train()
 
 
-def test_the_shipped_model_gets_transformers_logits_and_gradients_exactly(task, batch):
+def test_the_shipped_model_gets_transformers_logits_and_gradients(task, batch):
     model = AutoModelForCausalLM.from_pretrained(task.model).train()
     assert compact_forward.unsupported_reason(model) is None
     transformers_logits, transformers_grads = _logits_and_grads(model, batch, compact=False)
     compact_logits, compact_grads = _logits_and_grads(model, batch, compact=True)
     mask = batch[3].bool()  # the logits after a completion's end predict nothing and are not compared
-    assert torch.equal(compact_logits[mask], transformers_logits[mask])
-    assert compact_grads.keys() == transformers_grads.keys()
-    for name, grad in transformers_grads.items():
-        torch.testing.assert_close(compact_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(compact_logits[mask], transformers_logits[mask], rtol=1e-6, atol=1e-5)
+    _assert_gradients_close(compact_grads, transformers_grads, rtol=1e-5)
+
+
+def test_the_compact_pass_runs_no_position_that_predicts_padding(task, batch):
+    """The head sees each distinct prompt's last position and, per completion of n tokens, the n - 1
+    positions that predict its later tokens; the logits predicting padding are zeros."""
+    model = AutoModelForCausalLM.from_pretrained(task.model).eval()
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    with torch.no_grad():
+        logits_BTV = PrefixSharing().logits(model, *batch, compact=True)
+    prompt_ids, completion_mask = batch[0], batch[3]
+    distinct = len(torch.unique(prompt_ids, dim=0))
+    assert rows == [distinct + int((completion_mask.sum(1) - 1).sum())] == [3 + 3 * (5 + 0 + 2 + 4)]
+    assert logits_BTV[completion_mask == 0].eq(0).all() and logits_BTV[completion_mask == 1].ne(0).all()
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
@@ -61,8 +81,7 @@ def test_qwen_models_get_transformers_logits_and_gradients(batch, architecture):
     compact_logits, compact_grads = _logits_and_grads(model, batch, compact=True)
     mask = batch[3].bool()
     torch.testing.assert_close(compact_logits[mask], transformers_logits[mask], rtol=1e-5, atol=1e-5)
-    for name, grad in transformers_grads.items():
-        torch.testing.assert_close(compact_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_gradients_close(compact_grads, transformers_grads, rtol=1e-4)
 
 
 def test_a_lora_adapter_applies_in_the_compact_pass(task, batch):
@@ -82,9 +101,8 @@ def test_a_lora_adapter_applies_in_the_compact_pass(task, batch):
     mask = batch[3].bool()
     assert (without_adapter[mask] - expected[mask]).abs().max() > 1e-2, "the adapter should change the logits"
     torch.testing.assert_close(compact_logits[mask], transformers_logits[mask], rtol=1e-5, atol=1e-5)
-    assert compact_grads.keys() == transformers_grads.keys() and all("lora_" in name for name in compact_grads)
-    for name, grad in transformers_grads.items():
-        torch.testing.assert_close(compact_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert all("lora_" in name for name in compact_grads)
+    _assert_gradients_close(compact_grads, transformers_grads, rtol=1e-4)
 
 
 def test_models_it_cannot_run_are_named_and_take_transformers_path(task, batch):
@@ -135,8 +153,9 @@ def test_left_padding_that_sees_nothing_attends_to_itself():
 
 
 def test_a_session_trains_the_same_with_either_forward_pass(make_session):
-    """Generation draws the same tokens and the loss pass gets the same logits, so two sessions from one
-    seed, one on each path, take the same steps (metrics and weights)."""
+    """Generation draws the same tokens and the loss pass gets the same logits up to float rounding, so
+    two sessions from one seed, one on each path, take the same steps: the same completions and
+    rewards, the same loss metrics to 1e-5, the same weights."""
     runs = []
     for compact in (True, False):
         session = make_session(compact_forward=compact, max_steps=3)
@@ -146,6 +165,11 @@ def test_a_session_trains_the_same_with_either_forward_pass(make_session):
     (compact_results, compact_model), (plain_results, plain_model) = runs
     for compact_step, plain_step in zip(compact_results, plain_results):
         compact_step.pop("step_time"), plain_step.pop("step_time")
-        assert compact_step == plain_step
+        assert compact_step.keys() == plain_step.keys()
+        sampled = [name for name in plain_step if name.startswith(("reward", "completions/", "num_tokens"))]
+        assert len(sampled) > 5 and all(compact_step[name] == plain_step[name] for name in sampled)
+        assert compact_step == pytest.approx(plain_step, rel=1e-5, abs=1e-7)
     for (name, compact_param), plain_param in zip(compact_model.named_parameters(), plain_model.parameters()):
-        torch.testing.assert_close(compact_param, plain_param, rtol=1e-5, atol=1e-6, msg=name)
+        # AdamW turns a rounding difference in a near-zero gradient into up to a step of the learning
+        # rate (1e-3); 1e-5 is 1% of it (the largest difference seen: 4e-6; the mean: 2e-9)
+        torch.testing.assert_close(compact_param, plain_param, rtol=1e-5, atol=1e-5, msg=name)
