@@ -175,9 +175,9 @@ def shared_prompt_forward(
     for layer in inner.layers:  # as many as num_hidden_layers (unsupported_reason)
         hidden_ME = hidden_ME + _packed_attention(layer.self_attn, layer.input_layernorm(hidden_ME), cos, sin, layout)
         hidden_ME = hidden_ME + layer.mlp(layer.post_attention_layernorm(hidden_ME))
-    last_UE = hidden_ME[P - 1 : U * P : P]
-    logits = base.lm_head(inner.norm(torch.cat([last_UE, hidden_ME[U * P :]])))
-    return logits[:U], logits[U:]
+    prompt_hidden, completion_hidden = hidden_ME.split([U * P, len(slots_N)])
+    logits = base.lm_head(inner.norm(torch.cat([prompt_hidden.view(U, P, -1)[:, -1], completion_hidden])))
+    return logits.split([U, len(slots_N)])
 
 
 class _Layout(NamedTuple):
@@ -195,33 +195,40 @@ class _Layout(NamedTuple):
 
 def _packed_attention(attention, hidden_ME, cos, sin, layout: _Layout):
     """One attention block over ``shared_prompt_forward``'s packed rows: the prompts attend within
-    themselves, each completion to its prompt's keys and values and its own."""
+    themselves, each completion to its prompt's keys and values and its own. (Rows are separated
+    with ``split``, whose backward joins the gradients, rather than slices, whose backward fills a
+    zero tensor per slice.)"""
     U, P, B, L = layout.U, layout.P, layout.B, layout.L
     M, D = hidden_ME.shape[0], attention.head_dim
     query, key = attention.q_proj(hidden_ME).view(M, -1, D), attention.k_proj(hidden_ME).view(M, -1, D)
     if hasattr(attention, "q_norm"):
         query, key = attention.q_norm(query), attention.k_norm(key)
     query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
-    H, K = query.shape[1], key.shape[1]
-    qkv_MHD = torch.cat([query, key, attention.v_proj(hidden_ME).view(M, K, D)], dim=1)
-    prompt = qkv_MHD[: U * P].view(U, P, -1, D).transpose(1, 2)
-    completion = (
-        qkv_MHD.new_zeros(B * L, H + 2 * K, D).index_copy(0, layout.slots_N, qkv_MHD[U * P :])
-        .view(B, L, -1, D).transpose(1, 2)
-    )
-    groups = H // K
+    value = attention.v_proj(hidden_ME).view(M, -1, D)
+    prompts, completions = [], []
+    for packed in (query, key, value):  # (M, heads, D) -> (U, heads, P, D) and (B, heads, L, D)
+        prompt, completion = packed.split([U * P, M - U * P])
+        prompts.append(prompt.view(U, P, -1, D).transpose(1, 2))
+        completions.append(
+            packed.new_zeros(B * L, packed.shape[1], D).index_copy(0, layout.slots_N, completion)
+            .view(B, L, -1, D).transpose(1, 2)
+        )
+    groups = query.shape[1] // key.shape[1]
     prompt_out = F.scaled_dot_product_attention(
-        prompt[:, :H], repeat_kv(prompt[:, H : H + K], groups), repeat_kv(prompt[:, H + K :], groups),
+        prompts[0], repeat_kv(prompts[1], groups), repeat_kv(prompts[2], groups),
         attn_mask=layout.prompt_mask_U1PP, scale=attention.scaling,
     )
-    kv = torch.cat([prompt[:, H:].index_select(0, layout.inverse_B), completion[:, H:]], dim=2)
+    keys, values = (
+        torch.cat([prompt.index_select(0, layout.inverse_B), completion], dim=2)
+        for prompt, completion in zip(prompts[1:], completions[1:])
+    )
     completion_out = F.scaled_dot_product_attention(
-        completion[:, :H], repeat_kv(kv[:, :K], groups), repeat_kv(kv[:, K:], groups),
+        completions[0], repeat_kv(keys, groups), repeat_kv(values, groups),
         attn_mask=layout.completion_mask_B1LS, scale=attention.scaling,
     )
     out = torch.cat([
-        prompt_out.transpose(1, 2).reshape(U * P, H * D),
-        completion_out.transpose(1, 2).reshape(B * L, H * D).index_select(0, layout.slots_N),
+        prompt_out.transpose(1, 2).reshape(U * P, -1),
+        completion_out.transpose(1, 2).reshape(B * L, -1).index_select(0, layout.slots_N),
     ])
     return attention.o_proj(out)
 
