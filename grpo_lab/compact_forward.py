@@ -34,7 +34,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, repeat_kv
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 
 ARCHITECTURES = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -84,6 +86,34 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+_RMS_NORMS = (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
+
+
+def _norm(module, hidden):
+    """``module(hidden)``: for transformers' RMSNorm classes (whose arithmetic ``F.rms_norm`` does in
+    one call, to the same bits in float32) on a tensor of the weight's dtype, by ``F.rms_norm``."""
+    if type(module) in _RMS_NORMS and hidden.dtype == module.weight.dtype and not (
+        module._forward_hooks or module._forward_pre_hooks
+    ):
+        return F.rms_norm(hidden, module.weight.shape, module.weight, module.variance_epsilon)
+    return module(hidden)
+
+
+def _rotary(inner, hidden, positions, *, heads_dim: int):
+    """The rotary embedding's cosines and signed sines at ``positions`` (transformers' rotary
+    module), with a heads dimension inserted at ``heads_dim`` for ``_rotate``."""
+    cos, sin = inner.rotary_emb(hidden, positions)
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(heads_dim), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(heads_dim)
+
+
+def _rotate(x, cos, signed_sin):
+    """transformers' rotary embedding ``x * cos + rotate_half(x) * sin``, where
+    ``rotate_half(x) = [-x2, x1]``: with the sign moved onto the sines, ``[x2, x1]`` is a roll (the
+    same products, so the same bits)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
 def _attention(attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: int, start: int, size: int):
     """One attention block. The L new positions' keys and values are written from ``start`` into the
     layer's (B, K, S, D) buffers ``cache[index]`` (allocated with room for ``size`` positions on
@@ -92,8 +122,8 @@ def _attention(attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: i
     shape = (B, L, -1, attention.head_dim)
     query, key = attention.q_proj(hidden_BLE).view(shape), attention.k_proj(hidden_BLE).view(shape)
     if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-        query, key = attention.q_norm(query), attention.k_norm(key)
-    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
+    query, key = _rotate(query.transpose(1, 2), cos, sin), _rotate(key.transpose(1, 2), cos, sin)
     value = attention.v_proj(hidden_BLE).view(shape).transpose(1, 2)
     if cache[index] is None:
         cache[index] = tuple(t.new_empty(B, t.shape[1], size, attention.head_dim) for t in (key, value))
@@ -136,15 +166,15 @@ def forward(model, ids_BL, positions_BL, valid_BS, cache: list, start: int, *, l
     base = transformers_model(model)
     inner = base.model
     hidden_BLE = inner.embed_tokens(ids_BL)
-    cos, sin = inner.rotary_emb(hidden_BLE, positions_BL)
+    cos, sin = _rotary(inner, hidden_BLE, positions_BL, heads_dim=1)
     mask_B1LS = attention_mask(valid_BS, start, start + ids_BL.shape[1])
     for index, layer in enumerate(inner.layers):  # as many as num_hidden_layers (unsupported_reason)
         hidden_BLE = hidden_BLE + _attention(
-            layer.self_attn, layer.input_layernorm(hidden_BLE), cos, sin, mask_B1LS, cache, index, start,
+            layer.self_attn, _norm(layer.input_layernorm, hidden_BLE), cos, sin, mask_B1LS, cache, index, start,
             valid_BS.shape[1],
         )
-        hidden_BLE = hidden_BLE + layer.mlp(layer.post_attention_layernorm(hidden_BLE))
-    return base.lm_head(inner.norm(hidden_BLE[:, -1] if last_only else hidden_BLE))
+        hidden_BLE = hidden_BLE + layer.mlp(_norm(layer.post_attention_layernorm, hidden_BLE))
+    return base.lm_head(_norm(inner.norm, hidden_BLE[:, -1] if last_only else hidden_BLE))
 
 
 def shared_prompt_forward(
@@ -169,14 +199,14 @@ def shared_prompt_forward(
     ids_M = torch.cat([prompt_ids_UP.flatten(), ids_BL.flatten().index_select(0, slots_N)])
     positions_M = torch.cat([prompt_positions_UP.flatten(), positions_BL.flatten().index_select(0, slots_N)])
     hidden_ME = inner.embed_tokens(ids_M)
-    cos, sin = (t[0] for t in inner.rotary_emb(hidden_ME, positions_M[None]))
+    cos, sin = (t[0] for t in _rotary(inner, hidden_ME, positions_M[None], heads_dim=2))
     layout = _Layout(U, P, B, L, slots_N, inverse_B, attention_mask(prompt_valid_UP, 0, P),
                      attention_mask(torch.cat([prompt_valid_UP.index_select(0, inverse_B), run_BL], dim=1), P, P + L))
     for layer in inner.layers:  # as many as num_hidden_layers (unsupported_reason)
-        hidden_ME = hidden_ME + _packed_attention(layer.self_attn, layer.input_layernorm(hidden_ME), cos, sin, layout)
-        hidden_ME = hidden_ME + layer.mlp(layer.post_attention_layernorm(hidden_ME))
+        hidden_ME = hidden_ME + _packed_attention(layer.self_attn, _norm(layer.input_layernorm, hidden_ME), cos, sin, layout)
+        hidden_ME = hidden_ME + layer.mlp(_norm(layer.post_attention_layernorm, hidden_ME))
     prompt_hidden, completion_hidden = hidden_ME.split([U * P, len(slots_N)])
-    logits = base.lm_head(inner.norm(torch.cat([prompt_hidden.view(U, P, -1)[:, -1], completion_hidden])))
+    logits = base.lm_head(_norm(inner.norm, torch.cat([prompt_hidden.view(U, P, -1)[:, -1], completion_hidden])))
     return logits.split([U, len(slots_N)])
 
 
@@ -202,8 +232,8 @@ def _packed_attention(attention, hidden_ME, cos, sin, layout: _Layout):
     M, D = hidden_ME.shape[0], attention.head_dim
     query, key = attention.q_proj(hidden_ME).view(M, -1, D), attention.k_proj(hidden_ME).view(M, -1, D)
     if hasattr(attention, "q_norm"):
-        query, key = attention.q_norm(query), attention.k_norm(key)
-    query, key = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
+        query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
+    query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
     value = attention.v_proj(hidden_ME).view(M, -1, D)
     prompts, completions = [], []
     for packed in (query, key, value):  # (M, heads, D) -> (U, heads, P, D) and (B, heads, L, D)
