@@ -212,8 +212,11 @@ def _length_dependent_rope(model) -> str | None:
 
 
 def _checkpoints(module) -> bool:
-    """transformers' gradient checkpointing, or torch's checkpoint wrapper (accelerate's FSDP option)."""
-    return bool(getattr(module, "gradient_checkpointing", False)) or hasattr(module, "_checkpoint_wrapped_module")
+    """transformers' gradient checkpointing, or torch's checkpoint wrapper (accelerate's FSDP option).
+    Read from the instance and class dictionaries: a missing attribute through ``nn.Module.__getattr__``
+    raises and catches an exception, and every module is asked at every pass."""
+    flag = module.__dict__.get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False))
+    return bool(flag) or "_checkpoint_wrapped_module" in module._modules
 
 
 def _random_in_training(modules) -> bool:
