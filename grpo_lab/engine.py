@@ -36,7 +36,7 @@ from grpo_lab.models import (
     load_tokenizer,
     prepare_tokenizer,
 )
-from grpo_lab.prefix_sharing import PrefixSharing
+from grpo_lab.prefix_sharing import PrefixSharing, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
 from grpo_lab.rollout import make_backend
@@ -299,22 +299,32 @@ class Engine:
 
         Logits are divided by the sampling temperature first, so the log-probs are those of the
         distribution the completions were sampled from (as TRL does). A group's shared prompt is
-        run once where the model allows it (``share_prompt_prefix``). Entropies carry their gradient
-        only with ``entropy_grad`` (for the entropy bonus).
+        run once where the model allows it (``share_prompt_prefix``); with ``compact_forward`` only the
+        kept tokens are scored, and the (B, T) results hold zeros after each completion's end.
+        Entropies carry their gradient only with ``entropy_grad`` (for the entropy bonus).
         """
         completion_ids = rollout.completion_ids_BT[index_B]
-        logits = self.prefix_sharing.logits(
+        logits, slots_N = self.prefix_sharing.logits(
             model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], completion_ids,
             rollout.completion_mask_BT[index_B], enabled=self.config.share_prompt_prefix,
             compact=self.config.compact_forward,
         )
-        logits_BTV = logits.float() / self.config.temperature
-        logprobs_BT = ops.selective_log_softmax(logits_BTV, completion_ids)
-        entropies_BT = None
+        if slots_N is not None:  # the kept tokens only, as one row
+            logits, token_ids = logits.unsqueeze(0), completion_ids.flatten().index_select(0, slots_N).unsqueeze(0)
+        else:
+            token_ids = completion_ids
+        logits = logits.float()
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
+        logprobs = ops.selective_log_softmax(logits, token_ids)
+        entropies = None
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies_BT = ops.entropy_from_logits(logits_BTV)
-        return logprobs_BT, entropies_BT
+                entropies = ops.entropy_from_logits(logits)
+        if slots_N is None:
+            return logprobs, entropies
+        spread = lambda values: unpack(values[0], slots_N, *completion_ids.shape)  # noqa: E731
+        return spread(logprobs), None if entropies is None else spread(entropies)
 
     @torch.no_grad()
     def _batched_logprobs(self, model, rollout: Rollout) -> torch.Tensor:

@@ -122,14 +122,16 @@ class PrefixSharing:
         self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True,
         compact: bool = False,
     ) -> torch.Tensor:
-        """(B, T, V) logits predicting each completion token (the values of ``full_logits`` wherever the
-        completion mask keeps the token); ``enabled=False`` always runs the plain pass. With
-        ``compact``, where ``compact_forward`` supports the model, one pass runs the model's modules
-        over the distinct prompts and the completion positions whose next token is kept, skipping
-        the padding after each completion's end: logits predicting padding are zeros there."""
+        """The logits predicting the completion tokens, and where they sit: ``(logits_BTV, None)``,
+        the values of ``full_logits``, or with ``compact``, where ``compact_forward`` supports the
+        model, ``(logits_NV, slots_N)``: the logits of the N completion tokens the mask keeps, from
+        one pass over the distinct prompts and the positions that predict those tokens (the padding
+        after each completion's end is not run), with ``slots_N`` their flat index into the (B, T)
+        positions (``unpack`` spreads per-token values back). Those values are ``full_logits``'
+        up to float rounding. ``enabled=False`` always runs the plain pass."""
         args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
         if not enabled or self._skip_reason(model) is not None:
-            return full_logits(*args)
+            return full_logits(*args), None
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
@@ -145,14 +147,14 @@ class PrefixSharing:
             model, prompt_ids_BP[first_U], prompt_mask_BP[first_U], positions_BL[first_U, :prompt_length]
         )
         if prefill is None:
-            return full_logits(*args)
+            return full_logits(*args), None
         cache = getattr(prefill, CACHE)
         _select_rows(cache, inverse_B)
         rest_BTV = model(
             input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
             position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache},
         ).logits
-        return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1)
+        return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1), None
 
     @torch.no_grad()
     def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
@@ -171,9 +173,10 @@ class PrefixSharing:
 
 def _packed_logits(
     model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, positions_BL, first_U, inverse_B
-) -> torch.Tensor:
-    """(B, T, V) logits by ``compact_forward.shared_prompt_forward``, which runs only the completion
-    positions whose next token is kept: zeros where a position predicts padding."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, V) logits of the kept completion tokens by ``compact_forward.shared_prompt_forward``, and
+    their flat (B x T) index: each row's first token (predicted by its prompt's last position), then
+    the tokens predicted by the completion positions run, in row-major order."""
     B, T = completion_ids_BT.shape
     P = prompt_ids_BP.shape[1]
     # Position j runs when token j + 1 is kept: completion masks are right padded (every rollout
@@ -186,8 +189,12 @@ def _packed_logits(
     )
     rows_B = torch.arange(B, device=completion_ids_BT.device) * T
     slots = torch.cat([rows_B, (rows_B[:, None] + 1 + torch.arange(run_BL.shape[1], device=rows_B.device))[run_BL]])
-    out = logits_NV.new_zeros(B * T, logits_NV.shape[-1])
-    return out.index_copy(0, slots, torch.cat([last_UV.index_select(0, inverse_B), logits_NV])).view(B, T, -1)
+    return torch.cat([last_UV.index_select(0, inverse_B), logits_NV]), slots
+
+
+def unpack(values_N: torch.Tensor, slots_N: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """(B, T) values: ``values_N`` at the flat positions ``slots_N``, zeros elsewhere (differentiable)."""
+    return values_N.new_zeros(B * T).index_copy(0, slots_N, values_N).view(B, T)
 
 
 def _select_rows(cache, index_B: torch.Tensor):

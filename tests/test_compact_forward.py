@@ -23,9 +23,18 @@ SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hid
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)
 
 
+def _dense_logits(model, batch, **kwargs):
+    """(B, T, V) logits from ``PrefixSharing.logits``: zeros where the compact pass computes none."""
+    logits, slots_N = PrefixSharing().logits(model, *batch, **kwargs)
+    if slots_N is None:
+        return logits
+    B, T = batch[2].shape
+    return logits.new_zeros(B * T, logits.shape[-1]).index_copy(0, slots_N, logits).view(B, T, -1)
+
+
 def _logits_and_grads(model, batch, *, compact: bool):
     model.zero_grad()
-    logits_BTV = PrefixSharing().logits(model, *batch, compact=compact)
+    logits_BTV = _dense_logits(model, batch, compact=compact)
     completion_ids, completion_mask = batch[2], batch[3]
     logprobs_BT = torch.log_softmax(logits_BTV, -1).gather(-1, completion_ids[..., None])[..., 0]
     (logprobs_BT * completion_mask).sum().backward()
@@ -57,16 +66,17 @@ def test_the_shipped_model_gets_transformers_logits_and_gradients(task, batch):
 
 def test_the_compact_pass_runs_no_position_that_predicts_padding(task, batch):
     """The head sees each distinct prompt's last position and, per completion of n tokens, the n - 1
-    positions that predict its later tokens; the logits predicting padding are zeros."""
+    positions that predict its later tokens: one row of logits per kept token, at its position."""
     model = AutoModelForCausalLM.from_pretrained(task.model).eval()
     rows = []
     model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
     with torch.no_grad():
-        logits_BTV = PrefixSharing().logits(model, *batch, compact=True)
+        logits_NV, slots_N = PrefixSharing().logits(model, *batch, compact=True)
     prompt_ids, completion_mask = batch[0], batch[3]
     distinct = len(torch.unique(prompt_ids, dim=0))
     assert rows == [distinct + int((completion_mask.sum(1) - 1).sum())] == [3 + 3 * (5 + 0 + 2 + 4)]
-    assert logits_BTV[completion_mask == 0].eq(0).all() and logits_BTV[completion_mask == 1].ne(0).all()
+    assert logits_NV.shape == (int(completion_mask.sum()), model.config.vocab_size)
+    assert torch.equal(slots_N.sort().values, completion_mask.flatten().nonzero().squeeze(1))
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
@@ -94,7 +104,7 @@ def test_a_lora_adapter_applies_in_the_compact_pass(task, batch):
     assert compact_forward.unsupported_reason(model) is None
     with torch.no_grad():
         with model.disable_adapter():
-            without_adapter = PrefixSharing().logits(model, *batch, compact=True)
+            without_adapter = _dense_logits(model, batch, compact=True)
         expected = full_logits(model, *batch)
     transformers_logits, transformers_grads = _logits_and_grads(model, batch, compact=False)
     compact_logits, compact_grads = _logits_and_grads(model, batch, compact=True)
@@ -138,7 +148,7 @@ def test_models_it_cannot_run_are_named_and_take_transformers_path(task, batch):
     assert "sharded" in compact_forward.unsupported_reason(shipped)
     with torch.no_grad():  # a model it cannot run still gets its logits, from transformers
         mask = batch[3].bool()
-        torch.testing.assert_close(PrefixSharing().logits(gpt2, *batch, compact=True)[mask],
+        torch.testing.assert_close(_dense_logits(gpt2, batch, compact=True)[mask],
                                    full_logits(gpt2, *batch)[mask], rtol=1e-5, atol=1e-5)
 
 
@@ -173,3 +183,23 @@ def test_a_session_trains_the_same_with_either_forward_pass(make_session):
         # AdamW turns a rounding difference in a near-zero gradient into up to a step of the learning
         # rate (1e-3); 1e-5 is 1% of it (the largest difference seen: 4e-6; the mean: 2e-9)
         torch.testing.assert_close(compact_param, plain_param, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_log_probs_of_the_kept_tokens_only_and_zeros_after_each_end(make_session):
+    """The engine scores the compact pass's kept tokens (a row of N logits) and spreads the results
+    back to (B, T): the plain pass's values where the mask keeps a token, zeros after the end."""
+    session = make_session()
+    rollout = session.generate()
+    mask = rollout.completion_mask_BT.bool()
+    assert not mask.all(), "the batch should hold completions of different lengths"
+    index_B = torch.arange(len(rollout))
+    results = {}
+    for compact in (True, False):
+        session.engine.config.compact_forward = compact
+        with torch.no_grad():
+            results[compact] = session.engine.sequence_logprobs(session.model, rollout, index_B, with_entropy=True)
+    (logprobs, entropies), (plain_logprobs, plain_entropies) = results[True], results[False]
+    torch.testing.assert_close(logprobs[mask], plain_logprobs[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies[mask], plain_entropies[mask], rtol=1e-5, atol=1e-5)
+    assert logprobs[~mask].eq(0).all() and entropies[~mask].eq(0).all()
+    assert plain_logprobs[~mask].ne(0).all()  # the plain pass scores the padding too
