@@ -3,9 +3,6 @@
 Each stage's numbers are checked against an independent recomputation from grpo_lab.ops.
 """
 
-import math
-
-import pandas as pd
 import pytest
 import torch
 

@@ -30,5 +30,5 @@ __all__ = [
     "aggregate_loss", "applied_entropy_coef", "clip_diagnostics", "completion_mask_from_ids", "compute_advantages",
     "entropy_bonus", "entropy_from_logits", "entropy_mask", "importance_sampling_stats", "k3_kl",
     "log_importance_weights", "nanstd", "off_policy_mask", "per_token_objective", "policy_loss",
-    "selective_log_softmax", "truncation_mask", "vespo_weights",
+    "selective_log_softmax", "truncation_mask", "vespo_weights", "vllm_importance_weights",
 ]

@@ -19,7 +19,6 @@ import inspect
 import math
 import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
 

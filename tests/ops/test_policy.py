@@ -16,7 +16,6 @@ Clipped surrogate, eps_low = eps_high = 0.2 (clip range [0.8, 1.2]), L = -min(r 
 """
 
 import math
-import random
 
 import pytest
 import torch
