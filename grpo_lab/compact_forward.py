@@ -203,7 +203,8 @@ def shared_prompt_forward(
     layout = _Layout(U, P, B, L, slots_N, inverse_B, attention_mask(prompt_valid_UP, 0, P),
                      attention_mask(torch.cat([prompt_valid_UP.index_select(0, inverse_B), run_BL], dim=1), P, P + L))
     for layer in inner.layers:  # as many as num_hidden_layers (unsupported_reason)
-        hidden_ME = hidden_ME + _packed_attention(layer.self_attn, _norm(layer.input_layernorm, hidden_ME), cos, sin, layout)
+        normed_ME = _norm(layer.input_layernorm, hidden_ME)
+        hidden_ME = hidden_ME + _packed_attention(layer.self_attn, normed_ME, cos, sin, layout)
         hidden_ME = hidden_ME + layer.mlp(_norm(layer.post_attention_layernorm, hidden_ME))
     prompt_hidden, completion_hidden = hidden_ME.split([U * P, len(slots_N)])
     logits = base.lm_head(_norm(inner.norm, torch.cat([prompt_hidden.view(U, P, -1)[:, -1], completion_hidden])))

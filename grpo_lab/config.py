@@ -346,10 +346,11 @@ class GRPOConfig:
     """grpo_lab only: for Llama, Qwen2 and Qwen3 models (LoRA adapters included), run the model's
     modules through grpo_lab's compact forward pass (``grpo_lab/compact_forward.py``) instead of
     transformers' forward, in transformers generation (a sampling loop that draws the tokens
-    ``model.generate`` draws) and in the log-prob passes that share the prompt: the same logits
-    without transformers' per-call machinery. Other models, a model wrapped for DDP, sharded,
-    quantized or offloaded weights, and generation_kwargs beyond temperature, top_k, top_p and
-    min_p take transformers' path."""
+    ``model.generate`` draws) and in the log-prob passes that share the prompt, which then run and
+    score only the completion tokens the mask keeps (not the padding after each end): the same
+    log-probs up to float rounding, without transformers' per-call machinery. Other models, a
+    model wrapped for DDP, sharded, quantized or offloaded weights, and generation_kwargs beyond
+    temperature, top_k, top_p and min_p take transformers' path."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
     the tensorboard package), "wandb" (the wandb package; metrics, config and completion tables) or
