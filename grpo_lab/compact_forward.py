@@ -10,12 +10,13 @@ as much as the arithmetic (benchmarks/README.md). Two short functions run the sa
   of (B, K, S, D) buffers per layer that each call writes in place.
 - ``shared_prompt_forward``, for the log-prob passes with a shared prompt
   (``grpo_lab.prefix_sharing``): the distinct prompts and the completion tokens in one pass, with
-  only the completion positions whose logits are used: the padding after a completion's end is
-  not run, which transformers' forward (and TRL) computes and discards.
+  only the completion positions whose logits are used going through the projections, MLPs and
+  head: the padding after a completion's end, which transformers' forward (and TRL) computes and
+  discards, appears only as masked positions inside attention.
 
 Their logits and gradients equal transformers' up to float rounding (tests compare them on the
-shipped model; ``forward``'s logits bitwise). Because the modules themselves run, a PEFT model's
-LoRA layers apply their adapters.
+shipped float32 model on a CPU; ``forward``'s logits bitwise). Because the modules themselves
+run, a PEFT model's LoRA layers apply their adapters.
 
 ``unsupported_reason`` names what keeps a model on transformers' forward: another architecture (a
 subclass included), sliding-window layers, forward hooks on the model or its layers, weights that
@@ -90,9 +91,10 @@ _RMS_NORMS = (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
 
 
 def _norm(module, hidden):
-    """``module(hidden)``: for transformers' RMSNorm classes (whose arithmetic ``F.rms_norm`` does in
-    one call, to the same bits in float32) on a tensor of the weight's dtype, by ``F.rms_norm``."""
-    if type(module) in _RMS_NORMS and hidden.dtype == module.weight.dtype and not (
+    """``module(hidden)``: for transformers' RMSNorm classes on float32 tensors and weights, by one
+    ``F.rms_norm`` call (the same arithmetic, the same bits on a CPU). In half precision the module
+    runs: it rounds before multiplying by the weight, ``F.rms_norm`` after."""
+    if type(module) in _RMS_NORMS and hidden.dtype == module.weight.dtype == torch.float32 and not (
         module._forward_hooks or module._forward_pre_hooks
     ):
         return F.rms_norm(hidden, module.weight.shape, module.weight, module.variance_epsilon)

@@ -121,21 +121,24 @@ class PrefixSharing:
     def logits(
         self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True,
         compact: bool = False,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits predicting the completion tokens, and where they sit: ``(logits_BTV, None)``,
         the values of ``full_logits``, or with ``compact``, where ``compact_forward`` supports the
         model, ``(logits_NV, slots_N)``: the logits of the N completion tokens the mask keeps, from
         one pass over the distinct prompts and the positions that predict those tokens (the padding
-        after each completion's end is not run), with ``slots_N`` their flat index into the (B, T)
-        positions (``unpack`` spreads per-token values back). Those values are ``full_logits``'
-        up to float rounding. ``enabled=False`` always runs the plain pass."""
+        after each completion's end does not go through the projections, MLPs and head), with
+        ``slots_N`` their flat index into the (B, T) positions (``unpack`` spreads per-token values
+        back). Those values are ``full_logits``' up to float rounding. The compact pass needs
+        right-padded completion masks (every rollout backend makes them so); a mask with a hole
+        takes the two-call pass. ``enabled=False`` always runs the plain pass."""
         args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
         if not enabled or self._skip_reason(model) is not None:
             return full_logits(*args), None
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
-        if compact and compact_forward.unsupported_reason(model) is None:
+        right_padded = bool((completion_mask_BT[:, 1:] <= completion_mask_BT[:, :-1]).all())
+        if compact and right_padded and compact_forward.unsupported_reason(model) is None:
             return _packed_logits(model, *args[1:], positions_BL, first_U, inverse_B)
         # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
         # must make as many forward calls as the others (each call may synchronise). The last
@@ -175,21 +178,23 @@ def _packed_logits(
     model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, positions_BL, first_U, inverse_B
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, V) logits of the kept completion tokens by ``compact_forward.shared_prompt_forward``, and
-    their flat (B x T) index: each row's first token (predicted by its prompt's last position), then
-    the tokens predicted by the completion positions run, in row-major order."""
+    their flat (B x T) index: each non-empty row's first token (predicted by its prompt's last
+    position), then the tokens predicted by the completion positions run, in row-major order.
+    ``completion_mask_BT`` is right padded."""
     B, T = completion_ids_BT.shape
     P = prompt_ids_BP.shape[1]
-    # Position j runs when token j + 1 is kept: completion masks are right padded (every rollout
-    # backend makes them so). One column is kept when T is 1, so that no shape is empty.
+    # Position j runs when token j + 1 is kept. One column is kept when T is 1, so that no shape is empty.
     run_BL = completion_mask_BT.new_zeros(B, max(T - 1, 1), dtype=torch.bool)
     run_BL[:, : T - 1] = completion_mask_BT[:, 1:].bool()
     last_UV, logits_NV = compact_forward.shared_prompt_forward(
         model, prompt_ids_BP[first_U], positions_BL[first_U, :P], prompt_mask_BP[first_U].bool(),
         completion_ids_BT[:, : run_BL.shape[1]], positions_BL[:, P : P + run_BL.shape[1]], run_BL, inverse_B,
     )
-    rows_B = torch.arange(B, device=completion_ids_BT.device) * T
-    slots = torch.cat([rows_B, (rows_B[:, None] + 1 + torch.arange(run_BL.shape[1], device=rows_B.device))[run_BL]])
-    return torch.cat([last_UV.index_select(0, inverse_B), logits_NV]), slots
+    non_empty = completion_mask_BT[:, 0].bool().nonzero().squeeze(1)
+    starts_B = torch.arange(B, device=completion_ids_BT.device) * T
+    run_slots = (starts_B[:, None] + 1 + torch.arange(run_BL.shape[1], device=starts_B.device))[run_BL]
+    slots = torch.cat([starts_B.index_select(0, non_empty), run_slots])
+    return torch.cat([last_UV.index_select(0, inverse_B.index_select(0, non_empty)), logits_NV]), slots
 
 
 def unpack(values_N: torch.Tensor, slots_N: torch.Tensor, B: int, T: int) -> torch.Tensor:

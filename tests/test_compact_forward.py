@@ -1,5 +1,5 @@
-"""The compact forward pass gives transformers' logits and gradients: on the shipped Llama (exactly,
-in float32), on small random Qwen2 and Qwen3 models (grouped-query attention, biases, query/key
+"""The compact forward pass gives transformers' logits and gradients (up to float rounding): on the
+shipped Llama, on small random Qwen2 and Qwen3 models (grouped-query attention, biases, query/key
 norms) and through a LoRA adapter; models it cannot run are named and take transformers' path."""
 
 import pytest
@@ -77,6 +77,28 @@ def test_the_compact_pass_runs_no_position_that_predicts_padding(task, batch):
     assert rows == [distinct + int((completion_mask.sum(1) - 1).sum())] == [3 + 3 * (5 + 0 + 2 + 4)]
     assert logits_NV.shape == (int(completion_mask.sum()), model.config.vocab_size)
     assert torch.equal(slots_N.sort().values, completion_mask.flatten().nonzero().squeeze(1))
+
+
+def test_a_mask_with_a_hole_or_an_empty_completion_is_scored_right(task, batch):
+    """The packed pass assumes right-padded masks: one with a hole takes the two-call pass instead.
+    An empty completion (all zeros) gets no slot."""
+    model = AutoModelForCausalLM.from_pretrained(task.model).eval()
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    holed = completion_mask.clone()
+    holed[0, 2] = 0
+    empty = completion_mask.clone()
+    empty[1] = 0
+    with torch.no_grad():
+        for mask in (holed, empty):
+            args = (prompt_ids, prompt_mask, completion_ids, mask)
+            logits, slots_N = PrefixSharing().logits(model, *args, compact=True)
+            expected = full_logits(model, *args)
+            if mask is holed:
+                assert slots_N is None  # the two-call pass
+                torch.testing.assert_close(logits[mask == 1], expected[mask == 1], rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(slots_N.sort().values, mask.flatten().nonzero().squeeze(1))
+                torch.testing.assert_close(logits, expected.flatten(0, 1)[slots_N], rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
