@@ -11,7 +11,8 @@ pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed 
 ``model.generate``. For the models ``compact_forward`` supports (``compact=True``), a log-prob pass
 is one call of ``compact_forward.shared_prompt_forward`` instead of two of transformers' forward:
 the distinct prompts and only the completion positions whose next token is kept (the padding after
-each completion's end is not run), with the same logits up to float rounding.
+each completion's end does not go through the projections, MLPs and head), with the same logits up
+to float rounding.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
 ``DynamicCache`` with full-attention layers), its rotary embedding does not depend on the length of
@@ -137,8 +138,7 @@ class PrefixSharing:
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
-        right_padded = bool((completion_mask_BT[:, 1:] <= completion_mask_BT[:, :-1]).all())
-        if compact and right_padded and compact_forward.unsupported_reason(model) is None:
+        if compact and compact_forward.unsupported_reason(model) is None and _right_padded(completion_mask_BT):
             return _packed_logits(model, *args[1:], positions_BL, first_U, inverse_B)
         # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
         # must make as many forward calls as the others (each call may synchronise). The last
@@ -195,6 +195,11 @@ def _packed_logits(
     run_slots = (starts_B[:, None] + 1 + torch.arange(run_BL.shape[1], device=starts_B.device))[run_BL]
     slots = torch.cat([starts_B.index_select(0, non_empty), run_slots])
     return torch.cat([last_UV.index_select(0, inverse_B.index_select(0, non_empty)), logits_NV]), slots
+
+
+def _right_padded(mask_BT: torch.Tensor) -> bool:
+    """Whether every row of ``mask_BT`` is ones, then zeros."""
+    return bool((mask_BT[:, 1:] <= mask_BT[:, :-1]).all())
 
 
 def unpack(values_N: torch.Tensor, slots_N: torch.Tensor, B: int, T: int) -> torch.Tensor:
