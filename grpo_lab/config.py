@@ -350,7 +350,8 @@ class GRPOConfig:
     score only the completion tokens the mask keeps (not the padding after each end): the same
     log-probs up to float rounding, without transformers' per-call machinery. Other models, a
     model wrapped for DDP, sharded, quantized or offloaded weights, and generation_kwargs beyond
-    temperature, top_k, top_p and min_p take transformers' path."""
+    temperature, top_k, top_p and min_p take transformers' path (a warning says why, once; not for
+    DDP)."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
     the tensorboard package), "wandb" (the wandb package; metrics, config and completion tables) or

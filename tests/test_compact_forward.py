@@ -2,6 +2,8 @@
 shipped Llama, on small random Qwen2 and Qwen3 models (grouped-query attention, biases, query/key
 norms) and through a LoRA adapter; models it cannot run are named and take transformers' path."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import (
@@ -17,6 +19,7 @@ from transformers import (
 )
 
 from grpo_lab import compact_forward
+from grpo_lab.models import load_tokenizer
 from grpo_lab.prefix_sharing import PrefixSharing, full_logits
 
 SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -225,3 +228,29 @@ def test_log_probs_of_the_kept_tokens_only_and_zeros_after_each_end(make_session
     torch.testing.assert_close(entropies[mask], plain_entropies[mask], rtol=1e-5, atol=1e-5)
     assert logprobs[~mask].eq(0).all() and entropies[~mask].eq(0).all()
     assert plain_logprobs[~mask].ne(0).all()  # the plain pass scores the padding too
+
+
+def test_a_model_or_setting_that_keeps_the_compact_pass_off_is_warned_about_once(task, make_session):
+    def notes(make, steps=2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            session = make()
+            for _ in range(steps):
+                session.step()
+        return [str(w.message) for w in caught if "compact" in str(w.message) or "model.generate, not" in str(w.message)]
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    tokenizer = load_tokenizer(task.model)
+    assert notes(lambda: make_session(model=gpt2, processing_class=tokenizer)) == [
+        "compact_forward is on, but grpo_lab's compact forward pass cannot run this model, so transformers' slower "
+        "forward pass runs instead: transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel is not one of "
+        "transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM. Set compact_forward=False to silence "
+        "this note."
+    ]
+    assert notes(lambda: make_session(repetition_penalty=1.1)) == [
+        "Generation runs model.generate, not grpo_lab's faster sampling loop: repetition_penalty needs "
+        "model.generate. Leave that setting at its default to use the loop."
+    ]
+    assert notes(make_session) == []
+    assert notes(lambda: make_session(model=gpt2, processing_class=tokenizer, compact_forward=False), steps=1) == []

@@ -7,9 +7,12 @@ with a completion mask and a truncated flag (no EOS within ``max_new_tokens``).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import GenerationConfig
 
+from grpo_lab import compact_forward
 from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.prefix_sharing import PrefixSharing
@@ -144,6 +147,7 @@ class TransformersBackend:
     def __init__(self, model_fn, tokenizer, accelerator, prefix_sharing: PrefixSharing | None = None):
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
         self.prefix_sharing = PrefixSharing() if prefix_sharing is None else prefix_sharing
+        self._noted: set[str] = set()
 
     def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
         settings = sampling_config(
@@ -151,10 +155,26 @@ class TransformersBackend:
             top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
             repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
         )
+        model = self._model_fn()
+        if config.compact_forward:
+            self._note_model_generate(model, settings)
         with self.accelerator.autocast():
             return generate(
-                self._model_fn(), self.tokenizer, prompt_texts, settings,
+                model, self.tokenizer, prompt_texts, settings,
                 self.prefix_sharing if config.share_prompt_prefix else None, compact=config.compact_forward,
+            )
+
+    def _note_model_generate(self, model, settings: GenerationConfig) -> None:
+        """Warn once (main process) when generation settings keep a model that the sampling loop can
+        run on ``model.generate``; a model it cannot run is warned about when the trainer is built."""
+        reason = decoding.unsupported_reason(model, settings)
+        if reason is None or compact_forward.unsupported_reason(model) is not None or reason in self._noted:
+            return
+        self._noted.add(reason)
+        if self.accelerator.is_main_process:
+            warnings.warn(
+                f"Generation runs model.generate, not grpo_lab's faster sampling loop: {reason}. "
+                "Leave that setting at its default to use the loop.", stacklevel=5,
             )
 
     def sync_weights(self, model, version: int) -> None:
