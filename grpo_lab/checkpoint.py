@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -98,8 +99,32 @@ def load_saved_weights(model, model_dir: Path) -> None:
                 "configuration (adapter_config.json)."
             )
         return
-    saved = type(model).from_pretrained(str(model_dir), dtype=model.dtype)
-    model.load_state_dict(saved.state_dict())
+    if not _copy_saved_tensors(model, model_dir):  # names the model does not hold: let transformers map them
+        saved = type(model).from_pretrained(str(model_dir), dtype=model.dtype)
+        model.load_state_dict(saved.state_dict())
+
+
+def _copy_saved_tensors(model, model_dir: Path) -> bool:
+    """Copy the tensors of a ``save_pretrained`` directory into ``model`` one at a time, so that no
+    second copy of the model is held in memory. Returns False, having copied nothing, unless the
+    files hold exactly the model's tensors (a tied weight, stored once, counts for its aliases) with
+    their shapes."""
+    from safetensors import safe_open
+
+    target = model.state_dict()
+    with ExitStack() as stack:
+        files = [stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(model_dir.glob("*.safetensors"))]
+        shapes = {name: f.get_slice(name).get_shape() for f in files for name in f.keys()}
+        stored = {target[name].data_ptr() for name in shapes if name in target}
+        if not files or any(name not in target or list(target[name].shape) != shape for name, shape in shapes.items()) or any(
+            name not in shapes and tensor.data_ptr() not in stored for name, tensor in target.items()
+        ):
+            return False
+        with torch.no_grad():
+            for f in files:
+                for name in f.keys():
+                    target[name].copy_(f.get_tensor(name))
+    return True
 
 
 def save_engine(engine, directory: Path, extra: dict, per_process: list[dict]) -> None:

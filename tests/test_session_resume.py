@@ -100,6 +100,32 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]  # no temporary leftovers
 
 
+def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_session, task, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from grpo_lab.checkpoint import MODEL_DIR, _copy_saved_tensors
+
+    uninterrupted = make_session()
+    uninterrupted.run(3, progress=False)
+    first = make_session()
+    first.run(2, progress=False)
+    first.save(tmp_path / "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    resumed = GRPOSession.load(tmp_path / "checkpoint", model=model)
+    assert resumed.model is model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    resumed.run(1, progress=False)
+    pd.testing.assert_frame_equal(_comparable(resumed.history), _comparable(uninterrupted.history), check_dtype=False)
+    for name, value in _weights(uninterrupted.model).items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    # Tensors copied one at a time only where the files hold exactly the model's; otherwise nothing is touched.
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    before = _weights(other)
+    assert not _copy_saved_tensors(other, tmp_path / "checkpoint" / MODEL_DIR)
+    assert all(torch.equal(value, before[name]) for name, value in other.state_dict().items())
+
+
 def test_a_lora_session_resumes_exactly(task, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
