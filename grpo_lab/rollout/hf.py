@@ -8,6 +8,7 @@ with a completion mask and a truncated flag (no EOS within ``max_new_tokens``).
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable
 
 import torch
 from transformers import GenerationConfig
@@ -109,11 +110,12 @@ def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, pre
 def generate(
     model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig,
     prefix_sharing: PrefixSharing | None = None, *, compact: bool = False,
+    on_fallback: Callable[[Any, str], None] | None = None,
 ) -> GeneratedBatch:
     """Sample one completion per prompt text (repeat a prompt to get several).
 
     With ``compact``, grpo_lab's own loop samples (``decoding``) where the model and settings allow
-    it, else ``model.generate``. With ``prefix_sharing``, a repeated prompt is pre-filled once and
+    it, else ``model.generate`` (after calling ``on_fallback(model, reason)``). With ``prefix_sharing``, a repeated prompt is pre-filled once and
     its keys and values reused by its copies (for ``model.generate``, a cache that then takes each
     decoding step's keys and values in place: ``kv_buffer``).
     """
@@ -123,11 +125,14 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        if compact and decoding.unsupported_reason(model, generation_config) is None:
+        reason = decoding.unsupported_reason(model, generation_config) if compact else None
+        if compact and reason is None:
             completion_ids_BT = decoding.sample(
                 model, prompt_ids_BP, prompt_mask_BP, generation_config, share_prompts=prefix_sharing is not None
             )
         else:
+            if reason is not None and on_fallback is not None:
+                on_fallback(model, reason)
             completion_ids_BT = _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing)
     finally:
         model.train(was_training)
@@ -155,26 +160,23 @@ class TransformersBackend:
             top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
             repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
         )
-        model = self._model_fn()
-        if config.compact_forward:
-            self._note_model_generate(model, settings)
         with self.accelerator.autocast():
             return generate(
-                model, self.tokenizer, prompt_texts, settings,
+                self._model_fn(), self.tokenizer, prompt_texts, settings,
                 self.prefix_sharing if config.share_prompt_prefix else None, compact=config.compact_forward,
+                on_fallback=self._note_model_generate,
             )
 
-    def _note_model_generate(self, model, settings: GenerationConfig) -> None:
+    def _note_model_generate(self, model, reason: str) -> None:
         """Warn once (main process) when generation settings keep a model that the sampling loop can
         run on ``model.generate``; a model it cannot run is warned about when the trainer is built."""
-        reason = decoding.unsupported_reason(model, settings)
-        if reason is None or compact_forward.unsupported_reason(model) is not None or reason in self._noted:
+        if reason in self._noted or compact_forward.unsupported_reason(model) is not None:
             return
         self._noted.add(reason)
         if self.accelerator.is_main_process:
             warnings.warn(
                 f"Generation runs model.generate, not grpo_lab's faster sampling loop: {reason}. "
-                "Leave that setting at its default to use the loop.", stacklevel=5,
+                "Leave that setting at its default to use the loop.", stacklevel=7,
             )
 
     def sync_weights(self, model, version: int) -> None:
