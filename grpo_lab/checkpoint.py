@@ -99,7 +99,7 @@ def load_saved_weights(model, model_dir: Path) -> None:
                 "configuration (adapter_config.json)."
             )
         return
-    if not _copy_saved_tensors(model, model_dir):  # names the model does not hold: let transformers map them
+    if not _copy_saved_tensors(model, model_dir):  # names, shapes or ties that differ: transformers maps them
         saved = type(model).from_pretrained(str(model_dir), dtype=model.dtype)
         model.load_state_dict(saved.state_dict())
 
@@ -107,19 +107,35 @@ def load_saved_weights(model, model_dir: Path) -> None:
 def _copy_saved_tensors(model, model_dir: Path) -> bool:
     """Copy the tensors of a ``save_pretrained`` directory into ``model`` one at a time, so that no
     second copy of the model is held in memory. Returns False, having copied nothing, unless the
-    files hold exactly the model's tensors (a tied weight, stored once, counts for its aliases) with
-    their shapes."""
+    files hold exactly the model's tensors with their shapes (a tied weight, stored once, counts for
+    its aliases). Raises ValueError where any copy would be wrong: the files store separately two
+    tensors the model ties, or the model's weights are offloaded (on the meta device)."""
     from safetensors import safe_open
 
     target = model.state_dict()
+    offloaded = [name for name, tensor in target.items() if tensor.is_meta]
+    if offloaded:
+        raise ValueError(
+            f"The model given to load {model_dir} into has offloaded weights ({offloaded[0]} is on the meta "
+            "device); load it without device_map offloading, or let load() build the model (model=None)."
+        )
     with ExitStack() as stack:
-        files = [stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(model_dir.glob("*.safetensors"))]
+        paths = sorted(model_dir.glob("*.safetensors"))
+        files = [stack.enter_context(safe_open(str(path), framework="pt")) for path in paths]
         shapes = {name: f.get_slice(name).get_shape() for f in files for name in f.keys()}
-        stored = {target[name].data_ptr() for name in shapes if name in target}
-        if not files or any(name not in target or list(target[name].shape) != shape for name, shape in shapes.items()) or any(
-            name not in shapes and tensor.data_ptr() not in stored for name, tensor in target.items()
-        ):
+        if not files or any(name not in target or list(target[name].shape) != shape for name, shape in shapes.items()):
             return False
+        storage = lambda name: target[name].data_ptr() if target[name].numel() else name  # noqa: E731
+        owner: dict[int | str, str] = {}
+        for name in shapes:
+            other = owner.setdefault(storage(name), name)
+            if other != name:
+                raise ValueError(
+                    f"{model_dir} stores {other} and {name} separately, but the model given to load it into ties "
+                    "them; pass a model built like the saved one (tie_word_embeddings as saved)."
+                )
+        if any(name not in shapes and storage(name) not in owner for name in target):
+            return False  # e.g. saved tied, loaded untied: from_pretrained fills the alias
         with torch.no_grad():
             for f in files:
                 for name in f.keys():

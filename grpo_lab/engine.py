@@ -27,7 +27,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 
-from grpo_lab import compact_forward, dist, ops
+from grpo_lab import compact_forward, dist, notices, ops
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import (
     enable_gradient_checkpointing,
@@ -178,10 +178,9 @@ class Engine:
             raise
         reason = compact_forward.unsupported_reason(self.unwrapped_model) if config.compact_forward else None
         if reason is not None and self.accelerator.is_main_process:
-            warnings.warn(
+            notices.warn(
                 f"compact_forward is on, but grpo_lab's compact forward pass cannot run this model, so transformers' "
-                f"slower forward pass runs instead: {reason}. Set compact_forward=False to silence this note.",
-                stacklevel=3,
+                f"slower forward pass runs instead: {reason}. Set compact_forward=False to silence this note."
             )
 
     def _vllm_model_source(self, model, policy) -> str:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
+from grpo_lab.checkpoint import load_saved_weights
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -100,8 +101,8 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]  # no temporary leftovers
 
 
-def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_session, task, tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_session, task, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from grpo_lab.checkpoint import MODEL_DIR, _copy_saved_tensors
 
@@ -111,19 +112,38 @@ def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_s
     first.run(2, progress=False)
     first.save(tmp_path / "checkpoint")
     model = AutoModelForCausalLM.from_pretrained(task.model)
-    resumed = GRPOSession.load(tmp_path / "checkpoint", model=model)
+
+    def second_model(*args, **kwargs):
+        raise AssertionError("the saved tensors are copied in; no second model is built")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaForCausalLM, "from_pretrained", second_model)
+        resumed = GRPOSession.load(tmp_path / "checkpoint", model=model)
     assert resumed.model is model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     resumed.run(1, progress=False)
     pd.testing.assert_frame_equal(_comparable(resumed.history), _comparable(uninterrupted.history), check_dtype=False)
     for name, value in _weights(uninterrupted.model).items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
-    # Tensors copied one at a time only where the files hold exactly the model's; otherwise nothing is touched.
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4))
-    before = _weights(other)
-    assert not _copy_saved_tensors(other, tmp_path / "checkpoint" / MODEL_DIR)
-    assert all(torch.equal(value, before[name]) for name, value in other.state_dict().items())
+
+    # Saved untied (the same names and shapes, one more tensor): a tied model cannot hold both, and is
+    # left untouched.
+    untied_dir = tmp_path / "untied"
+    untied = AutoModelForCausalLM.from_pretrained(task.model, tie_word_embeddings=False)
+    with torch.no_grad():
+        untied.lm_head.weight.add_(1.0)
+    untied.save_pretrained(untied_dir)
+    tied = AutoModelForCausalLM.from_pretrained(task.model)
+    before = _weights(tied)
+    with pytest.raises(ValueError, match=r"stores lm_head.weight and model.embed_tokens.weight separately, but the model given to load it into ties them"):
+        _copy_saved_tensors(tied, untied_dir)
+    assert all(torch.equal(value, before[name]) for name, value in tied.state_dict().items())
+    # Saved tied, loaded untied: the file lacks lm_head.weight, so transformers' loading fills it in.
+    assert not _copy_saved_tensors(untied, tmp_path / "checkpoint" / MODEL_DIR)
+    load_saved_weights(untied, tmp_path / "checkpoint" / MODEL_DIR)
+    saved_embedding = first.model.model.embed_tokens.weight
+    for weight in (untied.model.embed_tokens.weight, untied.lm_head.weight):
+        torch.testing.assert_close(weight, saved_embedding, rtol=0, atol=0)
 
 
 def test_a_lora_session_resumes_exactly(task, tmp_path):

@@ -7,13 +7,12 @@ with a completion mask and a truncated flag (no EOS within ``max_new_tokens``).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
 from transformers import GenerationConfig
 
-from grpo_lab import compact_forward
+from grpo_lab import compact_forward, notices
 from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.prefix_sharing import PrefixSharing
@@ -115,9 +114,10 @@ def generate(
     """Sample one completion per prompt text (repeat a prompt to get several).
 
     With ``compact``, grpo_lab's own loop samples (``decoding``) where the model and settings allow
-    it, else ``model.generate`` (after calling ``on_fallback(model, reason)``). With ``prefix_sharing``, a repeated prompt is pre-filled once and
-    its keys and values reused by its copies (for ``model.generate``, a cache that then takes each
-    decoding step's keys and values in place: ``kv_buffer``).
+    it, else ``model.generate``, after a call of ``on_fallback(model, reason)``. With
+    ``prefix_sharing``, a repeated prompt is pre-filled once and its keys and values reused by its
+    copies (for ``model.generate``, a cache that then takes each decoding step's keys and values in
+    place: ``kv_buffer``).
     """
     device = next(model.parameters()).device
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
@@ -168,15 +168,16 @@ class TransformersBackend:
             )
 
     def _note_model_generate(self, model, reason: str) -> None:
-        """Warn once (main process) when generation settings keep a model that the sampling loop can
-        run on ``model.generate``; a model it cannot run is warned about when the trainer is built."""
-        if reason in self._noted or compact_forward.unsupported_reason(model) is not None:
+        """Warn (main process, once per reason) when generation settings keep a model that the
+        sampling loop can run on ``model.generate``. A model the loop cannot run is not warned
+        about here: the engine names it when it is built."""
+        if reason in self._noted:
             return
         self._noted.add(reason)
-        if self.accelerator.is_main_process:
-            warnings.warn(
-                f"Generation runs model.generate, not grpo_lab's faster sampling loop: {reason}. "
-                "Leave that setting at its default to use the loop.", stacklevel=7,
+        if self.accelerator.is_main_process and compact_forward.unsupported_reason(model) is None:
+            notices.warn(
+                f"Generation runs model.generate, not grpo_lab's faster sampling loop: {reason}. The log-prob "
+                "passes still run the compact forward pass."
             )
 
     def sync_weights(self, model, version: int) -> None:
