@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpo_lab import notices
+
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -218,17 +220,14 @@ def own_process_state(state: dict, process_index: int, num_processes: int) -> di
     if len(saved) == num_processes:
         return saved[process_index]
     if process_index == 0:
-        import warnings
-
         written = (
             f"written by {len(saved)} process(es)" if "per_process" in state
             else "written before grpo_lab kept every process's random state"
         )
         dropped = ", and its half-finished generation batch is dropped" if saved[0]["pending"][0] is not None else ""
-        warnings.warn(
+        notices.warn(
             f"The checkpoint was {written} and is resumed on {num_processes}: the run continues, but not exactly as "
             f"an uninterrupted run would (random states and the sharding of prompts differ){dropped}.",
-            stacklevel=3,
         )
     return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None}
 

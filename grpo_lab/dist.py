@@ -13,6 +13,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
+from grpo_lab import notices
+
 
 def _has_accelerator_device() -> bool:
     mps = getattr(torch.backends, "mps", None)
@@ -33,12 +35,9 @@ def make_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
     cpu = use_cpu or not _has_accelerator_device()
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if cpu and fsdp and os.environ.get("RANK", "0") == "0":  # said once, by the main process
-        import warnings
-
-        warnings.warn(
+        notices.warn(
             "accelerate launch asked for FSDP, which shards the model over GPUs; on CPU accelerate runs "
             "the processes as plain data parallel instead (each holds the whole model and optimizer).",
-            stacklevel=3,
         )
     return Accelerator(mixed_precision=mixed, cpu=cpu)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from grpo_lab import notices
 
 CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 """transformers' name for a key/value cache, as an argument of ``forward``/``generate`` and a field of
@@ -61,7 +62,7 @@ def prepare_tokenizer(tokenizer):
                 "The tokenizer has neither a pad token nor an EOS token. Set tokenizer.pad_token "
                 "(and tokenizer.eos_token) before building the session."
             )
-        warnings.warn("The tokenizer has no pad token; using its EOS token for padding, as TRL does.", stacklevel=3)
+        notices.warn("The tokenizer has no pad token; using its EOS token for padding, as TRL does.")
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.padding_side != "left":
         tokenizer.padding_side = "left"

@@ -29,11 +29,9 @@ Shapes: B completions, U distinct prompts, P prompt tokens (left padded), T comp
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from grpo_lab import compact_forward
+from grpo_lab import compact_forward, notices
 from grpo_lab.models import CACHE
 
 
@@ -115,7 +113,7 @@ class PrefixSharing:
         reason = _plain_cache_reason(getattr(out, CACHE), prompt_ids_UP.shape[1])
         if reason is not None:
             self.disabled_reason[id(model)] = reason
-            warnings.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.", stacklevel=3)
+            notices.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.")
             return None
         return out
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from grpo_lab import notices
 from grpo_lab.checkpoint import (
     MODEL_DIR,
     atomic_directory_write,
@@ -299,23 +300,17 @@ class GRPOSession:
         self._sync_config()
         update = self.engine.update()
         if update["update_skipped"]:
-            import warnings
-
-            warnings.warn(
+            notices.warn(
                 f"Step {self.global_step}: the gradient is not finite (loss {self.loss_result.loss}); the "
                 "update was skipped and the weights are unchanged.",
-                stacklevel=2,
             )
         total = self.engine.total_steps()
         if self.global_step == total + 1:
-            import warnings
-
-            warnings.warn(
+            notices.warn(
                 f"Step {self.global_step} is past the end of the run (max_steps / num_train_epochs: {total} steps), "
                 f"where the {self.config.lr_scheduler_type!r} learning-rate schedule has ended (the rate is now "
                 f"{self.engine.optimizer.param_groups[0]['lr']:.3g}). Raise session.config.max_steps to train on "
                 "with a schedule.",
-                stacklevel=2,
             )
         row = {"step": self.global_step, **self.advantages_result.metrics, **self.loss_result.metrics, **update}
         if self._step_started is not None:

@@ -14,9 +14,9 @@ import copy
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
+from grpo_lab import notices
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.progress import progress_bar
@@ -72,11 +72,10 @@ class GRPOTrainer:
                 name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
             ]
             if earlier:
-                warnings.warn(
+                notices.warn(
                     f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
                     "metrics.jsonl and replaces checkpoints of the same step. Pass resume_from_checkpoint=True to "
                     "continue that run, or give a new output_dir.",
-                    stacklevel=2,
                 )
         if resume_from_checkpoint:
             path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
@@ -88,10 +87,9 @@ class GRPOTrainer:
         main = self.accelerator.is_main_process
         if self.session.global_step >= total:
             if main:
-                warnings.warn(
+                notices.warn(
                     f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
                     "(or num_train_epochs) in trainer.args to train further.",
-                    stacklevel=2,
                 )
             return self.session.last_metrics
         save_every = steps_between(self.args.save_steps, total)

@@ -18,13 +18,13 @@ import asyncio
 import inspect
 import math
 import threading
-import warnings
 from dataclasses import dataclass, field
 from numbers import Real
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
+from grpo_lab import notices
 from grpo_lab.rollout.prompts import is_conversational
 
 
@@ -271,10 +271,9 @@ def score_completions(
     all_none = torch.isnan(rewards_BF).all(dim=1)
     if all_none.any():
         first = int(all_none.nonzero()[0])
-        warnings.warn(
+        notices.warn(
             f"All reward functions returned None for {int(all_none.sum())} completion(s), e.g. "
             f"{_sample_preview(kwargs, first)}. Such completions get no reward signal; check that at "
             "least one reward function applies to every sample.",
-            stacklevel=2,
         )
     return rewards_BF, logs

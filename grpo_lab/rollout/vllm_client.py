@@ -16,10 +16,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-import warnings
 from pathlib import Path
 
-from grpo_lab import dist
+from grpo_lab import dist, notices
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
 from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype
@@ -61,11 +60,10 @@ class VLLMServerBackend:
                 f"with `grpo-lab vllm-serve --model {health['model']} --port {port} --max-lora-rank {lora_rank}`."
             )
         if health["dtype"] != training_dtype(config):
-            warnings.warn(
+            notices.warn(
                 f"The vLLM server at {self.url} samples in {health['dtype']} while training runs in "
                 f"{training_dtype(config)}: expect wider sampling/sampling_logp_difference and more masked samples. "
                 f"Restart it with --dtype {training_dtype(config)} to match.",
-                stacklevel=2,
             )
         if not lora_rank and not health["accepts_full_weights"]:
             raise ValueError(
