@@ -11,13 +11,14 @@ identical metrics and weights.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import shutil
 from pathlib import Path
 
 from grpo_lab import notices
-from grpo_lab.checkpoint import CHECKPOINT_PREFIX, trainer_checkpoints
+from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
@@ -66,6 +67,11 @@ class GRPOTrainer:
         ``resume_from_checkpoint``: a checkpoint directory, or True for the newest one in
         ``output_dir``.
         """
+        if self.session is None and not resume_from_checkpoint:
+            raise RuntimeError(
+                "This trainer released its model for a resume that failed (see that error); call "
+                "train(resume_from_checkpoint=...) again, or build a new GRPOTrainer."
+            )
         fresh = not resume_from_checkpoint and self.session.global_step == 0  # not this trainer's own run, continued
         if fresh and self.accelerator.is_main_process:
             earlier = [p.name for p in trainer_checkpoints(self.output_dir)] + [
@@ -79,10 +85,14 @@ class GRPOTrainer:
                 )
         if resume_from_checkpoint:
             path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
-            self.session.close()  # its generation engine (vLLM) would otherwise hold memory beside the new one
-            # An optimizer given in optimizers= holds this model's parameters: the checkpoint goes into it.
-            model = None if self.session.engine.owns_optimizer else self.session.model
-            self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
+            check_complete(path)  # a wrong path fails here, with this trainer still whole
+            kept = self._release_session() if self.session is not None else None
+            try:
+                model = None if kept is None else kept.model
+                self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
+            except BaseException:
+                self.session = kept  # None where the model was released: only a resume can follow
+                raise
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
         if self.session.global_step >= total:
@@ -148,6 +158,19 @@ class GRPOTrainer:
             self._rotate_checkpoints()
         self.accelerator.wait_for_everyone()
         return path
+
+    def _release_session(self):
+        """Let go of the session before a checkpoint is loaded, so that its model, optimizer state and
+        generation engine (vLLM) are freed rather than held beside the loaded ones. Returns the
+        session where an optimizer given in optimizers= holds its model's parameters: the checkpoint
+        goes into that model."""
+        session, self.session = self.session, None
+        session.close()
+        if not session.engine.owns_optimizer:
+            return session
+        del session
+        gc.collect()  # the engine and its generation backend refer to each other
+        return None
 
     def _checkpoints(self) -> list[Path]:
         return trainer_checkpoints(self.output_dir)

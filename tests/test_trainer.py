@@ -2,6 +2,7 @@
 
 import json
 import warnings
+import weakref
 
 import pandas as pd
 import pytest
@@ -248,6 +249,37 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
         reshaped.args.lr_scheduler_type = "linear"
         with pytest.raises(ValueError, match="lr_scheduler_type='linear'.*saved with lr_scheduler_type='constant'.*would have no effect"):
             reshaped.train(resume_from_checkpoint=tmp_path / "run" / "checkpoint-2")
+
+
+def test_a_resume_frees_the_model_it_replaces_before_loading_and_a_failed_one_can_be_retried(task, tmp_path, monkeypatch):
+    from grpo_lab.session import GRPOSession
+
+    reference = _trainer(task, tmp_path / "ref", max_steps=3)
+    reference.train()
+    _trainer(task, tmp_path / "run", max_steps=2).train()
+
+    trainer = _trainer(task, tmp_path / "run", max_steps=3)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        trainer.train(resume_from_checkpoint=tmp_path / "run" / "checkpoint-9")
+    assert trainer.session is not None  # a wrong path is found before anything is released
+
+    replaced, freed_before_load = weakref.ref(trainer.model), []
+    load = GRPOSession.load.__func__
+
+    def load_and_note(cls, *args, **kwargs):
+        freed_before_load.append(replaced() is None)
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOSession, "load", classmethod(load_and_note))
+    trainer.args.seed = 7  # refused by load, after the old model is gone
+    with pytest.raises(ValueError, match="seed=7"):
+        trainer.train(resume_from_checkpoint=True)
+    assert freed_before_load == [True]
+    with pytest.raises(RuntimeError, match=r"released its model for a resume that failed.*train\(resume_from_checkpoint"):
+        trainer.train()
+    trainer.args.seed = 0
+    trainer.train(resume_from_checkpoint=True)
+    pd.testing.assert_frame_equal(_no_time(trainer.session.history), _no_time(reference.session.history))
 
 
 def test_lora_save_model_writes_the_adapter_or_a_merged_model(task, tmp_path):
