@@ -177,7 +177,7 @@ class TransformersBackend:
         if self.accelerator.is_main_process and compact_forward.unsupported_reason(model) is None:
             notices.warn(
                 f"Generation runs model.generate, not grpo_lab's faster sampling loop: {reason}. The log-prob "
-                "passes still run the compact forward pass."
+                "passes are not affected."
             )
 
     def sync_weights(self, model, version: int) -> None:
