@@ -425,8 +425,9 @@ class Engine:
 
     def score(self, rollout: Rollout) -> Scores:
         """Call every reward function on the completions (TRL's keyword-argument convention)."""
-        completion_ids = [
-            ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids_BT, rollout.completion_mask_BT)
+        completion_ids = [  # as Python lists: one indexing call per row would take longer than the rewards
+            [token for token, kept in zip(ids, mask) if kept]
+            for ids, mask in zip(rollout.completion_ids_BT.tolist(), rollout.completion_mask_BT.tolist())
         ]
         rewards_BF, logs = score_completions(
             self.reward_funcs, self.reward_processing_classes, self.reward_names,
