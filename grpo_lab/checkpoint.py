@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from grpo_lab import notices
+from grpo_lab.dist import load_optimizer_state
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -145,15 +146,18 @@ def _copy_saved_tensors(model, model_dir: Path) -> bool:
     return True
 
 
-def save_engine(engine, directory: Path, extra: dict, per_process: list[dict]) -> None:
+def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], gathered: tuple) -> None:
     """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is, and
-    so is ``per_process``, each process's own state (its random state under "rng") in rank order."""
-    model = engine.unwrapped_model
-    model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
+    so is ``per_process``, each process's own state (its random state under "rng") in rank order.
+    ``gathered``: the model's and optimizer's whole state dicts when they are sharded (from
+    ``dist.full_model_state`` and ``dist.full_optimizer_state``), else (None, None)."""
+    model_state, optimizer_state = gathered
+    engine.unwrapped_model.save_pretrained(directory / MODEL_DIR, safe_serialization=True, state_dict=model_state)
     engine.tokenizer.save_pretrained(directory / MODEL_DIR)
     engine.config.to_yaml(directory / "config.yaml")
     state = {
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": engine.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+        "optimizer_by_name": optimizer_state is not None,
         "scheduler": engine.scheduler.state_dict(),
         "per_process": per_process,
         "sampler": engine.sampler.state_dict(),
@@ -235,7 +239,9 @@ def own_process_state(state: dict, process_index: int, num_processes: int) -> di
 def restore_engine(engine, state: dict, rng: dict | None) -> None:
     """Load ``state`` into ``engine``, with ``rng`` this process's random state (None: seed it afresh
     from ``config.seed`` and its rank, as a new run does)."""
-    engine.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(
+        engine.accelerator, engine.model, engine.optimizer, state["optimizer"], by_name=state.get("optimizer_by_name", False)
+    )
     engine.scheduler.load_state_dict(state["scheduler"])
     engine.sampler.load_state_dict(state["sampler"])
     engine.global_step = state["global_step"]

@@ -60,6 +60,11 @@ def unsupported_reason(model) -> str | None:
     base = transformers_model(model)
     if base is None:
         return "prompt-learning adapters (prefix or prompt tuning) add virtual tokens"
+    if getattr(base, "hf_quantizer", None) is not None:
+        return "the model's weights are quantized"
+    parameters = list(base.parameters())  # before the class: FSDP 2 swaps the model's class for a subclass
+    if any(type(p.data) is not torch.Tensor or p.numel() == 0 for p in parameters):
+        return "the model's parameters are sharded (FSDP or DeepSpeed ZeRO-3)"
     if type(base) not in ARCHITECTURES:
         names = ", ".join(architecture.__name__ for architecture in ARCHITECTURES)
         return f"{type(base).__module__}.{type(base).__name__} is not one of transformers' {names}"
@@ -74,11 +79,6 @@ def unsupported_reason(model) -> str | None:
         return f"forward hooks on {hooked[0]} would not run (only its submodules are called)"
     if any(kind != "full_attention" for kind in getattr(base.config, "layer_types", None) or []):
         return "the model has sliding-window attention layers"
-    if getattr(base, "hf_quantizer", None) is not None:
-        return "the model's weights are quantized"
-    parameters = list(base.parameters())
-    if any(type(p.data) is not torch.Tensor or p.numel() == 0 for p in parameters):
-        return "the model's parameters are sharded (FSDP or DeepSpeed ZeRO-3)"
     devices = {p.device for p in parameters}
     if len(devices) > 1 or any(device.type == "meta" for device in devices) or len(
         set((getattr(base, "hf_device_map", None) or {}).values())

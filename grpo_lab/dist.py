@@ -108,3 +108,90 @@ def local_slice(accelerator: Accelerator, global_size: int) -> slice:
         )
     size = global_size // accelerator.num_processes
     return slice(accelerator.process_index * size, (accelerator.process_index + 1) * size)
+
+
+def sharding(accelerator: Accelerator) -> str | None:
+    """"fsdp" when FSDP shards the model's parameters over the processes, "deepspeed" when DeepSpeed
+    partitions the optimizer state (ZeRO stages 1 to 3), None when each process holds everything."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return "fsdp"
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage > 0:
+        return "deepspeed"
+    return None
+
+
+def check_savable(accelerator: Accelerator) -> None:
+    """Refuse, before any training, a run whose checkpoints could not be written whole."""
+    if sharding(accelerator) == "deepspeed":
+        raise NotImplementedError(
+            "grpo_lab cannot yet write checkpoints under DeepSpeed ZeRO: each process holds only its part of the "
+            "optimizer state (and under ZeRO-3 of the weights), and grpo_lab does not gather them. Launch with FSDP "
+            "(examples/accelerate_configs/fsdp.yaml), which shards as ZeRO-3 does and whose checkpoints grpo_lab "
+            "gathers, or with DDP."
+        )
+
+
+def full_model_state(accelerator: Accelerator, model) -> dict | None:
+    """Under FSDP, the whole model's state dict gathered from every process's shards onto the main
+    process's CPU (the others get an empty dict); None when the model is not sharded, so that its
+    own ``state_dict()`` is whole. Collective: every process must call it."""
+    check_savable(accelerator)
+    if sharding(accelerator) is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(accelerator: Accelerator, model, optimizer) -> dict | None:
+    """:func:`full_model_state` for the optimizer: under FSDP its whole state, keyed by parameter
+    name (``torch.distributed.checkpoint``'s full format), which loads however many processes shard
+    the model, or none. Collective."""
+    check_savable(accelerator)
+    if sharding(accelerator) is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+    return get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(accelerator: Accelerator, model, optimizer, state: dict, *, by_name: bool) -> None:
+    """Load a saved optimizer ``state`` into ``optimizer`` (every process calls it, each with the
+    whole ``state``). ``by_name``: the state is keyed by parameter name, as :func:`full_state_dicts`
+    writes it; else it is torch's own, keyed by each parameter's position in the optimizer.
+
+    Under FSDP each process keeps its shard of every tensor. A positional state (saved without
+    sharding, e.g. from a notebook's session) is renamed first, so that a run continues at scale
+    from a single-process checkpoint.
+    """
+    sharded = sharding(accelerator) == "fsdp"
+    if not by_name and not sharded:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not by_name:
+        state = _keyed_by_name(model, inner, state)
+    set_optimizer_state_dict(model, inner, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+_WRAPPER_NAMES = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+"""Name components that FSDP 1 and activation checkpointing insert and that parameter names omit."""
+
+
+def _keyed_by_name(model, optimizer, state: dict) -> dict:
+    """torch's positional optimizer state re-keyed by parameter name, for an optimizer over the same
+    parameters in the same order."""
+    names = {
+        parameter: ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+        for name, parameter in model.named_parameters()
+    }
+    ordered = [names[p] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {ordered[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [ordered[i] for i in group["params"]]} for group in state["param_groups"]],
+    }

@@ -34,7 +34,7 @@ from grpo_lab.checkpoint import (
     save_engine,
 )
 from grpo_lab.config import GRPOConfig
-from grpo_lab.dist import gather_to_main, launched_processes
+from grpo_lab.dist import full_model_state, full_optimizer_state, gather_to_main, launched_processes
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -416,11 +416,17 @@ class GRPOSession:
 
         Under ``accelerate launch`` every process calls it (as ``GRPOTrainer`` does): each one's
         random state and share of a half-finished batch are gathered, and the main process writes.
+        Under FSDP the shards of the weights and optimizer state are gathered too: the checkpoint
+        holds the whole model and loads on any number of processes (DeepSpeed ZeRO is refused).
         """
         self._sync_config()
-        accelerator = self.engine.accelerator
+        engine = self.engine
+        accelerator = engine.accelerator
         pending = on_device((self.rollout, self.scores, self.advantages_result), "cpu")
         per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
+        gathered = (  # a sharded (FSDP) model's and optimizer's whole states, gathered by every process
+            full_model_state(accelerator, engine.model), full_optimizer_state(accelerator, engine.model, engine.optimizer)
+        )
         extra = {
             "history": self._history,
             "completion_log": self._completion_log,
@@ -428,19 +434,19 @@ class GRPOSession:
             "applied_config": self._applied_config,
             "batch_step": self.batch_step,
             "last_stage": self._last_stage,
-            "reward_funcs": _pickled(self.engine.reward_funcs),
+            "reward_funcs": _pickled(engine.reward_funcs),
         }
 
         def write(directory: Path) -> None:
             from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
-            save_engine(self.engine, directory, extra, per_process)
+            save_engine(engine, directory, extra, per_process, gathered)
             shown = is_progress_bar_enabled()
             disable_progress_bar()  # a checkpoint is not worth three progress bars per save
             try:
-                self.engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
-                if self.engine.eval_dataset is not None:
-                    self.engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
+                engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
+                if engine.eval_dataset is not None:
+                    engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
             finally:
                 if shown:
                     enable_progress_bar()

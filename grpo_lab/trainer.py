@@ -20,6 +20,7 @@ from pathlib import Path
 from grpo_lab import notices
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
+from grpo_lab.dist import check_savable, full_model_state, sharding
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.session import GRPOSession
@@ -52,6 +53,7 @@ class GRPOTrainer:
         )
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)
+        check_savable(self.accelerator)  # the run ends with a checkpoint: refused now, not after training
 
     @property
     def accelerator(self):
@@ -194,11 +196,19 @@ class GRPOTrainer:
         adapter merged into a copy of the weights (the training model is left as it is).
         """
         target = Path(path or self.output_dir)
+        model = self.session.model
+        merge = merged and hasattr(model, "merge_and_unload")
+        if merge and sharding(self.accelerator) is not None:
+            raise NotImplementedError(
+                "save_model(merged=True) cannot merge an adapter whose base weights are sharded over the processes. "
+                "Save the adapter (merged=False), then merge it on one process: "
+                "PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()."
+            )
+        state = full_model_state(self.accelerator, self.session.engine.model)  # sharded weights, gathered by every process
         if self.accelerator.is_main_process:
-            model = self.session.model
-            if merged and hasattr(model, "merge_and_unload"):
+            if merge:
                 model = copy.deepcopy(model).merge_and_unload()
-            model.save_pretrained(target)
+            model.save_pretrained(target, state_dict=state)
             self.session.tokenizer.save_pretrained(target)
         self.accelerator.wait_for_everyone()
         return target

@@ -1,0 +1,77 @@
+"""A GRPOTrainer run under accelerate's FSDP on CPU processes, for the tests in test_fsdp.py.
+
+Launch it with the shipped FSDP config:
+
+    accelerate launch --config_file examples/accelerate_configs/fsdp.yaml --num_processes 2 \
+        tests/fsdp_on_cpu.py train OUT [--resume CHECKPOINT]
+
+accelerate treats FSDP as a GPU feature: on a machine without one it runs an FSDP launch as plain
+data parallel. torch's FSDP 2 (``fully_shard``) itself runs on CPU over gloo, so this script lets
+accelerate take its FSDP path anyway: grpo_lab's Accelerator is built with the launch's FSDP
+settings (``FSDP_*`` variables from the config above) and its state marked FSDP, so that
+``prepare`` shards the model as on GPUs. Everything after that is grpo_lab's own code.
+
+Modes:
+    train OUT [--resume CHECKPOINT]   4 steps, a checkpoint every 2, then ``save_model(OUT/final)``;
+                                      the main process writes OUT/result.json
+    optimizer CHECKPOINT OUT          load CHECKPOINT and write the optimizer state gathered from the
+                                      shards, keyed by parameter name, to OUT (torch.save)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+import grpo_lab.dist
+
+
+def fsdp_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
+    plugin = FullyShardedDataParallelPlugin()  # the launch's FSDP_* settings
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)  # which a CPU state does not keep
+    accelerator.state.fsdp_plugin = plugin
+    # AcceleratorState copies PartialState's type whenever it is built again: mark both
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+    return accelerator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "optimizer"])
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--resume")
+    args = parser.parse_args()
+    grpo_lab.dist.make_accelerator = fsdp_accelerator
+    from grpo_lab import GRPOConfig, GRPOSession, GRPOTrainer
+    from grpo_lab.tasks import default_task
+
+    task = default_task()
+    if args.mode == "optimizer":
+        checkpoint, out = args.paths
+        session = GRPOSession.load(checkpoint, reward_funcs=task.reward_funcs)
+        engine = session.engine
+        state = grpo_lab.dist.full_optimizer_state(engine.accelerator, engine.model, engine.optimizer)
+        if engine.accelerator.is_main_process:
+            torch.save(state, out)
+        return
+    (out,) = args.paths
+    config = GRPOConfig(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=8, num_generations=4,
+                        max_completion_length=8, learning_rate=1e-3, seed=0, disable_tqdm=True)
+    trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+    sharded = [type(p).__name__ for p in trainer.session.engine.model.parameters()]
+    row = trainer.train(resume_from_checkpoint=args.resume)
+    trainer.save_model(f"{out}/final")
+    if trainer.accelerator.is_main_process:
+        result = {"row": row, "parameter_types": sorted(set(sharded)),
+                  "distributed_type": str(trainer.accelerator.distributed_type)}
+        with open(f"{out}/result.json", "w") as handle:
+            json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()

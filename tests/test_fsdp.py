@@ -1,0 +1,86 @@
+"""Checkpoints of a model sharded by FSDP: two CPU processes, accelerate's FSDP path with the shipped
+config (see fsdp_on_cpu.py for how it runs without GPUs), torch's ``fully_shard`` sharding."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_FSDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2",
+               str(ROOT / "tests" / "fsdp_on_cpu.py")]
+
+
+def _launch(*args):
+    done = subprocess.run([*LAUNCH_FSDP, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)  # a collective missed hangs
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
+
+
+def _weights(directory: Path) -> dict:
+    return load_file(directory / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_identically(task, tmp_path):
+    log = _launch("train", tmp_path / "whole")
+    assert "compact forward pass cannot run this model" in log and "parameters are sharded (FSDP" in log
+    whole = json.loads((tmp_path / "whole" / "result.json").read_text())
+    assert whole["distributed_type"] == "DistributedType.FSDP" and whole["parameter_types"] == ["DTensor"]
+    assert whole["row"]["step"] == 4 and (tmp_path / "whole" / "checkpoint-2" / "COMPLETE").exists()
+
+    # every tensor whole (each process holds half of each), as the unsharded model has them
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(task.model).state_dict()
+    saved = _weights(tmp_path / "whole" / "checkpoint-2" / "model")
+    assert {name: tuple(t.shape) for name, t in saved.items()} == {
+        name: tuple(t.shape) for name, t in original.items() if name in saved
+    }
+    assert "model.embed_tokens.weight" in saved and all(not torch.equal(saved[n], original[n]) for n in saved)
+
+    # steps 3 and 4 from checkpoint-2: AdamW's moments as saved, or the final weights would differ
+    _launch("train", tmp_path / "resumed", "--resume", tmp_path / "whole" / "checkpoint-2")
+    resumed = json.loads((tmp_path / "resumed" / "result.json").read_text())
+    drop = lambda row: {k: v for k, v in row.items() if k != "step_time"}  # noqa: E731
+    assert drop(resumed["row"]) == drop(whole["row"])
+    final, final_resumed = _weights(tmp_path / "whole" / "final"), _weights(tmp_path / "resumed" / "final")
+    assert final.keys() == final_resumed.keys() == saved.keys()
+    assert all(torch.equal(final[name], final_resumed[name]) for name in final)
+
+    # an FSDP checkpoint opens on one process: the optimizer state, saved by parameter name, lands on
+    # each parameter
+    from grpo_lab import GRPOSession
+
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    by_name = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["optimizer"]
+    session = GRPOSession.load(checkpoint, reward_funcs=task.reward_funcs)
+    names = {p: n for n, p in session.model.named_parameters()}
+    loaded = session.engine.optimizer.optimizer.state
+    assert len(loaded) == len(by_name["state"]) > 0
+    for parameter, moments in loaded.items():
+        assert torch.equal(moments["exp_avg"], by_name["state"][names[parameter]]["exp_avg"])
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_continues_under_fsdp_with_its_optimizer_state(make_session, tmp_path):
+    session = make_session(per_device_train_batch_size=8, max_steps=4)
+    session.step()
+    session.step()
+    session.save(tmp_path / "notebook")
+    positional = session.engine.optimizer.state_dict()
+    names = [n for n, _ in session.model.named_parameters()]
+
+    _launch("optimizer", tmp_path / "notebook", tmp_path / "gathered.pt")
+    gathered = torch.load(tmp_path / "gathered.pt", weights_only=False)
+    assert len(gathered["state"]) == len(positional["state"]) > 0
+    for index, moments in positional["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(gathered["state"][names[index]][key], moments[key])
