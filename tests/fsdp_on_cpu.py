@@ -12,8 +12,10 @@ settings (``FSDP_*`` variables from the config above) and its state marked FSDP,
 ``prepare`` shards the model as on GPUs. Everything after that is grpo_lab's own code.
 
 Modes:
-    train OUT [--resume CHECKPOINT]   4 steps, a checkpoint every 2, then ``save_model(OUT/final)``;
-                                      the main process writes OUT/result.json
+    train OUT [--resume CHECKPOINT] [--lora]
+                                      4 steps (of a rank-8 LoRA adapter with --lora), a checkpoint
+                                      every 2, then ``save_model(OUT/final)``; the main process
+                                      writes OUT/result.json
     optimizer CHECKPOINT OUT          load CHECKPOINT and write the optimizer state gathered from the
                                       shards, keyed by parameter name, to OUT (torch.save)
 """
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["train", "optimizer"])
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--resume")
+    parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
     grpo_lab.dist.make_accelerator = fsdp_accelerator
     from grpo_lab import GRPOConfig, GRPOSession, GRPOTrainer
@@ -62,7 +65,13 @@ def main() -> None:
     (out,) = args.paths
     config = GRPOConfig(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=8, num_generations=4,
                         max_completion_length=8, learning_rate=1e-3, seed=0, disable_tqdm=True)
-    trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=peft_config)
     sharded = [type(p).__name__ for p in trainer.session.engine.model.parameters()]
     row = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(f"{out}/final")

@@ -25,12 +25,15 @@ def _launch(*args):
 
 
 def _weights(directory: Path) -> dict:
-    return load_file(directory / "model.safetensors")
+    (file,) = [f for f in ("model.safetensors", "adapter_model.safetensors") if (directory / f).exists()]
+    return load_file(directory / file)
 
 
 @pytest.mark.slow
-def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_identically(task, tmp_path):
-    log = _launch("train", tmp_path / "whole")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_identically(task, tmp_path, lora):
+    flags = ["--lora"] if lora else []
+    log = _launch("train", tmp_path / "whole", *flags)
     assert "compact forward pass cannot run this model" in log and "parameters are sharded (FSDP" in log
     whole = json.loads((tmp_path / "whole" / "result.json").read_text())
     assert whole["distributed_type"] == "DistributedType.FSDP" and whole["parameter_types"] == ["DTensor"]
@@ -41,13 +44,18 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
 
     original = AutoModelForCausalLM.from_pretrained(task.model).state_dict()
     saved = _weights(tmp_path / "whole" / "checkpoint-2" / "model")
-    assert {name: tuple(t.shape) for name, t in saved.items()} == {
-        name: tuple(t.shape) for name, t in original.items() if name in saved
-    }
-    assert "model.embed_tokens.weight" in saved and all(not torch.equal(saved[n], original[n]) for n in saved)
+    if lora:  # the adapter alone: rank 8 on the 128-wide query and value projections of 4 layers
+        assert len(saved) == 16 and all(
+            t.shape == ((8, 128) if ".lora_A." in name else (128, 8)) for name, t in saved.items()
+        )
+    else:
+        assert {name: tuple(t.shape) for name, t in saved.items()} == {
+            name: tuple(t.shape) for name, t in original.items() if name in saved
+        }
+        assert "model.embed_tokens.weight" in saved and all(not torch.equal(saved[n], original[n]) for n in saved)
 
     # steps 3 and 4 from checkpoint-2: AdamW's moments as saved, or the final weights would differ
-    _launch("train", tmp_path / "resumed", "--resume", tmp_path / "whole" / "checkpoint-2")
+    _launch("train", tmp_path / "resumed", "--resume", tmp_path / "whole" / "checkpoint-2", *flags)
     resumed = json.loads((tmp_path / "resumed" / "result.json").read_text())
     drop = lambda row: {k: v for k, v in row.items() if k != "step_time"}  # noqa: E731
     assert drop(resumed["row"]) == drop(whole["row"])
@@ -64,7 +72,7 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     session = GRPOSession.load(checkpoint, reward_funcs=task.reward_funcs)
     names = {p: n for n, p in session.model.named_parameters()}
     loaded = session.engine.optimizer.optimizer.state
-    assert len(loaded) == len(by_name["state"]) > 0
+    assert len(loaded) == len(by_name["state"]) == (16 if lora else len(original) - 1)  # lm_head is tied
     for parameter, moments in loaded.items():
         assert torch.equal(moments["exp_avg"], by_name["state"][names[parameter]]["exp_avg"])
 
