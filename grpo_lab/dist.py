@@ -110,6 +110,12 @@ def local_slice(accelerator: Accelerator, global_size: int) -> slice:
     return slice(accelerator.process_index * size, (accelerator.process_index + 1) * size)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP 2 shard (a ``DTensor``; collective: every process must ask for
+    the same tensors in the same order), or ``tensor`` itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def sharding(accelerator: Accelerator) -> str | None:
     """"fsdp" when FSDP shards the model's parameters over the processes, "deepspeed" when DeepSpeed
     partitions the optimizer state (ZeRO stages 1 to 3), None when each process holds everything."""
@@ -142,7 +148,15 @@ def full_model_state(accelerator: Accelerator, model) -> dict | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # gathered, tied weights (embeddings and output layer) are separate copies that save_pretrained
+    # would write twice: keep each under its first name, as save_pretrained does with shared tensors
+    seen, aliases = set(), set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if parameter in seen:
+            aliases.add(_parameter_name(name))
+        seen.add(parameter)
+    return {name: tensor for name, tensor in state.items() if name not in aliases}
 
 
 def full_optimizer_state(accelerator: Accelerator, model, optimizer) -> dict | None:
@@ -183,13 +197,15 @@ _WRAPPER_NAMES = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 """Name components that FSDP 1 and activation checkpointing insert and that parameter names omit."""
 
 
+def _parameter_name(name: str) -> str:
+    """A parameter's name in a (gathered) state dict: its module path without wrapper modules."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
 def _keyed_by_name(model, optimizer, state: dict) -> dict:
     """torch's positional optimizer state re-keyed by parameter name, for an optimizer over the same
     parameters in the same order."""
-    names = {
-        parameter: ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
-        for name, parameter in model.named_parameters()
-    }
+    names = {parameter: _parameter_name(name) for name, parameter in model.named_parameters()}
     ordered = [names[p] for group in optimizer.param_groups for p in group["params"]]
     return {
         "state": {ordered[index]: value for index, value in state["state"].items()},

@@ -656,4 +656,4 @@ class Engine:
         """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref (arXiv:2404.09656)."""
         alpha = self.config.ref_model_mixup_alpha
         for ref, policy in zip(self.ref_model.parameters(), self.unwrapped_model.parameters(), strict=True):
-            ref.mul_(1 - alpha).add_(policy.detach(), alpha=alpha)
+            ref.mul_(1 - alpha).add_(dist.whole(policy.detach()), alpha=alpha)  # FSDP: each process mixes it whole

@@ -12,10 +12,13 @@ settings (``FSDP_*`` variables from the config above) and its state marked FSDP,
 ``prepare`` shards the model as on GPUs. Everything after that is grpo_lab's own code.
 
 Modes:
-    train OUT [--resume CHECKPOINT] [--lora]
-                                      4 steps (of a rank-8 LoRA adapter with --lora), a checkpoint
-                                      every 2, then ``save_model(OUT/final)``; the main process
-                                      writes OUT/result.json
+    train OUT [--resume CHECKPOINT] [--lora] [--ddp]
+                                      4 steps of 2 accumulated micro-batches, a checkpoint every 2,
+                                      then ``save_model(OUT/final)``; the main process writes
+                                      OUT/result.json. The full model trains with a KL term against
+                                      a reference mixed towards it every step (TR-DPO); --lora
+                                      trains a rank-8 adapter instead (beta 0); --ddp leaves
+                                      accelerate's own choice on CPU, plain data parallel
     optimizer CHECKPOINT OUT          load CHECKPOINT and write the optimizer state gathered from the
                                       shards, keyed by parameter name, to OUT (torch.save)
 """
@@ -48,8 +51,10 @@ def main() -> None:
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--resume")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args()
-    grpo_lab.dist.make_accelerator = fsdp_accelerator
+    if not args.ddp:
+        grpo_lab.dist.make_accelerator = fsdp_accelerator
     from grpo_lab import GRPOConfig, GRPOSession, GRPOTrainer
     from grpo_lab.tasks import default_task
 
@@ -63,13 +68,16 @@ def main() -> None:
             torch.save(state, out)
         return
     (out,) = args.paths
-    config = GRPOConfig(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=8, num_generations=4,
-                        max_completion_length=8, learning_rate=1e-3, seed=0, disable_tqdm=True)
+    reference = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     peft_config = None
     if args.lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        reference = {}
+    config = GRPOConfig(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=4,
+                        gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, learning_rate=1e-3,
+                        seed=0, disable_tqdm=True, **reference)
     trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                           peft_config=peft_config)
     sharded = [type(p).__name__ for p in trainer.session.engine.model.parameters()]

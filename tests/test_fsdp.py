@@ -1,5 +1,6 @@
-"""Checkpoints of a model sharded by FSDP: two CPU processes, accelerate's FSDP path with the shipped
-config (see fsdp_on_cpu.py for how it runs without GPUs), torch's ``fully_shard`` sharding."""
+"""Training and checkpoints of a model sharded by FSDP: two CPU processes, accelerate's FSDP path with
+the shipped config (see fsdp_on_cpu.py for how it runs without GPUs), torch's ``fully_shard``
+sharding."""
 
 import json
 import os
@@ -62,6 +63,15 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     final, final_resumed = _weights(tmp_path / "whole" / "final"), _weights(tmp_path / "resumed" / "final")
     assert final.keys() == final_resumed.keys() == saved.keys()
     assert all(torch.equal(final[name], final_resumed[name]) for name in final)
+
+    if not lora:  # FSDP trains as plain data parallel does, up to rounding (the gradient norm sums shards)
+        _launch("train", tmp_path / "ddp", "--ddp")
+        ddp = json.loads((tmp_path / "ddp" / "result.json").read_text())
+        assert ddp["distributed_type"] == "DistributedType.MULTI_CPU" and ddp["parameter_types"] == ["Parameter"]
+        assert drop(ddp["row"]) == pytest.approx(drop(whole["row"]), rel=1e-4, abs=1e-6)
+        final_ddp = _weights(tmp_path / "ddp" / "final")
+        assert final.keys() == final_ddp.keys()  # a tied weight saved once, as without sharding
+        assert all(torch.allclose(final[name], final_ddp[name], rtol=0, atol=1e-5) for name in final)
 
     # an FSDP checkpoint opens on one process: the optimizer state, saved by parameter name, lands on
     # each parameter

@@ -123,6 +123,19 @@ def test_options_step(make_session, overrides):
         assert "kl" in session.history.columns and (session.history["kl"] >= 0).all()
 
 
+def test_the_reference_moves_towards_the_policy_every_ref_model_sync_steps_updates(make_session):
+    # TR-DPO: after the update of every 2nd step, ref <- 0.6 * policy + 0.4 * ref
+    session = make_session(beta=0.1, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.6)
+    ref, policy = session.engine.ref_model, session.model
+    start = [p.detach().clone() for p in ref.parameters()]
+    session.step()
+    assert all(torch.equal(r, s) for r, s in zip(ref.parameters(), start))  # step 1: left alone
+    assert not all(torch.equal(p, s) for p, s in zip(policy.parameters(), start))
+    session.step()
+    for r, p, s in zip(ref.parameters(), policy.parameters(), start, strict=True):
+        torch.testing.assert_close(r, 0.6 * p.detach() + 0.4 * s, rtol=0, atol=1e-6)  # rounding of the order
+
+
 def test_lora_steps_and_uses_disabled_adapter_as_reference(task, tmp_path):
     from peft import LoraConfig
 
