@@ -139,13 +139,31 @@ def check_savable(accelerator: Accelerator) -> None:
         )
 
 
-def full_model_state(accelerator: Accelerator, model) -> dict | None:
-    """Under FSDP, the whole model's state dict gathered from every process's shards onto the main
-    process's CPU (the others get an empty dict); None when the model is not sharded, so that its
-    own ``state_dict()`` is whole. Collective: every process must call it."""
-    check_savable(accelerator)
+def whole_tensors(accelerator: Accelerator, model, *, adapter_only: bool = False):
+    """``(name, tensor)`` for the model's state dict (``adapter_only``: its trainable parameters, a
+    PEFT model's adapter), each tensor whole. Under FSDP each is gathered from the shards as it is
+    reached: a collective, so every process must go through all of them in the same order."""
+    if adapter_only:
+        items = ((name, parameter.detach()) for name, parameter in model.named_parameters() if parameter.requires_grad)
+    else:
+        items = model.state_dict().items()
+    if sharding(accelerator) != "fsdp":
+        yield from items
+        return
+    for name, tensor in items:
+        yield _parameter_name(name), whole(tensor)
+
+
+def full_model_state(accelerator: Accelerator, model, *, adapter_only: bool = False) -> dict | None:
+    """Under FSDP, the whole model's state dict (``adapter_only``: a PEFT adapter's, gathered alone)
+    from every process's shards, on the main process's CPU (the others get an empty dict); None
+    when the model is not sharded, so that its own ``state_dict()`` is whole. Collective: every
+    process must call it."""
     if sharding(accelerator) is None:
         return None
+    if adapter_only:
+        main = accelerator.is_main_process
+        return {name: tensor.cpu() for name, tensor in whole_tensors(accelerator, model, adapter_only=True) if main}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -163,7 +181,6 @@ def full_optimizer_state(accelerator: Accelerator, model, optimizer) -> dict | N
     """:func:`full_model_state` for the optimizer: under FSDP its whole state, keyed by parameter
     name (``torch.distributed.checkpoint``'s full format), which loads however many processes shard
     the model, or none. Collective."""
-    check_savable(accelerator)
     if sharding(accelerator) is None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

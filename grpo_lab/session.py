@@ -34,7 +34,7 @@ from grpo_lab.checkpoint import (
     save_engine,
 )
 from grpo_lab.config import GRPOConfig
-from grpo_lab.dist import full_model_state, full_optimizer_state, gather_to_main, launched_processes
+from grpo_lab.dist import check_savable, full_model_state, full_optimizer_state, gather_to_main, launched_processes
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -422,10 +422,12 @@ class GRPOSession:
         self._sync_config()
         engine = self.engine
         accelerator = engine.accelerator
+        check_savable(accelerator)
         pending = on_device((self.rollout, self.scores, self.advantages_result), "cpu")
         per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
         gathered = (  # a sharded (FSDP) model's and optimizer's whole states, gathered by every process
-            full_model_state(accelerator, engine.model), full_optimizer_state(accelerator, engine.model, engine.optimizer)
+            full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
+            full_optimizer_state(accelerator, engine.model, engine.optimizer),
         )
         extra = {
             "history": self._history,

@@ -196,6 +196,7 @@ class GRPOTrainer:
         adapter merged into a copy of the weights (the training model is left as it is).
         """
         target = Path(path or self.output_dir)
+        check_savable(self.accelerator)
         model = self.session.model
         merge = merged and hasattr(model, "merge_and_unload")
         if merge and sharding(self.accelerator) is not None:
@@ -204,7 +205,8 @@ class GRPOTrainer:
                 "Save the adapter (merged=False), then merge it on one process: "
                 "PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()."
             )
-        state = full_model_state(self.accelerator, self.session.engine.model)  # sharded weights, gathered by every process
+        engine = self.session.engine
+        state = full_model_state(self.accelerator, engine.model, adapter_only=engine.is_peft)  # every process
         if self.accelerator.is_main_process:
             if merge:
                 model = copy.deepcopy(model).merge_and_unload()

@@ -150,17 +150,23 @@ class VLLMServerBackend:
         )
 
     def sync_weights(self, model, version: int) -> None:
-        """The main process pushes the new version; the others wait until it is in place."""
-        if self.accelerator.is_main_process:
-            if self.lora_rank:
+        """The main process pushes the new version; the others wait until it is in place (under FSDP,
+        they first help gather the weights whole)."""
+        main = self.accelerator.is_main_process
+        if self.lora_rank:
+            adapter = dist.full_model_state(self.accelerator, model, adapter_only=True)
+            if main:
                 with tempfile.TemporaryDirectory(prefix="grpo_lab_adapter_") as directory:
-                    model.save_pretrained(directory)
+                    model.save_pretrained(directory, state_dict=adapter)
                     files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(directory).iterdir() if p.is_file()}
                 self._call("/adapter", {"version": version, "run": self.run, "files": files})
-            else:
+        else:
+            state = {
+                name: tensor.detach().cpu().clone() for name, tensor in dist.whole_tensors(self.accelerator, model) if main
+            }
+            if main:
                 from safetensors.torch import save
 
-                state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
                 self._call(f"/weights?version={version}&run={self.run}", body=save(state))
         self.accelerator.wait_for_everyone()
 

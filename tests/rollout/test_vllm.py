@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,10 +259,23 @@ def test_a_model_vllm_cannot_load_names_the_way_out(task, tmp_path):
                     processing_class=tokenizer, peft_config=lora())
 
 
-def test_two_processes_share_one_server(server, tmp_path):
-    """DDP on gloo: the main process pushes each adapter, both processes send their prompts."""
+ROOT = Path(__file__).resolve().parents[2]
+FSDP_ON_CPU = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import grpo_lab.dist
+from tests.fsdp_on_cpu import fsdp_accelerator  # accelerate's FSDP path on CPU processes
+
+grpo_lab.dist.make_accelerator = fsdp_accelerator
+"""
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_share_one_server(server, tmp_path, sharded):
+    """DDP on gloo: the main process pushes each adapter, both processes send their prompts. Under
+    FSDP each process holds half of the adapter: both gather it whole before the main process pushes."""
     script = tmp_path / "train.py"
-    script.write_text(f"""
+    script.write_text((FSDP_ON_CPU if sharded else "") + f"""
 from peft import LoraConfig
 from grpo_lab import GRPOTrainer
 from grpo_lab.tasks import default_task
@@ -270,12 +284,17 @@ task = default_task()
 config = task.config(max_steps=3, save_steps=3, per_device_train_batch_size=8, use_vllm=True, vllm_mode="server",
                      vllm_server_host="127.0.0.1", vllm_server_port={server}, output_dir={str(tmp_path / "out")!r})
 lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora).train()
+trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+print("PARAMETERS", sorted({{type(p).__name__ for p in trainer.session.engine.model.parameters()}}))
+trainer.train()
 """)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    distributed = (["--config_file", str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml")] if sharded
+                   else ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"])
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *distributed, "--num_processes", "2",
+              "--num_machines", "1", str(script)]
     result = subprocess.run(launch, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"PARAMETERS {['DTensor'] if sharded else ['Parameter']}" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(0 < row["sampling/importance_sampling_ratio/mean"] < 2 for row in rows)
