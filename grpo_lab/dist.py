@@ -117,7 +117,8 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def sharding(accelerator: Accelerator) -> str | None:
-    """"fsdp" when FSDP shards the model's parameters over the processes, "deepspeed" when DeepSpeed
+    """"fsdp" when FSDP shards the model's parameters over the processes (grpo_lab gathers FSDP 2's
+    shards; ``check_savable`` refuses FSDP 1), "deepspeed" when DeepSpeed
     partitions the optimizer state (ZeRO stages 1 to 3), None when each process holds everything."""
     from accelerate.utils import DistributedType
 
@@ -130,6 +131,11 @@ def sharding(accelerator: Accelerator) -> str | None:
 
 def check_savable(accelerator: Accelerator) -> None:
     """Refuse, before any training, a run whose checkpoints could not be written whole."""
+    if sharding(accelerator) == "fsdp" and not accelerator.is_fsdp2:
+        raise NotImplementedError(
+            "grpo_lab gathers the shards of FSDP 2 only, and this launch asked for FSDP 1. Set fsdp_version: 2 in "
+            "the accelerate config, as examples/accelerate_configs/fsdp.yaml does."
+        )
     if sharding(accelerator) == "deepspeed":
         raise NotImplementedError(
             "grpo_lab cannot yet write checkpoints under DeepSpeed ZeRO: each process holds only its part of the "
@@ -180,38 +186,48 @@ def full_model_state(accelerator: Accelerator, model, *, adapter_only: bool = Fa
 def full_optimizer_state(accelerator: Accelerator, model, optimizer) -> dict | None:
     """:func:`full_model_state` for the optimizer: under FSDP its whole state, keyed by parameter
     name (``torch.distributed.checkpoint``'s full format), which loads however many processes shard
-    the model, or none. Collective."""
-    if sharding(accelerator) is None:
+    the model, or none. Collective.
+
+    None too before the first update, when there is no state to gather: torch's function would
+    then run a zero-learning-rate step to create it, which counts as a step for AdamW.
+    """
+    inner = _torch_optimizer(optimizer)
+    if sharding(accelerator) is None or not inner.state:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
     return get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(accelerator: Accelerator, model, optimizer, state: dict, *, by_name: bool) -> None:
     """Load a saved optimizer ``state`` into ``optimizer`` (every process calls it, each with the
-    whole ``state``). ``by_name``: the state is keyed by parameter name, as :func:`full_state_dicts`
+    whole ``state``). ``by_name``: the state is keyed by parameter name, as :func:`full_optimizer_state`
     writes it; else it is torch's own, keyed by each parameter's position in the optimizer.
 
     Under FSDP each process keeps its shard of every tensor. A positional state (saved without
     sharding, e.g. from a notebook's session) is renamed first, so that a run continues at scale
-    from a single-process checkpoint.
+    from a single-process checkpoint. A parameter without saved state (it never had a gradient)
+    starts afresh, as torch's own loading leaves it.
     """
     sharded = sharding(accelerator) == "fsdp"
-    if not by_name and not sharded:
+    if not by_name and (not sharded or not state["state"]):  # no state: only the settings, the same on any layout
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = _torch_optimizer(optimizer)
     if not by_name:
         state = _keyed_by_name(model, inner, state)
-    set_optimizer_state_dict(model, inner, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, inner, optim_state_dict=state, options=options)
 
 
-_WRAPPER_NAMES = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
-"""Name components that FSDP 1 and activation checkpointing insert and that parameter names omit."""
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+
+
+_WRAPPER_NAMES = {"_checkpoint_wrapped_module"}
+"""Name components that activation checkpointing (an FSDP option) inserts and that parameter names omit."""
 
 
 def _parameter_name(name: str) -> str:

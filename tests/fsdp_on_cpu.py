@@ -13,7 +13,8 @@ settings (``FSDP_*`` variables from the config above) and its state marked FSDP,
 
 Modes:
     train OUT [--resume CHECKPOINT] [--lora] [--ddp]
-                                      4 steps of 2 accumulated micro-batches, a checkpoint every 2,
+                                      a save before training, then 4 steps of 2 accumulated
+                                      micro-batches, a checkpoint every 2,
                                       then ``save_model(OUT/final)``; the main process writes
                                       OUT/result.json. The full model trains with a KL term against
                                       a reference mixed towards it every step (TR-DPO); --lora
@@ -37,6 +38,7 @@ import grpo_lab.dist
 
 
 def fsdp_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
+    """Stands in for ``grpo_lab.dist.make_accelerator`` (same signature); the runs here are fp32 on CPU."""
     plugin = FullyShardedDataParallelPlugin()  # the launch's FSDP_* settings
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)  # which a CPU state does not keep
     accelerator.state.fsdp_plugin = plugin
@@ -66,6 +68,7 @@ def main() -> None:
         state = grpo_lab.dist.full_optimizer_state(engine.accelerator, engine.model, engine.optimizer)
         if engine.accelerator.is_main_process:
             torch.save(state, out)
+        engine.accelerator.end_training()
         return
     (out,) = args.paths
     reference = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
@@ -81,6 +84,8 @@ def main() -> None:
     trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                           peft_config=peft_config)
     sharded = [type(p).__name__ for p in trainer.session.engine.model.parameters()]
+    if not args.resume:  # a save before any update must leave the run as it was (compared with --ddp)
+        trainer.session.save(f"{out}/start")
     row = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(f"{out}/final")
     if trainer.accelerator.is_main_process:
@@ -88,6 +93,9 @@ def main() -> None:
                   "distributed_type": str(trainer.accelerator.distributed_type)}
         with open(f"{out}/result.json", "w") as handle:
             json.dump(result, handle)
+    # ends the gloo process group: left to the interpreter's exit, a process aborted there once in
+    # about ten launches ("terminate called without an active exception")
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

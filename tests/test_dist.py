@@ -34,3 +34,9 @@ def test_a_deepspeed_zero_run_is_refused_up_front_as_its_checkpoints_would_hold_
             check_savable(launched(stage))
     check_savable(launched(0))  # stage 0 partitions nothing
     check_savable(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+
+
+def test_an_fsdp_1_run_is_refused_up_front_as_only_fsdp_2_shards_are_gathered():
+    with pytest.raises(NotImplementedError, match="FSDP 2 only.*fsdp_version: 2"):
+        check_savable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
+    check_savable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))

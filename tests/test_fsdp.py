@@ -51,7 +51,7 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
         )
     else:
         assert {name: tuple(t.shape) for name, t in saved.items()} == {
-            name: tuple(t.shape) for name, t in original.items() if name in saved
+            name: tuple(t.shape) for name, t in original.items() if name != "lm_head.weight"  # tied: saved once
         }
         assert "model.embed_tokens.weight" in saved and all(not torch.equal(saved[n], original[n]) for n in saved)
 
@@ -88,7 +88,7 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
 
 
 @pytest.mark.slow
-def test_a_one_process_checkpoint_continues_under_fsdp_with_its_optimizer_state(make_session, tmp_path):
+def test_a_one_process_checkpoint_opens_under_fsdp_with_its_optimizer_state_cut_into_shards(make_session, tmp_path):
     session = make_session(per_device_train_batch_size=8, max_steps=4)
     session.step()
     session.step()
