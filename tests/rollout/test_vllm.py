@@ -285,7 +285,8 @@ config = task.config(max_steps=3, save_steps=3, per_device_train_batch_size=8, u
                      vllm_server_host="127.0.0.1", vllm_server_port={server}, output_dir={str(tmp_path / "out")!r})
 lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
 trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
-print("PARAMETERS", sorted({{type(p).__name__ for p in trainer.session.engine.model.parameters()}}))
+if trainer.accelerator.is_main_process:  # one line: the two processes' prints would interleave
+    print("PARAMETERS", sorted({{type(p).__name__ for p in trainer.session.engine.model.parameters()}}))
 trainer.train()
 """)
     distributed = (["--config_file", str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml")] if sharded
