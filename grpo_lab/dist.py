@@ -90,6 +90,31 @@ def from_main(accelerator: Accelerator, value):
     return box[0]
 
 
+def on_main(accelerator: Accelerator, what: str, work) -> None:
+    """Call ``work()`` on the main process alone; every process returns when it is done, and every
+    process raises when it failed: the main process its own error, the others a RuntimeError that
+    names ``what`` (e.g. "write checkpoint-4") and the main process's error. Collective.
+
+    With a bare ``wait_for_everyone`` after work on the main process, the others, when that work
+    raises, wait until the launcher kills them or fail with a lost connection (gloo's "Connection
+    closed by peer"), and a multi-node run's other logs never say why.
+    """
+    if accelerator.num_processes == 1:
+        work()
+        return
+    failure = None
+    if accelerator.is_main_process:
+        try:
+            work()
+        except BaseException as error:  # told to the other processes, then raised here
+            failure = error
+    told = from_main(accelerator, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if told is not None:
+        raise RuntimeError(f"The main process failed to {what}: {told}")
+
+
 def total(accelerator: Accelerator, value: torch.Tensor) -> torch.Tensor:
     """Sum of a scalar tensor over processes."""
     return gather(accelerator, value.reshape(1)).sum()

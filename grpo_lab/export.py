@@ -240,6 +240,7 @@ def export_session(session, path: str | Path) -> Path:
         "    )",
         "    trainer.train(resume_from_checkpoint=resume_from)",
         "    trainer.save_model()",
+        "    trainer.accelerator.end_training()  # under accelerate launch: ends the process group",
         "",
         "",
         'if __name__ == "__main__":',
@@ -591,6 +592,7 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
         "",
         f"    {target}.train(resume_from_checkpoint=_RESUME_FROM)",
         f"    {target}.save_model()",
+        f"    {target}.accelerator.end_training()  # under accelerate launch: ends the process group",
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

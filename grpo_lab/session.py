@@ -34,7 +34,9 @@ from grpo_lab.checkpoint import (
     save_engine,
 )
 from grpo_lab.config import GRPOConfig
-from grpo_lab.dist import check_savable, full_model_state, full_optimizer_state, gather_to_main, launched_processes
+from grpo_lab.dist import (
+    check_savable, full_model_state, full_optimizer_state, gather_to_main, launched_processes, on_main,
+)
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -453,9 +455,7 @@ class GRPOSession:
                 if shown:
                     enable_progress_bar()
 
-        if accelerator.is_main_process:
-            atomic_directory_write(Path(path), write)
-        accelerator.wait_for_everyone()
+        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write))
         return Path(path)
 
     @classmethod

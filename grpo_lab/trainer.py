@@ -20,7 +20,7 @@ from pathlib import Path
 from grpo_lab import notices
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
-from grpo_lab.dist import check_savable, full_model_state, sharding
+from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.session import GRPOSession
@@ -156,9 +156,7 @@ class GRPOTrainer:
         """Write ``<output_dir>/checkpoint-<step>`` atomically; keep at most ``save_total_limit``."""
         path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.session.global_step}"
         self.session.save(path)  # every process: each one's random state goes into the checkpoint
-        if self.accelerator.is_main_process:
-            self._rotate_checkpoints()
-        self.accelerator.wait_for_everyone()
+        on_main(self.accelerator, "remove checkpoints beyond save_total_limit", self._rotate_checkpoints)
         return path
 
     def _release_session(self):
@@ -207,10 +205,11 @@ class GRPOTrainer:
             )
         engine = self.session.engine
         state = full_model_state(self.accelerator, engine.model, adapter_only=engine.is_peft)  # every process
-        if self.accelerator.is_main_process:
-            if merge:
-                model = copy.deepcopy(model).merge_and_unload()
-            model.save_pretrained(target, state_dict=state)
+
+        def write() -> None:
+            saved = copy.deepcopy(model).merge_and_unload() if merge else model
+            saved.save_pretrained(target, state_dict=state)
             self.session.tokenizer.save_pretrained(target)
-        self.accelerator.wait_for_everyone()
+
+        on_main(self.accelerator, f"save the model to {target}", write)
         return target

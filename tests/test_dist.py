@@ -40,3 +40,47 @@ def test_an_fsdp_1_run_is_refused_up_front_as_only_fsdp_2_shards_are_gathered():
     with pytest.raises(NotImplementedError, match="FSDP 2 only.*fsdp_version: 2"):
         check_savable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
     check_savable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
+
+
+FAILING_SAVE = """
+import sys
+
+import grpo_lab.session
+from grpo_lab import GRPOConfig, GRPOTrainer
+from grpo_lab.tasks import default_task
+
+
+def disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+task = default_task()
+config = GRPOConfig(output_dir=sys.argv[1], max_steps=2, save_steps=1, per_device_train_batch_size=4,
+                    num_generations=4, max_completion_length=4, disable_tqdm=True)
+trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+if trainer.accelerator.is_main_process:
+    grpo_lab.session.save_engine = disk_full  # the main process alone writes checkpoints
+try:
+    trainer.train()
+except (OSError, RuntimeError) as error:
+    print(f"process {trainer.accelerator.process_index}: {type(error).__name__}: {error}", flush=True)
+trainer.accelerator.end_training()
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_failing_on_the_main_process_stops_every_process_with_its_cause(tmp_path):
+    (tmp_path / "run.py").write_text(FAILING_SAVE)
+    out = tmp_path / "out"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    # the other process used to wait at a barrier until gloo lost the main one; the timeout catches a hang
+    done = subprocess.run([*launch, str(tmp_path / "run.py"), str(out)], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(done.stdout.splitlines()) == [
+        "process 0: OSError: [Errno 28] No space left on device",
+        f"process 1: RuntimeError: The main process failed to write {out / 'checkpoint-1'}: "
+        "OSError: [Errno 28] No space left on device",
+    ]
+    assert [p.name for p in out.iterdir() if "checkpoint" in p.name] == []  # no partial checkpoint left

@@ -151,11 +151,12 @@ class VLLMServerBackend:
 
     def sync_weights(self, model, version: int) -> None:
         """The main process pushes the new version; the others wait until it is in place (under FSDP,
-        they first help gather the weights whole)."""
+        they first help gather the weights whole), and raise with it when the push fails."""
         main = self.accelerator.is_main_process
         if self.lora_rank:
             adapter = dist.full_model_state(self.accelerator, model, adapter_only=True)
-            if main:
+
+            def push() -> None:
                 with tempfile.TemporaryDirectory(prefix="grpo_lab_adapter_") as directory:
                     model.save_pretrained(directory, state_dict=adapter)
                     files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(directory).iterdir() if p.is_file()}
@@ -164,11 +165,12 @@ class VLLMServerBackend:
             state = {
                 name: tensor.detach().cpu().clone() for name, tensor in dist.whole_tensors(self.accelerator, model) if main
             }
-            if main:
+
+            def push() -> None:
                 from safetensors.torch import save
 
                 self._call(f"/weights?version={version}&run={self.run}", body=save(state))
-        self.accelerator.wait_for_everyone()
+        dist.on_main(self.accelerator, f"push policy version {version} to the vLLM server", push)
 
     def close(self) -> None:
         """Nothing to release: the server outlives the run."""
