@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from grpo_lab import notices
-from grpo_lab.dist import load_optimizer_state
+from grpo_lab.dist import load_full_state, load_optimizer_state
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -149,9 +149,12 @@ def _copy_saved_tensors(model, model_dir: Path) -> bool:
 def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], gathered: tuple) -> None:
     """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is, and
     so is ``per_process``, each process's own state (its random state under "rng") in rank order.
-    ``gathered``: the model's and optimizer's whole state dicts when they are sharded (from
-    ``dist.full_model_state`` and ``dist.full_optimizer_state``), else (None, None)."""
-    model_state, optimizer_state = gathered
+    ``gathered``: the model's, optimizer's and reference model's whole state dicts when they are
+    sharded (from ``dist.full_model_state``, ``dist.full_optimizer_state`` and ``dist.full_state``),
+    else None in their places."""
+    model_state, optimizer_state, ref_state = gathered
+    if ref_state is None and engine.ref_model is not None:
+        ref_state = engine.ref_model.state_dict()
     engine.unwrapped_model.save_pretrained(directory / MODEL_DIR, safe_serialization=True, state_dict=model_state)
     engine.tokenizer.save_pretrained(directory / MODEL_DIR)
     engine.config.to_yaml(directory / "config.yaml")
@@ -164,7 +167,7 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], g
         "global_step": engine.global_step,
         "num_input_tokens_seen": engine.num_input_tokens_seen,
         "entropy_control": {"coef": engine.entropy_coef, "last_step_entropy": engine.last_step_entropy},
-        "ref_model": engine.ref_model.state_dict() if engine.ref_model is not None else None,
+        "ref_model": ref_state,
         "extra": extra,
     }
     torch.save(state, directory / STATE_FILE)
@@ -250,7 +253,7 @@ def restore_engine(engine, state: dict, rng: dict | None) -> None:
     if control is not None:
         engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
     if state["ref_model"] is not None and engine.ref_model is not None:
-        engine.ref_model.load_state_dict(state["ref_model"])
+        load_full_state(engine.accelerator, engine.ref_model, state["ref_model"])
     if rng is not None:
         set_rng_state(rng)
     else:

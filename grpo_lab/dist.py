@@ -185,6 +185,50 @@ def whole_tensors(accelerator: Accelerator, model, *, adapter_only: bool = False
         yield _parameter_name(name), whole(tensor)
 
 
+def shard_frozen_copy(accelerator: Accelerator, model):
+    """Under FSDP 2, ``model`` (a frozen copy of the policy, such as the KL reference) sharded over the
+    processes as accelerate shards the policy, in place, so that each process holds its share of it
+    and not a whole copy; else ``model`` as it is. Collective."""
+    if sharding(accelerator) != "fsdp" or not accelerator.is_fsdp2:
+        return model
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def reshard(model) -> None:
+    """Free the whole parameters FSDP 2 keeps after a forward pass without backward (accelerate leaves
+    the embeddings, final norm and output layer, and the root's own, gathered after each forward),
+    so that only each process's shards remain; nothing for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def full_state(accelerator: Accelerator, model) -> dict | None:
+    """Under FSDP, ``model``'s whole state dict, every name (tied aliases included) as ``state_dict()``
+    has them, gathered from the shards onto the main process's CPU (the others get an empty dict);
+    None when the model is not sharded. Collective: every process must call it."""
+    if sharding(accelerator) is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(accelerator: Accelerator, model, state: dict) -> None:
+    """Load a whole state dict (from ``state_dict()`` or :func:`full_state`) into ``model``; under FSDP
+    each process keeps its shard of every tensor. Collective under FSDP."""
+    if sharding(accelerator) is None:
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
 def full_model_state(accelerator: Accelerator, model, *, adapter_only: bool = False) -> dict | None:
     """Under FSDP, the whole model's state dict (``adapter_only``: a PEFT adapter's, gathered alone)
     from every process's shards, on the main process's CPU (the others get an empty dict); None
@@ -195,9 +239,7 @@ def full_model_state(accelerator: Accelerator, model, *, adapter_only: bool = Fa
     if adapter_only:
         main = accelerator.is_main_process
         return {name: tensor.cpu() for name, tensor in whole_tensors(accelerator, model, adapter_only=True) if main}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = full_state(accelerator, model)
     # gathered, tied weights (embeddings and output layer) are separate copies that save_pretrained
     # would write twice: keep each under its first name, as save_pretrained does with shared tensors
     seen, aliases = set(), set()

@@ -140,6 +140,8 @@ class Engine:
                 fused=config.optim == "adamw_torch_fused",
             )
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
+            self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
         self.sampler = PromptSampler(
@@ -419,7 +421,9 @@ class Engine:
 
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._batched_logprobs(self.ref_model, rollout)
+            logprobs = self._batched_logprobs(self.ref_model, rollout)
+            dist.reshard(self.ref_model)  # FSDP: back to its shards, as TR-DPO mixing and memory want
+            return logprobs
         with self.unwrapped_model.disable_adapter():  # PEFT: the base model is the reference
             return self._batched_logprobs(self.model, rollout)
 
@@ -656,4 +660,4 @@ class Engine:
         """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref (arXiv:2404.09656)."""
         alpha = self.config.ref_model_mixup_alpha
         for ref, policy in zip(self.ref_model.parameters(), self.unwrapped_model.parameters(), strict=True):
-            ref.mul_(1 - alpha).add_(dist.whole(policy.detach()), alpha=alpha)  # FSDP: each process mixes it whole
+            ref.mul_(1 - alpha).add_(policy.detach(), alpha=alpha)  # FSDP: each process mixes its shards

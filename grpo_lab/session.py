@@ -35,7 +35,7 @@ from grpo_lab.checkpoint import (
 )
 from grpo_lab.config import GRPOConfig
 from grpo_lab.dist import (
-    check_savable, full_model_state, full_optimizer_state, gather_to_main, launched_processes, on_main,
+    check_savable, full_model_state, full_optimizer_state, full_state, gather_to_main, launched_processes, on_main,
 )
 from grpo_lab.engine import Engine
 from grpo_lab.models import load_tokenizer
@@ -427,9 +427,10 @@ class GRPOSession:
         check_savable(accelerator)
         pending = on_device((self.rollout, self.scores, self.advantages_result), "cpu")
         per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
-        gathered = (  # a sharded (FSDP) model's and optimizer's whole states, gathered by every process
+        gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
             full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
             full_optimizer_state(accelerator, engine.model, engine.optimizer),
+            None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
         )
         extra = {
             "history": self._history,

@@ -83,13 +83,15 @@ def main() -> None:
                         seed=0, disable_tqdm=True, **reference)
     trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                           peft_config=peft_config)
-    sharded = [type(p).__name__ for p in trainer.session.engine.model.parameters()]
+    engine = trainer.session.engine
+    sharded = [type(p).__name__ for p in engine.model.parameters()]
+    reference = [] if engine.ref_model is None else [type(p).__name__ for p in engine.ref_model.parameters()]
     if not args.resume:  # a save before any update must leave the run as it was (compared with --ddp)
         trainer.session.save(f"{out}/start")
     row = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(f"{out}/final")
     if trainer.accelerator.is_main_process:
-        result = {"row": row, "parameter_types": sorted(set(sharded)),
+        result = {"row": row, "parameter_types": sorted(set(sharded)), "reference_types": sorted(set(reference)),
                   "distributed_type": str(trainer.accelerator.distributed_type)}
         with open(f"{out}/result.json", "w") as handle:
             json.dump(result, handle)

@@ -38,6 +38,7 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     assert "compact forward pass cannot run this model" in log and "parameters are sharded (FSDP" in log
     whole = json.loads((tmp_path / "whole" / "result.json").read_text())
     assert whole["distributed_type"] == "DistributedType.FSDP" and whole["parameter_types"] == ["DTensor"]
+    assert whole["reference_types"] == ([] if lora else ["DTensor"])  # the KL reference is sharded too
     assert whole["row"]["step"] == 4 and (tmp_path / "whole" / "checkpoint-2" / "COMPLETE").exists()
 
     # every tensor whole (each process holds half of each), as the unsharded model has them
@@ -68,10 +69,18 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
         _launch("train", tmp_path / "ddp", "--ddp")
         ddp = json.loads((tmp_path / "ddp" / "result.json").read_text())
         assert ddp["distributed_type"] == "DistributedType.MULTI_CPU" and ddp["parameter_types"] == ["Parameter"]
+        assert ddp["reference_types"] == ["Parameter"]
         assert drop(ddp["row"]) == pytest.approx(drop(whole["row"]), rel=1e-4, abs=1e-6)
         final_ddp = _weights(tmp_path / "ddp" / "final")
         assert final.keys() == final_ddp.keys()  # a tied weight saved once, as without sharding
         assert all(torch.allclose(final[name], final_ddp[name], rtol=0, atol=1e-5) for name in final)
+        # the reference, mixed towards the policy after every step, is checkpointed whole: every name
+        # of its state dict, as without sharding
+        ref, ref_ddp = (torch.load(tmp_path / run / "checkpoint-2" / "trainer_state.pt", weights_only=False)["ref_model"]
+                        for run in ("whole", "ddp"))
+        assert {n: t.shape for n, t in ref.items()} == {n: t.shape for n, t in ref_ddp.items()}
+        assert ref.keys() == original.keys() and not torch.equal(ref["model.norm.weight"], original["model.norm.weight"])
+        assert all(torch.allclose(ref[name], ref_ddp[name], rtol=0, atol=1e-5) for name in ref)
 
     # an FSDP checkpoint opens on one process: the optimizer state, saved by parameter name, lands on
     # each parameter
@@ -85,6 +94,9 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     assert len(loaded) == len(by_name["state"]) == (16 if lora else len(original) - 1)  # lm_head is tied
     for parameter, moments in loaded.items():
         assert torch.equal(moments["exp_avg"], by_name["state"][names[parameter]]["exp_avg"])
+    if not lora:
+        reference = session.engine.ref_model.state_dict()
+        assert all(torch.equal(reference[name], tensor) for name, tensor in ref.items())
 
 
 @pytest.mark.slow
