@@ -354,9 +354,18 @@ class GRPOConfig:
     DDP)."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
-    the tensorboard package), "wandb" (the wandb package; metrics, config and completion tables) or
-    "all" (every supported one installed). TRL's other names (trackio, mlflow, comet_ml) are
-    accepted here but refused by the trainer with an error."""
+    the tensorboard package), "wandb", "trackio" (their packages; metrics, config and completion
+    tables), "mlflow" (mlflow or mlflow-skinny; metrics, config as parameters, completion tables as
+    artifacts) or "all" (every supported one installed). TRL's "comet_ml" is accepted here but
+    refused by the trainer with an error."""
+    run_name: str | None = None
+    """The run's name in wandb, trackio and MLflow; None lets each tracker pick one."""
+    project: str = "huggingface"
+    """The trackio project the trainer's runs are logged to (TRL's name and default)."""
+    trackio_space_id: str | None = None
+    """A Hugging Face Space (``user/name``) that trackio sends the runs to. None keeps them on this
+    machine, in trackio's local store, unless ``$TRACKIO_SPACE_ID`` is set (grpo_lab differs on purpose:
+    TRL's default, "trackio", creates a Space on the hub, which needs a login and publishes the run)."""
     use_cpu: bool = False
     """Train on the CPU even when a GPU is present."""
     disable_tqdm: bool = False

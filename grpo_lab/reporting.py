@@ -1,5 +1,5 @@
-"""Where the trainer sends metrics besides ``output_dir/metrics.jsonl``: TensorBoard and Weights &
-Biases, as ``report_to`` asks.
+"""Where the trainer sends metrics besides ``output_dir/metrics.jsonl``: TensorBoard, Weights &
+Biases, trackio and MLflow, as ``report_to`` asks.
 
 A reporter takes each step's metrics row (``log``), the completions of a step that the trainer
 prints with ``log_completions`` (``log_completions``, a pandas DataFrame) and ``close(failed)``. The
@@ -13,7 +13,7 @@ import os
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-SUPPORTED_REPORTERS = ("tensorboard", "wandb")
+SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """Where the trainer can send metrics besides ``output_dir/metrics.jsonl``."""
 
 
@@ -41,7 +41,7 @@ def reporter_names(report_to) -> list[str]:
 def open_reporters(names: list[str], config, output_dir: Path):
     """Yield one reporter per name in ``names`` (from :func:`reporter_names`); on the way out each is
     closed, told whether the run failed, even if another one fails to open or close."""
-    kinds = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter}
+    kinds = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter, "trackio": TrackioReporter, "mlflow": MLflowReporter}
     with ExitStack() as stack:
         yield [stack.enter_context(kinds[name](config, Path(output_dir))) for name in names]
 
@@ -101,7 +101,8 @@ class WandbReporter(_Reporter):
             directory = Path(os.environ.get("WANDB_DIR") or output_dir)
             directory.mkdir(parents=True, exist_ok=True)
             self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), config=config.to_dict(), dir=str(directory)
+                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), name=config.run_name, config=config.to_dict(),
+                dir=str(directory),
             )
         else:
             self.run = wandb.run
@@ -119,3 +120,77 @@ class WandbReporter(_Reporter):
     def close(self, failed: bool = False) -> None:
         if self.owns_run:
             self.run.finish(exit_code=1 if failed else None)
+
+
+class TrackioReporter(_Reporter):
+    """A trackio run in project ``config.project``, named ``config.run_name`` (else trackio names it):
+    the config once, each metrics row at its optimizer step, and the printed completions as a table
+    under ``completions``. Logged locally (``$TRACKIO_DIR``, by default trackio's cache directory;
+    ``trackio show`` opens the dashboard) unless ``config.trackio_space_id`` (or ``$TRACKIO_SPACE_ID``)
+    names a Hugging Face Space."""
+
+    def __init__(self, config, output_dir: Path):
+        import trackio
+
+        self.trackio = trackio
+        self.run = trackio.init(
+            project=config.project, name=config.run_name, space_id=config.trackio_space_id,
+            config=config.to_dict(), embed=False,
+        )
+
+    def log(self, row: dict) -> None:
+        self.run.log({key: value for key, value in row.items() if key != "step"}, step=row["step"])
+
+    def log_completions(self, step: int, completions) -> None:
+        self.run.log({"completions": self.trackio.Table(dataframe=completions.reset_index(drop=True))}, step=step)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish()
+
+
+class MLflowReporter(_Reporter):
+    """An MLflow run: the config as parameters, each metrics row at its optimizer step, and the
+    printed completions as a table artifact, ``completions/step_<N>.json``.
+
+    Continues the run already active in the process (``mlflow.start_run`` called by the user; its
+    parameters are left as they are, since MLflow's cannot change), else starts one named
+    ``config.run_name``, which ends FAILED when the training fails. Where runs go is MLflow's own
+    setting: ``$MLFLOW_TRACKING_URI`` (a tracking server, or a local store) and
+    ``$MLFLOW_EXPERIMENT_NAME``.
+    """
+
+    PARAMS_PER_CALL = 100
+    """MLflow takes at most 100 parameters in one request."""
+
+    def __init__(self, config, output_dir: Path):
+        import mlflow
+
+        self.mlflow = mlflow
+        active = mlflow.active_run()
+        self.owns_run = active is None
+        if active is None:
+            try:
+                active = mlflow.start_run(run_name=config.run_name)
+            except Exception as error:
+                raise RuntimeError(
+                    f"report_to=mlflow could not start an MLflow run at tracking URI {mlflow.get_tracking_uri()!r}: "
+                    f"{error} Set MLFLOW_TRACKING_URI to your tracking server (http://host:5000) or to a local store "
+                    "(sqlite:///mlflow.db needs the full mlflow package, not mlflow-skinny)."
+                ) from error
+            params = [(key, str(value)) for key, value in config.to_dict().items()]
+            for start in range(0, len(params), self.PARAMS_PER_CALL):
+                mlflow.log_params(dict(params[start:start + self.PARAMS_PER_CALL]), run_id=active.info.run_id)
+        self.run_id = active.info.run_id
+
+    def log(self, row: dict) -> None:
+        metrics = {key: float(value) for key, value in row.items() if key != "step"}
+        self.mlflow.log_metrics(metrics, step=row["step"], run_id=self.run_id)
+
+    def log_completions(self, step: int, completions) -> None:
+        self.mlflow.log_table(
+            completions.reset_index(drop=True), artifact_file=f"completions/step_{step}.json", run_id=self.run_id
+        )
+
+    def close(self, failed: bool = False) -> None:
+        if self.owns_run:
+            self.mlflow.end_run(status="FAILED" if failed else "FINISHED")

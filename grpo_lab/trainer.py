@@ -1,9 +1,10 @@
 """GRPOTrainer: the script loop over the same engine and state machine as GRPOSession.
 
 The trainer adds what a script run needs around the session's ``step()``: a progress bar, metrics
-appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard or Weights & Biases when ``report_to`` asks), a
-table of sample completions every ``logging_steps`` when ``log_completions`` is set, atomic
-checkpoints every ``save_steps`` with ``save_total_limit``, and exact resumption. Because it calls
+appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard, Weights & Biases, trackio or MLflow
+when ``report_to`` asks), a table of sample completions every ``logging_steps`` when
+``log_completions`` is set, atomic checkpoints every ``save_steps`` with ``save_total_limit``, and
+exact resumption. Because it calls
 the very same ``GRPOSession.step()``, N trainer steps and N session steps from the same seed give
 identical metrics and weights.
 """

@@ -2,11 +2,19 @@
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+TRACKIO_DIR = tempfile.mkdtemp(prefix="grpo_lab_tests_trackio_")
+os.environ["TRACKIO_DIR"] = TRACKIO_DIR  # trackio reads it once, when imported: not the user's own store
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(TRACKIO_DIR, ignore_errors=True)
 
 SMALL = dict(
     num_generations=4,

@@ -3,6 +3,7 @@
 import json
 import warnings
 import weakref
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -158,9 +159,76 @@ def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_pat
     assert config["note"] == "kept"
 
 
+def test_trackio_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path):
+    from trackio import SQLiteStorage
+
+    project = f"grpo_lab-{tmp_path.name}"
+    trainer = _trainer(task, tmp_path, max_steps=2, report_to="trackio", project=project, run_name="first",
+                       log_completions=True, num_completions_to_print=3)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = SQLiteStorage.get_logs(project, "first")
+    metrics = {entry["step"]: entry for entry in logged if "reward" in entry}
+    assert sorted(metrics) == [1, 2]
+    for row in rows:
+        values = {key: value for key, value in row.items() if key != "step"}
+        assert {key: metrics[row["step"]][key] for key in values} == pytest.approx(values)
+    tables = {entry["step"]: entry["completions"]["_value"] for entry in logged if "completions" in entry}
+    log = trainer.session.completions_log
+    assert sorted(tables) == [1, 2]
+    for step, table in tables.items():
+        assert [r["completion"] for r in table] == log[log["step"] == step].head(3)["completion"].tolist()
+    config = SQLiteStorage.get_run_config(project, "first")
+    assert config["learning_rate"] == 1e-3 and config["max_steps"] == 2
+
+
+@pytest.fixture
+def mlflow_store(monkeypatch, tmp_path):
+    """MLflow logging to a local file store (mlflow-skinny has no database store), its client."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    yield mlflow.MlflowClient()
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+
+
+def test_mlflow_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, mlflow_store):
+    trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="mlflow", run_name="first",
+                       log_completions=True, num_completions_to_print=3)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (run,) = mlflow_store.search_runs([e.experiment_id for e in mlflow_store.search_experiments()])
+    assert run.info.run_name == "first" and run.info.status == "FINISHED"
+    for name in ("reward", "loss", "entropy", "rewards/correctness_reward/mean"):
+        history = mlflow_store.get_metric_history(run.info.run_id, name)
+        assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r[name])) for r in rows]
+    assert run.data.params["learning_rate"] == "0.001" and run.data.params["max_steps"] == "2"
+    assert len(run.data.params) == len(trainer.args.to_dict()) > 100  # sent in requests of at most 100
+    log = trainer.session.completions_log
+    for step in (1, 2):
+        path = mlflow_store.download_artifacts(run.info.run_id, f"completions/step_{step}.json", str(tmp_path))
+        table = json.loads(Path(path).read_text())
+        column = table["columns"].index("completion")
+        assert [r[column] for r in table["data"]] == log[log["step"] == step].head(3)["completion"].tolist()
+
+
+def test_mlflow_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_path, mlflow_store):
+    import mlflow
+
+    with mlflow.start_run(run_name="mine") as run:
+        mlflow.log_param("learning_rate", "mine")  # MLflow's parameters cannot change: the trainer leaves them
+        _trainer(task, tmp_path / "out", max_steps=2, report_to="mlflow").train()
+        assert mlflow.active_run().info.run_id == run.info.run_id
+    finished = mlflow_store.get_run(run.info.run_id)
+    assert finished.data.params == {"learning_rate": "mine"} and finished.info.status == "FINISHED"
+    assert [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
 @pytest.mark.parametrize(("report_to", "error", "message"), [
-    ("mlflow", ValueError, r"report_to=mlflow is not supported.*metrics.jsonl"),
-    (["tensorboard", "trackio"], ValueError, r"report_to=trackio is not supported"),
+    ("comet_ml", ValueError, r"report_to=comet_ml is not supported.*metrics.jsonl"),
+    (["tensorboard", "comet_ml"], ValueError, r"report_to=comet_ml is not supported"),
 ])
 def test_unsupported_reporters_are_refused_before_the_model_loads(task, tmp_path, report_to, error, message):
     with pytest.raises(error, match=message):
@@ -178,7 +246,8 @@ def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(ta
     assert len(list((tmp_path / "tenth").glob("checkpoint-*"))) == 4  # ceil(0.1 * 4) = every step
 
 
-def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path, capsys, offline_wandb):
+def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path, capsys, offline_wandb,
+                                                                          mlflow_store):
     reference = _trainer(task, tmp_path / "ref", max_steps=4)
     reference.train()
 
@@ -192,7 +261,7 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
 
     funcs = [*task.reward_funcs, crashes_on_third_step]
     crashed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2,
-                       report_to=["tensorboard", "wandb"])
+                       report_to=["tensorboard", "wandb", "mlflow"])
     with pytest.raises(RuntimeError, match="simulated crash"):
         crashed.train()
     assert (tmp_path / "run" / "checkpoint-2" / "COMPLETE").exists()
@@ -206,6 +275,8 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     exits = [r.exit.exit_code for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1] and sorted(_wandb_history_and_config(run_file)[0]) == [1, 2]
+    (run,) = mlflow_store.search_runs([e.experiment_id for e in mlflow_store.search_experiments()])
+    assert run.info.status == "FAILED" and [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "loss")] == [1, 2]
 
     calls["n"] = 100  # the crash does not happen again
     resumed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
