@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_lab.reporting import SUPPORTED_REPORTERS
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -30,7 +32,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_MODES = ("colocate", "server")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
-REPORTERS = ("none", "all", "tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
+REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 
 NOT_YET_IMPLEMENTED = {
     "trust_remote_code": "pass it in model_init_kwargs={'trust_remote_code': True} instead",
@@ -354,12 +356,11 @@ class GRPOConfig:
     DDP)."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
-    the tensorboard package), "wandb", "trackio" (their packages; metrics, config and completion
-    tables), "mlflow" (mlflow or mlflow-skinny; metrics, config as parameters, completion tables as
-    artifacts) or "all" (every supported one installed). TRL's "comet_ml" is accepted here but
-    refused by the trainer with an error."""
+    the tensorboard package), "wandb", "trackio", "comet_ml" (their packages; metrics, config and
+    completion tables), "mlflow" (mlflow or mlflow-skinny; the same, the config as parameters) or
+    "all" (every one installed)."""
     run_name: str | None = None
-    """The run's name in wandb, trackio and MLflow; None lets each tracker pick one."""
+    """The run's name in wandb, trackio, MLflow and Comet; None lets each tracker pick one."""
     project: str = "huggingface"
     """The trackio project the trainer's runs are logged to (TRL's name and default)."""
     trackio_space_id: str | None = None

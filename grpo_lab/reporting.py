@@ -1,5 +1,5 @@
 """Where the trainer sends metrics besides ``output_dir/metrics.jsonl``: TensorBoard, Weights &
-Biases, trackio and MLflow, as ``report_to`` asks.
+Biases, trackio, MLflow and Comet, as ``report_to`` asks.
 
 A reporter takes each step's metrics row (``log``), the completions of a step that the trainer
 prints with ``log_completions`` (``log_completions``, a pandas DataFrame) and ``close(failed)``. The
@@ -13,27 +13,25 @@ import os
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow")
-"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl``."""
+SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
+"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl``: every tracker GRPOConfig
+accepts in ``report_to``."""
+
+PACKAGES = {"comet_ml": "comet-ml"}
+"""The package to install for a tracker whose module is named otherwise."""
 
 
 def reporter_names(report_to) -> list[str]:
-    """The reporters ``report_to`` asks for: "all" means every supported one that is installed; a
-    reporter grpo_lab cannot feed, or one not installed, is an error now rather than silence later."""
+    """The reporters ``report_to`` (names GRPOConfig accepts) asks for: "all" means every one that is
+    installed; one that is not installed is an error now rather than silence later."""
     wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
     if "all" in wanted:
         return [name for name in SUPPORTED_REPORTERS if importlib.util.find_spec(name) is not None]
     wanted = [name for name in wanted if name != "none"]
-    unsupported = [name for name in wanted if name not in SUPPORTED_REPORTERS]
-    if unsupported:
-        raise ValueError(
-            f"report_to={', '.join(unsupported)} is not supported by grpo_lab's trainer yet (supported: "
-            f"{', '.join(SUPPORTED_REPORTERS)}). Every metric is written to output_dir/metrics.jsonl, one JSON "
-            "row per step, which any tracker can import."
-        )
     missing = [name for name in wanted if importlib.util.find_spec(name) is None]
     if missing:
-        raise ImportError(f"report_to={', '.join(missing)} needs the package: pip install {' '.join(missing)}")
+        packages = " ".join(PACKAGES.get(name, name) for name in missing)
+        raise ImportError(f"report_to={', '.join(missing)} needs its package: pip install {packages}")
     return wanted
 
 
@@ -41,7 +39,10 @@ def reporter_names(report_to) -> list[str]:
 def open_reporters(names: list[str], config, output_dir: Path):
     """Yield one reporter per name in ``names`` (from :func:`reporter_names`); on the way out each is
     closed, told whether the run failed, even if another one fails to open or close."""
-    kinds = {"tensorboard": TensorBoardReporter, "wandb": WandbReporter, "trackio": TrackioReporter, "mlflow": MLflowReporter}
+    kinds = {
+        "tensorboard": TensorBoardReporter, "wandb": WandbReporter, "trackio": TrackioReporter, "mlflow": MLflowReporter,
+        "comet_ml": CometReporter,
+    }
     with ExitStack() as stack:
         yield [stack.enter_context(kinds[name](config, Path(output_dir))) for name in names]
 
@@ -194,3 +195,33 @@ class MLflowReporter(_Reporter):
     def close(self, failed: bool = False) -> None:
         if self.owns_run:
             self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
+
+
+class CometReporter(_Reporter):
+    """A Comet experiment named ``config.run_name``: the config as parameters, each metrics row at its
+    optimizer step, and the printed completions as tables, ``completions/step_<N>.json``.
+
+    Continues the experiment already running in the process (``comet_ml.start`` called by the user),
+    else starts one with Comet's own settings: ``$COMET_API_KEY``, ``$COMET_PROJECT_NAME``, and
+    ``COMET_START_ONLINE=false`` (with ``$COMET_OFFLINE_DIRECTORY``) to write an archive that
+    ``comet upload`` sends later.
+    """
+
+    def __init__(self, config, output_dir: Path):
+        import comet_ml
+
+        self.experiment = comet_ml.get_running_experiment()
+        self.owns_experiment = self.experiment is None
+        if self.owns_experiment:
+            self.experiment = comet_ml.start(experiment_config=comet_ml.ExperimentConfig(name=config.run_name))
+        self.experiment.log_parameters(config.to_dict())
+
+    def log(self, row: dict) -> None:
+        self.experiment.log_metrics({key: value for key, value in row.items() if key != "step"}, step=row["step"])
+
+    def log_completions(self, step: int, completions) -> None:
+        self.experiment.log_table(f"completions/step_{step}.json", tabular_data=completions.reset_index(drop=True))
+
+    def close(self, failed: bool = False) -> None:
+        if self.owns_experiment:
+            self.experiment.end()

@@ -368,11 +368,11 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
     assert error.count("\n") == 1 and "It holds a trainer's checkpoints: give one of them" in error
     assert error.rstrip().endswith(f"give one of them, e.g. the newest, {tmp_path / 'checkpoint-10'}.")
     with pytest.raises(SystemExit) as stopped:
-        cli_config(base, ["--max_steps", "three", "--report_to", "comet_ml"])
+        cli_config(base, ["--max_steps", "three", "--report_to", "clearml"])
     assert stopped.value.code == 2 and capsys.readouterr().err == "error: --max_steps: cannot read 'three' as int.\n"
     with pytest.raises(SystemExit) as stopped:
-        cli_config(base, ["--report_to", "comet_ml"])
-    assert stopped.value.code == 2 and capsys.readouterr().err.startswith("error: report_to=comet_ml is not supported by grpo_lab's trainer yet")
+        cli_config(base, ["--report_to", "clearml"])
+    assert stopped.value.code == 2 and capsys.readouterr().err.startswith("error: report_to='clearml' is not supported. Allowed")
 
 
 def test_the_example_recipe_trains(tmp_path):

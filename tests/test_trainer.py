@@ -226,13 +226,34 @@ def test_mlflow_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_pa
     assert [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "loss")] == [1, 2]
 
 
-@pytest.mark.parametrize(("report_to", "error", "message"), [
-    ("comet_ml", ValueError, r"report_to=comet_ml is not supported.*metrics.jsonl"),
-    (["tensorboard", "comet_ml"], ValueError, r"report_to=comet_ml is not supported"),
-])
-def test_unsupported_reporters_are_refused_before_the_model_loads(task, tmp_path, report_to, error, message):
-    with pytest.raises(error, match=message):
-        _trainer(task, tmp_path, report_to=report_to)
+def test_comet_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, monkeypatch):
+    import zipfile
+
+    monkeypatch.setenv("COMET_START_ONLINE", "false")  # an archive for `comet upload`, no account
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
+    trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="comet_ml", run_name="first",
+                       log_completions=True, num_completions_to_print=3)
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (archive,) = (tmp_path / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as files:
+        messages = [json.loads(line) for line in files.read("messages.json").splitlines()]
+        tables = [m["payload"] for m in messages if m["type"] == "file_upload" and m["payload"]["upload_type"] == "dataframe"]
+        uploads = {t["additional_params"]["fileName"]: json.loads(files.read(t["file_path"])) for t in tables}
+    metrics = {(m["payload"]["metric"]["step"], m["payload"]["metric"]["metricName"]): m["payload"]["metric"]["metricValue"]
+               for m in messages if m["type"] == "metric_msg"}
+    for row in rows:
+        values = {key: value for key, value in row.items() if key != "step"}
+        assert {key: metrics[row["step"], key] for key in values} == pytest.approx(values)
+    params = {m["payload"]["param"]["paramName"]: m["payload"]["param"]["paramValue"]
+              for m in messages if m["type"] == "parameter_msg"}
+    assert params["learning_rate"] == 1e-3 and params["max_steps"] == 2
+    names = [m["payload"]["value"] for m in messages if m["type"] == "log_other" and m["payload"]["key"] == "Name"]
+    assert names == ["first"]
+    log = trainer.session.completions_log
+    for step in (1, 2):
+        table = uploads[f"completions/step_{step}.json"]
+        assert list(table["completion"].values()) == log[log["step"] == step].head(3)["completion"].tolist()
 
 
 def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(task, tmp_path, capsys):
