@@ -256,6 +256,16 @@ def test_comet_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
         assert list(table["completion"].values()) == log[log["step"] == step].head(3)["completion"].tolist()
 
 
+def test_a_tracker_whose_package_is_missing_is_refused_before_the_model_loads(task, tmp_path, monkeypatch, capfd):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "comet_ml", None)  # how Python marks a module as not importable
+    capfd.readouterr()
+    with pytest.raises(ImportError, match=r"report_to=comet_ml needs its package: pip install comet-ml"):
+        _trainer(task, tmp_path, report_to=["tensorboard", "comet_ml"])
+    assert "Loading weights" not in capfd.readouterr().err
+
+
 def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(task, tmp_path, capsys):
     trainer = _trainer(task, tmp_path, max_steps=4, save_steps=0.5, logging_steps=0.6, log_completions=True,
                        num_completions_to_print=1)
