@@ -36,6 +36,11 @@ from large_model import large_model
 
 FRAMEWORKS = ("trl", "grpo_lab_trainer", "grpo_lab_session")
 
+TRACKERS = ("wandb", "trackio", "mlflow", "comet_ml", "tensorboard", "tensorboardX", "clearml", "dvclive", "swanlab")
+"""Experiment trackers. Neither run reports to one, but transformers imports the installed ones with
+TRL's trainer (and comet_ml patches libraries when imported): the children block them, so that
+memory and time are those of training alone."""
+
 
 INSTRUCTIONS = ("You add two whole numbers. Read both numbers, add them digit by digit from the right, "
                 "carry where a column passes nine, and answer with the sum only.")
@@ -116,6 +121,8 @@ def run_grpo_lab(case: dict, steps: int, output_dir: str, *, session: bool) -> t
 
 
 def child(framework: str, case_name: str, steps: int, workdir: str) -> None:
+    for name in TRACKERS:  # before transformers looks for them: None in sys.modules reads as not installed
+        sys.modules.setdefault(name, None)
     case = _case(case_name, Path(workdir))
     with tempfile.TemporaryDirectory() as out:
         if framework == "trl":
