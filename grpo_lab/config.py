@@ -37,7 +37,6 @@ REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 NOT_YET_IMPLEMENTED = {
     "trust_remote_code": "pass it in model_init_kwargs={'trust_remote_code': True} instead",
     "router_aux_loss_coef": "mixture-of-experts auxiliary loss is not wired into the objective",
-    "cast_lm_head_to_fp32": "the LM head keeps the model's dtype",
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
     "cache_implementation": "pass cache_implementation in generation_kwargs instead",
@@ -82,7 +81,9 @@ class GRPOConfig:
     disable_dropout: bool = False
     """Set every dropout probability to 0, so that log-probs of the same tokens are deterministic."""
     cast_lm_head_to_fp32: bool = False
-    """Keep the language-model head in float32 (ScaleRL recipe). Not implemented yet."""
+    """Keep the LM head of the policy (and reference) in float32 and compute the logits in float32,
+    whatever the model's dtype and mixed precision (ScaleRL recipe). Needs an output layer not tied to
+    the input embeddings (``tie_word_embeddings=False``), as in TRL."""
 
     # ------------------------------------------------------------------ data
     num_generations: int = 8

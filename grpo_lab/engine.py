@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 from grpo_lab import compact_forward, dist, notices, ops
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import (
+    cast_lm_head_to_fp32,
     enable_gradient_checkpointing,
     keep_4bit_layers_differentiable,
     load_causal_lm,
@@ -112,6 +113,8 @@ class Engine:
 
             policy = get_peft_model(policy, peft_config)
         self.is_peft = peft_config is not None or hasattr(policy, "disable_adapter") and hasattr(policy, "peft_config")
+        if config.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(policy)  # before the reference copy, which keeps it
         if config.disable_dropout:
             for module in policy.modules():
                 if isinstance(module, torch.nn.Dropout):

@@ -11,6 +11,8 @@ import os
 import re
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -83,6 +85,41 @@ def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedMo
     name = str(model)
     check_model_reference(name)
     return AutoModelForCausalLM.from_pretrained(name, **(model_init_kwargs or {}))
+
+
+class Float32Head(torch.nn.Linear):
+    """A linear output layer that computes in float32: its input is cast to float32 and autocast is
+    off inside it, so logits come out in float32 whatever the dtype of the rest of the model and of
+    mixed precision. ``cast_lm_head_to_fp32`` gives the LM head this class (its weights stay where
+    they are, so state dicts and saved models keep their names)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), self.weight, self.bias)
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """The ScaleRL recipe's float32 LM head (arXiv:2510.13786): the output layer's weights in float32
+    and its products computed in float32 (see :class:`Float32Head`), so the log-probs the loss and
+    the importance ratios use carry no bfloat16 rounding of the logits. Only for a model whose
+    output layer is a plain linear layer not tied to the input embeddings."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or type(head) not in (torch.nn.Linear, Float32Head):
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True needs the model's output layer to be a plain torch.nn.Linear (it is "
+            f"{type(head).__module__}.{type(head).__qualname__}: an adapter or a quantization wraps it). Leave it out of "
+            "the adapter's target_modules and out of quantization, or set cast_lm_head_to_fp32=False."
+        )
+    if embeddings is not None and head.weight is embeddings.weight:
+        raise ValueError(
+            "cast_lm_head_to_fp32=True needs an output layer of its own, but this model ties it to the input "
+            "embeddings (tie_word_embeddings=True in its config): casting it would cast the embeddings too (TRL "
+            "refuses it as well). Use a model with an output layer of its own (tie_word_embeddings=False), or set "
+            "cast_lm_head_to_fp32=False."
+        )
+    head.float()
+    head.__class__ = Float32Head
 
 
 def keep_4bit_layers_differentiable(model) -> None:

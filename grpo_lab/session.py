@@ -38,7 +38,7 @@ from grpo_lab.dist import (
     check_savable, full_model_state, full_optimizer_state, full_state, gather_to_main, launched_processes, on_main,
 )
 from grpo_lab.engine import Engine
-from grpo_lab.models import load_tokenizer
+from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
 STAGES = ("generate", "score", "advantages", "loss", "update")
@@ -47,14 +47,17 @@ STAGES = ("generate", "score", "advantages", "loss", "update")
 _BUILD_TIME_FIELDS = {
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
     "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "optim", "model_init_kwargs", "disable_dropout", "gradient_checkpointing", "gradient_checkpointing_kwargs", "bf16", "fp16",
+    "optim", "model_init_kwargs", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs", "bf16", "fp16",
     "use_cpu", "seed", "data_seed", "shuffle_dataset", "num_generations", "per_device_train_batch_size",
     "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
 }
 """Config fields read once, when the session is built: the model and its precision, the generation
 backend, the optimizer, the random seeds, the prompt order and the batch layout."""
 
-_MODEL_FIELDS = {"model_init_kwargs", "disable_dropout", "gradient_checkpointing", "gradient_checkpointing_kwargs"}
+_MODEL_FIELDS = {
+    "model_init_kwargs", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing", "gradient_checkpointing_kwargs",
+}
 """Build-time fields applied to the model itself, which a model given to ``load(model=)`` already has."""
 
 _BATCH_LAYOUT_FIELDS = {
@@ -500,6 +503,10 @@ class GRPOSession:
             from peft import AutoPeftModelForCausalLM
 
             model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True)
+        elif kwargs["args"].cast_lm_head_to_fp32:  # loaded in the model's dtype, the float32 head would be rounded
+            model = load_causal_lm(str(model_dir), kwargs["args"].model_init_kwargs)
+            cast_lm_head_to_fp32(model)
+            load_saved_weights(model, model_dir)
         else:
             model = str(model_dir)
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))

@@ -1,0 +1,72 @@
+"""cast_lm_head_to_fp32: a float32 output layer on a bfloat16 model (the ScaleRL recipe)."""
+
+import pytest
+import torch
+
+from grpo_lab import GRPOSession
+from grpo_lab.models import Float32Head
+from tests.conftest import SMALL
+
+
+@pytest.fixture(scope="module")
+def untied_bf16(task, tmp_path_factory):
+    """The shipped model with an output layer of its own (a copy of the embeddings), in bfloat16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(task.model, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    directory = tmp_path_factory.mktemp("untied_bf16")
+    model.to(torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(task.model).save_pretrained(directory)
+    return str(directory)
+
+
+def _session(task, model, tmp_path, **overrides):
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "bf16": True, **overrides})
+    return GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+
+
+def test_the_head_computes_float32_logits_from_the_bfloat16_hidden_states_under_autocast(task, untied_bf16, tmp_path):
+    plain = _session(task, untied_bf16, tmp_path / "plain")
+    cast = _session(task, untied_bf16, tmp_path / "cast", cast_lm_head_to_fp32=True)
+    ids = torch.tensor([[5, 17, 30, 41, 8]])
+    for session, fp32 in ((plain, False), (cast, True)):
+        model = session.engine.unwrapped_model
+        assert model.lm_head.weight.dtype == (torch.float32 if fp32 else torch.bfloat16)
+        assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+        with torch.no_grad(), session.engine.accelerator.autocast():
+            logits = model(ids).logits  # float32 either way: accelerate converts the outputs
+            hidden = model.model(ids).last_hidden_state
+        assert hidden.dtype == torch.bfloat16
+        # the float32 products of the bfloat16 hidden states, not bfloat16 products rounded
+        assert torch.equal(logits, hidden.float() @ model.lm_head.weight.float().T) == fp32
+
+
+def test_a_step_keeps_the_float32_head_in_the_policy_the_reference_and_a_reloaded_session(task, untied_bf16, tmp_path):
+    session = _session(task, untied_bf16, tmp_path, cast_lm_head_to_fp32=True, beta=0.1, learning_rate=1e-2)
+    before = session.engine.unwrapped_model.lm_head.weight.detach().clone()
+    session.step()
+    head = session.engine.unwrapped_model.lm_head
+    assert type(head) is Float32Head and type(session.engine.ref_model.lm_head) is Float32Head
+    assert head.weight.dtype == session.engine.ref_model.lm_head.weight.dtype == torch.float32
+    # an update smaller than bfloat16's spacing at these values survives only in float32
+    assert not torch.equal(head.weight, before) and not torch.equal(head.weight, head.weight.bfloat16().float())
+    session.save(tmp_path / "saved")
+    loaded = GRPOSession.load(tmp_path / "saved")
+    assert torch.equal(loaded.engine.unwrapped_model.lm_head.weight, head.weight)  # not rounded to the model's dtype
+    assert loaded.step()["step"] == 2
+
+
+def test_a_tied_output_layer_is_refused_with_the_fix(task, tmp_path):
+    with pytest.raises(ValueError, match=r"ties it to the input embeddings.*tie_word_embeddings=False.*cast_lm_head_to_fp32=False"):
+        _session(task, task.model, tmp_path, cast_lm_head_to_fp32=True)
+
+
+def test_an_adapter_on_the_output_layer_is_refused_with_the_fix(task, untied_bf16, tmp_path):
+    from peft import LoraConfig
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "cast_lm_head_to_fp32": True})
+    with pytest.raises(ValueError, match=r"plain torch.nn.Linear \(it is peft\.tuners\.lora\..*Linear: an adapter.*target_modules"):
+        GRPOSession(untied_bf16, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                    peft_config=LoraConfig(r=4, target_modules=["lm_head"], task_type="CAUSAL_LM"))
