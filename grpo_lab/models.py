@@ -94,8 +94,9 @@ class Float32Head(torch.nn.Linear):
     they are, so state dicts and saved models keep their names)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            return F.linear(hidden.float(), self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        with torch.autocast(hidden.device.type, enabled=False):  # .float(): FSDP's mixed precision may cast the weights
+            return F.linear(hidden.float(), self.weight.float(), bias)
 
 
 def cast_lm_head_to_fp32(model) -> None:
