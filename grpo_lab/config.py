@@ -42,7 +42,6 @@ NOT_YET_IMPLEMENTED = {
     "cache_implementation": "pass cache_implementation in generation_kwargs instead",
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
     "max_tool_calling_iterations": "tool calling during generation is not available yet",
-    "log_unique_prompts": "completion logging always shows every completion",
     "log_completions_hub_repo": "nothing is uploaded to the Hub",
     "use_transformers_continuous_batching": "generation uses transformers' padded generate()",
     "transformers_continuous_batching_config": "generation uses transformers' padded generate()",
@@ -267,7 +266,8 @@ class GRPOConfig:
     num_completions_to_print: int | None = None
     """Rows of that table; None prints all."""
     log_unique_prompts: bool = False
-    """Log one row per prompt only. Not implemented yet."""
+    """The trainer's completion table (printed and sent to the trackers) shows each prompt once, with
+    its first completion, instead of every completion."""
     log_completions_hub_repo: str | None = None
     """Upload logged completions to a Hub dataset. Not implemented yet."""
     use_transformers_continuous_batching: bool = False

@@ -132,6 +132,8 @@ class GRPOTrainer:
         if self.args.log_completions and row["step"] % completions_every == 0:
             log = self.session.completions_log
             rows = log[log["step"] == log["step"].max()]
+            if self.args.log_unique_prompts:
+                rows = rows.drop_duplicates(subset="prompt")
             if self.args.num_completions_to_print:
                 rows = rows.head(self.args.num_completions_to_print)
             self._print_completions(row["step"], rows)

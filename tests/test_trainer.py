@@ -49,6 +49,19 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys
     torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
 
 
+def test_log_unique_prompts_shows_each_prompt_of_a_step_once_with_its_first_completion(task, tmp_path, capsys):
+    trainer = _trainer(task, tmp_path, max_steps=2, log_completions=True, log_unique_prompts=True)
+    trainer.train()
+    printed = [line.split("│")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    log = trainer.session.completions_log
+    expected = []
+    for step in (1, 2):
+        rows = log[log["step"] == step]  # 2 prompts x 4 completions a step
+        assert rows["prompt"].nunique() == 2
+        expected += [[p, c] for p, c in rows.groupby("prompt", sort=False).first()["completion"].items()]
+    assert [[cell.strip() for cell in row] for row in printed] == expected
+
+
 def test_train_again_on_a_finished_run_does_nothing_until_max_steps_is_raised(task, tmp_path):
     trainer = _trainer(task, tmp_path, max_steps=2, report_to="tensorboard")
     last = trainer.train()
