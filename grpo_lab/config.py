@@ -35,7 +35,6 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 
 NOT_YET_IMPLEMENTED = {
-    "trust_remote_code": "pass it in model_init_kwargs={'trust_remote_code': True} instead",
     "router_aux_loss_coef": "mixture-of-experts auxiliary loss is not wired into the objective",
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
@@ -74,7 +73,8 @@ class GRPOConfig:
     """Keyword arguments for ``AutoModelForCausalLM.from_pretrained`` when the model is given as a path
     or hub id (a dict, or a JSON string on the command line), e.g. ``{"dtype": "bfloat16"}``."""
     trust_remote_code: bool = False
-    """Run model code shipped with a checkpoint. Not implemented yet: pass it in model_init_kwargs."""
+    """Run the model code a checkpoint ships (its ``auto_map``) when loading the policy, reference and
+    reward models, their tokenizers and colocated vLLM. Only for checkpoints whose code you trust."""
     router_aux_loss_coef: float | None = None
     """Weight of a mixture-of-experts router loss added to the objective. Not implemented yet."""
     disable_dropout: bool = False
@@ -539,6 +539,14 @@ class GRPOConfig:
                 "steps_per_generation or num_generations."
             )
         return Batching(num_processes=num_processes, generation_batch_size=size, steps_per_generation=steps)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What ``from_pretrained`` gets for the policy and reward models: ``model_init_kwargs``, with
+        ``trust_remote_code`` when it is set."""
+        kwargs = dict(self.model_init_kwargs or {})
+        if self.trust_remote_code:
+            kwargs.setdefault("trust_remote_code", True)
+        return kwargs
 
     def resolved_precision(self) -> str:
         """``"bf16"``, ``"fp16"`` or ``"fp32"``: what bf16/fp16 mean on this machine."""

@@ -101,9 +101,9 @@ class Engine:
         if processing_class is None:
             if not name:
                 raise ValueError("processing_class is required when the model has no name to load a tokenizer from.")
-            processing_class = load_tokenizer(name)
+            processing_class = load_tokenizer(name, trust_remote_code=config.trust_remote_code)
         self.tokenizer = prepare_tokenizer(processing_class)
-        policy = load_causal_lm(model, config.model_init_kwargs)
+        policy = load_causal_lm(model, config.model_kwargs())
         keep_4bit_layers_differentiable(policy)
         self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
         self._remove_model_copy = lambda: None
@@ -157,7 +157,7 @@ class Engine:
         self.owns_scheduler = scheduler is None
         self.scheduler = self._new_scheduler() if scheduler is None else scheduler
         funcs, classes, names = prepare_reward_funcs(
-            reward_funcs, reward_processing_classes, config.model_init_kwargs, columns=self.reward_columns()
+            reward_funcs, reward_processing_classes, config.model_kwargs(), columns=self.reward_columns()
         )
         self.reward_funcs, self.reward_processing_classes, self.reward_names = funcs, classes, names
         for func in funcs:

@@ -136,7 +136,7 @@ class GRPOSession:
         from grpo_lab.rewards import prepare_reward_funcs
 
         self.engine.reward_funcs, self.engine.reward_processing_classes, self.engine.reward_names = (
-            prepare_reward_funcs(funcs, None, self.config.model_init_kwargs, columns=self.engine.reward_columns())
+            prepare_reward_funcs(funcs, None, self.config.model_kwargs(), columns=self.engine.reward_columns())
         )
 
     @property
@@ -502,14 +502,14 @@ class GRPOSession:
         elif (model_dir / "adapter_config.json").exists():
             from peft import AutoPeftModelForCausalLM
 
-            model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True)
+            model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True, **kwargs["args"].model_kwargs())
         elif kwargs["args"].cast_lm_head_to_fp32:  # loaded in the model's dtype, the float32 head would be rounded
-            model = load_causal_lm(str(model_dir), kwargs["args"].model_init_kwargs)
+            model = load_causal_lm(str(model_dir), kwargs["args"].model_kwargs())
             cast_lm_head_to_fp32(model)
             load_saved_weights(model, model_dir)
         else:
             model = str(model_dir)
-        kwargs.setdefault("processing_class", load_tokenizer(str(model_dir)))
+        kwargs.setdefault("processing_class", load_tokenizer(str(model_dir), trust_remote_code=kwargs["args"].trust_remote_code))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         accelerator = session.engine.accelerator
         own = own_process_state(state, accelerator.process_index, accelerator.num_processes)

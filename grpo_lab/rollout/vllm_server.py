@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-impl", default="vllm", choices=["vllm", "transformers", "auto"], help="vLLM's model implementation.")
     parser.add_argument("--seed", type=int, default=0, help="Engine seed (each request also carries its own seed).")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="Run the model code the checkpoint ships (the trainer's trust_remote_code)."
+    )
     return parser
 
 
@@ -176,6 +179,7 @@ def serve(argv: list[str] | None = None) -> None:
         args.model, max_lora_rank=args.max_lora_rank, seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, model_impl=args.model_impl,
+        trust_remote_code=args.trust_remote_code,
     )
     service = GenerationService(engine, args.model, args.max_lora_rank)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(service))
