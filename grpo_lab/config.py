@@ -82,7 +82,9 @@ class GRPOConfig:
     cast_lm_head_to_fp32: bool = False
     """Keep the LM head of the policy (and reference) in float32 and compute the logits in float32,
     whatever the model's dtype and mixed precision (ScaleRL recipe). Needs an output layer not tied to
-    the input embeddings (``tie_word_embeddings=False``), as in TRL."""
+    the input embeddings (``tie_word_embeddings=False``), as in TRL. Under FSDP with mixed precision
+    the head's float32 weights are gathered in the mixed-precision dtype, so the products are float32
+    but of rounded weights; FSDP without mixed precision needs float32 weights."""
 
     # ------------------------------------------------------------------ data
     num_generations: int = 8
@@ -542,10 +544,10 @@ class GRPOConfig:
 
     def model_kwargs(self) -> dict[str, Any]:
         """What ``from_pretrained`` gets for the policy and reward models: ``model_init_kwargs``, with
-        ``trust_remote_code`` when it is set."""
+        ``trust_remote_code`` always given (True when this field or ``model_init_kwargs`` says so), so
+        that a checkpoint's code is refused outright rather than asked about on a terminal."""
         kwargs = dict(self.model_init_kwargs or {})
-        if self.trust_remote_code:
-            kwargs.setdefault("trust_remote_code", True)
+        kwargs["trust_remote_code"] = bool(self.trust_remote_code or kwargs.get("trust_remote_code"))
         return kwargs
 
     def resolved_precision(self) -> str:

@@ -101,7 +101,7 @@ class Engine:
         if processing_class is None:
             if not name:
                 raise ValueError("processing_class is required when the model has no name to load a tokenizer from.")
-            processing_class = load_tokenizer(name, trust_remote_code=config.trust_remote_code)
+            processing_class = load_tokenizer(name, trust_remote_code=config.model_kwargs()["trust_remote_code"])
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_kwargs())
         keep_4bit_layers_differentiable(policy)
@@ -115,6 +115,14 @@ class Engine:
         self.is_peft = peft_config is not None or hasattr(policy, "disable_adapter") and hasattr(policy, "peft_config")
         if config.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(policy)  # before the reference copy, which keeps it
+            half = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
+            if half and dist.sharding(self.accelerator) == "fsdp" and self.accelerator.mixed_precision == "no":
+                raise ValueError(
+                    f"cast_lm_head_to_fp32=True under FSDP without mixed precision, on {', '.join(half)} weights: FSDP "
+                    "shards the output layer with the final norm and needs one dtype among the trainable parameters it "
+                    "shards together. Train with mixed precision (bf16=True: accelerate keeps the weights in float32), "
+                    "or load the model in float32."
+                )
         if config.disable_dropout:
             for module in policy.modules():
                 if isinstance(module, torch.nn.Dropout):

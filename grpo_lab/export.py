@@ -89,7 +89,7 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
         if edits:
             base = dataclasses.replace(base, **edits)
         config = GRPOConfig.from_args(rest, base=base)
-        reporter_names(config.report_to)  # an unsupported or missing tracker, before the model loads
+        reporter_names(config.report_to)  # a tracker that is not installed, before the model loads
         return config, known.resume_from
     except (FileNotFoundError, ImportError, ValueError, TypeError, NotImplementedError) as error:
         print(f"error: {'--resume_from: ' if isinstance(error, FileNotFoundError) else ''}{error}", file=sys.stderr)

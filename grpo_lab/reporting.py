@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -150,8 +151,9 @@ class TrackioReporter(_Reporter):
 
 
 class MLflowReporter(_Reporter):
-    """An MLflow run: the config as parameters, each metrics row at its optimizer step, and the
-    printed completions as a table artifact, ``completions/step_<N>.json``.
+    """An MLflow run: the config as parameters, each metrics row at its optimizer step (names MLflow
+    refuses, such as a lambda's ``rewards/<lambda>/mean``, with "_" for the characters it does not
+    take), and the printed completions as a table artifact, ``completions/step_<N>.json``.
 
     Continues the run already active in the process (``mlflow.start_run`` called by the user; its
     parameters are left as they are, since MLflow's cannot change), else starts one named
@@ -184,8 +186,14 @@ class MLflowReporter(_Reporter):
         self.run_id = active.info.run_id
 
     def log(self, row: dict) -> None:
-        metrics = {key: float(value) for key, value in row.items() if key != "step"}
+        metrics = {self.metric_name(key): float(value) for key, value in row.items() if key != "step"}
         self.mlflow.log_metrics(metrics, step=row["step"], run_id=self.run_id)
+
+    @staticmethod
+    def metric_name(key: str) -> str:
+        """``key`` with every character MLflow refuses in a metric name (it takes letters, digits and
+        ``_-. :/``) replaced by "_": a lambda's reward is ``rewards/<lambda>/mean``."""
+        return re.sub(r"[^\w\-. :/]", "_", key)
 
     def log_completions(self, step: int, completions) -> None:
         self.mlflow.log_table(

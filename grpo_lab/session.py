@@ -47,7 +47,7 @@ STAGES = ("generate", "score", "advantages", "loss", "update")
 _BUILD_TIME_FIELDS = {
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
     "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "optim", "model_init_kwargs", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
+    "optim", "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
     "gradient_checkpointing_kwargs", "bf16", "fp16",
     "use_cpu", "seed", "data_seed", "shuffle_dataset", "num_generations", "per_device_train_batch_size",
     "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
@@ -56,7 +56,8 @@ _BUILD_TIME_FIELDS = {
 backend, the optimizer, the random seeds, the prompt order and the batch layout."""
 
 _MODEL_FIELDS = {
-    "model_init_kwargs", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing", "gradient_checkpointing_kwargs",
+    "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
 }
 """Build-time fields applied to the model itself, which a model given to ``load(model=)`` already has."""
 
@@ -421,8 +422,9 @@ class GRPOSession:
 
         Under ``accelerate launch`` every process calls it (as ``GRPOTrainer`` does): each one's
         random state and share of a half-finished batch are gathered, and the main process writes.
-        Under FSDP the shards of the weights and optimizer state are gathered too: the checkpoint
-        holds the whole model and loads on any number of processes (DeepSpeed ZeRO is refused).
+        Under FSDP the shards of the weights, the optimizer state and a reference model are gathered
+        too: the checkpoint holds the whole model and loads on any number of processes (DeepSpeed ZeRO
+        is refused).
         """
         self._sync_config()
         engine = self.engine
@@ -498,6 +500,8 @@ class GRPOSession:
         )
         model_dir = directory / MODEL_DIR
         if model is not None:
+            if kwargs["args"].cast_lm_head_to_fp32:  # before the copy, which would round a float32 head
+                cast_lm_head_to_fp32(model)
             load_saved_weights(model, model_dir)
         elif (model_dir / "adapter_config.json").exists():
             from peft import AutoPeftModelForCausalLM
@@ -509,7 +513,8 @@ class GRPOSession:
             load_saved_weights(model, model_dir)
         else:
             model = str(model_dir)
-        kwargs.setdefault("processing_class", load_tokenizer(str(model_dir), trust_remote_code=kwargs["args"].trust_remote_code))
+        remote_code = kwargs["args"].model_kwargs()["trust_remote_code"]
+        kwargs.setdefault("processing_class", load_tokenizer(str(model_dir), trust_remote_code=remote_code))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         accelerator = session.engine.accelerator
         own = own_process_state(state, accelerator.process_index, accelerator.num_processes)

@@ -1,8 +1,8 @@
 """GRPOTrainer: the script loop over the same engine and state machine as GRPOSession.
 
 The trainer adds what a script run needs around the session's ``step()``: a progress bar, metrics
-appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard, Weights & Biases, trackio or MLflow
-when ``report_to`` asks), a table of sample completions every ``logging_steps`` when
+appended to ``<output_dir>/metrics.jsonl`` (and TensorBoard, Weights & Biases, trackio, MLflow or
+Comet when ``report_to`` asks), a table of sample completions every ``logging_steps`` when
 ``log_completions`` is set, atomic checkpoints every ``save_steps`` with ``save_total_limit``, and
 exact resumption. Because it calls
 the very same ``GRPOSession.step()``, N trainer steps and N session steps from the same seed give
@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 from grpo_lab import notices
@@ -109,18 +110,28 @@ class GRPOTrainer:
         log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}
         shown = main and self.args.disable_tqdm is not True
-        # closed however the run ends: what was logged before a crash reaches the reporters' files
-        with open_reporters(self.reporters if main else [], self.args, self.output_dir) as sinks:
+        # The trackers live on the main process; opening them, logging a step and closing them go
+        # through on_main, so that a failure there stops every process with its cause.
+        closing, sinks = ExitStack(), []
+
+        def open_trackers() -> None:
+            sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir)))
+
+        on_main(self.accelerator, f"open the trackers report_to names ({', '.join(self.reporters)})", open_trackers)
+        try:
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
                     row = self.session.step()
                     bar.advance(row)
-                    if main:
-                        self._log(row, sinks, log_every)
+                    on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
                     if row["step"] % save_every == 0:
                         self.save_checkpoint()
             if row and row["step"] % save_every:
                 self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
+        except BaseException as error:
+            closing.__exit__(type(error), error, error.__traceback__)  # what was logged reaches the trackers, marked failed
+            raise
+        on_main(self.accelerator, "close the trackers", closing.close)
         return row
 
     def _log(self, row: dict, sinks: list, completions_every: int) -> None:

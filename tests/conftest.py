@@ -3,6 +3,8 @@
 import importlib.util
 import os
 import shutil
+import socket
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +17,16 @@ os.environ["TRACKIO_DIR"] = TRACKIO_DIR  # trackio reads it once, when imported:
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(TRACKIO_DIR, ignore_errors=True)
+
+def launch_two(*options: str) -> list[str]:
+    """``accelerate launch`` of 2 processes on this machine with ``options``, on a free port:
+    accelerate refuses its default port (29500) while anything else on the machine listens there."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", *options, "--num_processes", "2", "--num_machines", "1",
+            "--main_process_port", str(port)]
+
 
 SMALL = dict(
     num_generations=4,
@@ -53,6 +65,22 @@ def make_session(task, tmp_path):
         )
 
     return make
+
+
+@pytest.fixture(scope="session")
+def untied_bf16(task, tmp_path_factory):
+    """The shipped model with an output layer of its own (a copy of the embeddings), in bfloat16: a
+    directory for ``cast_lm_head_to_fp32``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(task.model, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    directory = tmp_path_factory.mktemp("untied_bf16")
+    model.to(torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(task.model).save_pretrained(directory)
+    return str(directory)
 
 
 @pytest.fixture

@@ -22,6 +22,9 @@ Modes:
                                       accelerate's own choice on CPU, plain data parallel
     optimizer CHECKPOINT OUT          load CHECKPOINT and write the optimizer state gathered from the
                                       shards, keyed by parameter name, to OUT (torch.save)
+    fp32head MODEL OUT                build a session on MODEL (bfloat16 weights) with
+                                      cast_lm_head_to_fp32=True and no mixed precision; the main
+                                      process prints the error
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def fsdp_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "optimizer"])
+    parser.add_argument("mode", choices=["train", "optimizer", "fp32head"])
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--resume")
     parser.add_argument("--lora", action="store_true")
@@ -69,6 +72,17 @@ def main() -> None:
         if engine.accelerator.is_main_process:
             torch.save(state, out)
         engine.accelerator.end_training()
+        return
+    if args.mode == "fp32head":
+        model, out = args.paths
+        config = GRPOConfig(output_dir=out, cast_lm_head_to_fp32=True, bf16=False, num_generations=4,
+                            per_device_train_batch_size=4)
+        try:
+            GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+        except ValueError as error:
+            if PartialState().is_main_process:
+                print(f"refused: {error}", flush=True)
+        PartialState().destroy_process_group()
         return
     (out,) = args.paths
     reference = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)

@@ -9,6 +9,7 @@ import pytest
 from accelerate.utils import DistributedType
 
 from grpo_lab.dist import check_savable
+from tests.conftest import launch_two
 
 BUILD = "from grpo_lab.dist import make_accelerator; print(make_accelerator('fp32', use_cpu=True).distributed_type)"
 
@@ -72,8 +73,7 @@ trainer.accelerator.end_training()
 def test_a_checkpoint_write_failing_on_the_main_process_stops_every_process_with_its_cause(tmp_path):
     (tmp_path / "run.py").write_text(FAILING_SAVE)
     out = tmp_path / "out"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch = launch_two("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no")
     # the other process used to wait at a barrier until gloo lost the main one; the timeout catches a hang
     done = subprocess.run([*launch, str(tmp_path / "run.py"), str(out)], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)

@@ -13,6 +13,7 @@ import yaml
 
 from grpo_lab.config import GRPOConfig
 from grpo_lab.export import ExportError, cli_config, export_notebook, reward_function_code
+from tests.conftest import launch_two
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 OFFSET = 0.25
@@ -24,10 +25,9 @@ def offset_reward(completions, **kwargs):
 
 
 def _run(args, cwd, **env):
-    return subprocess.run(
-        args, cwd=cwd, check=True, capture_output=True, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
-    )
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    assert done.returncode == 0, f"{' '.join(map(str, args))} failed:\n{done.stderr[-6000:]}"
+    return done
 
 
 def _rows(path):
@@ -293,15 +293,14 @@ def test_notebook_without_exported_session_is_rejected(tmp_path):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
 
 
-LAUNCH_TWO = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+DDP_OPTIONS = ("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
 @pytest.mark.slow
 def test_two_process_ddp_run_of_an_exported_script_tracks_one_process(make_session, tmp_path):
     session = make_session(per_device_train_batch_size=8, max_steps=3, save_steps=3)
     script = session.export_script(tmp_path / "train.py")
-    _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "ddp"), "--per_device_train_batch_size", "4"],
+    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "ddp"), "--per_device_train_batch_size", "4"],
          cwd=tmp_path)
     _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one")], cwd=tmp_path)
     ddp, one = _rows(tmp_path / "ddp" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
@@ -322,8 +321,8 @@ def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninter
     # random state
     session = make_session(per_device_train_batch_size=4, num_iterations=2, max_steps=6, save_steps=3)
     script = session.export_script(tmp_path / "train.py")
-    _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "whole")], cwd=tmp_path)
-    _run([*LAUNCH_TWO, str(script), "--output_dir", str(tmp_path / "resumed"),
+    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "whole")], cwd=tmp_path)
+    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "resumed"),
           "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
     whole, resumed = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in resumed] == [4, 5, 6]

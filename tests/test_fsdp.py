@@ -5,21 +5,24 @@ sharding."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import launch_two
+
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_FSDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2",
-               str(ROOT / "tests" / "fsdp_on_cpu.py")]
+
+
+def _fsdp_command(*args) -> list[str]:
+    return [*launch_two("--config_file", str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml")),
+            str(ROOT / "tests" / "fsdp_on_cpu.py"), *map(str, args)]
 
 
 def _launch(*args):
-    done = subprocess.run([*LAUNCH_FSDP, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run(_fsdp_command(*args), cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)  # a collective missed hangs
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr
@@ -114,3 +117,12 @@ def test_a_one_process_checkpoint_opens_under_fsdp_with_its_optimizer_state_cut_
     for index, moments in positional["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(gathered["state"][names[index]][key], moments[key])
+
+
+@pytest.mark.slow
+def test_a_float32_head_on_half_precision_weights_without_mixed_precision_is_refused_under_fsdp(untied_bf16, tmp_path):
+    done = subprocess.run(_fsdp_command("fp32head", untied_bf16, tmp_path), cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.startswith("refused: cast_lm_head_to_fp32=True under FSDP without mixed precision, on "
+                                  "torch.bfloat16 weights") and "bf16=True" in done.stdout

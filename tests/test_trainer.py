@@ -208,14 +208,15 @@ def mlflow_store(monkeypatch, tmp_path):
 
 
 def test_mlflow_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, mlflow_store):
-    trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="mlflow", run_name="first",
+    funcs = [*task.reward_funcs, lambda completions, **kwargs: [0.5] * len(completions)]  # "<lambda>": not an MLflow name
+    trainer = _trainer(task, tmp_path / "out", reward_funcs=funcs, max_steps=2, report_to="mlflow", run_name="first",
                        log_completions=True, num_completions_to_print=3)
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     (run,) = mlflow_store.search_runs([e.experiment_id for e in mlflow_store.search_experiments()])
     assert run.info.run_name == "first" and run.info.status == "FINISHED"
-    for name in ("reward", "loss", "entropy", "rewards/correctness_reward/mean"):
-        history = mlflow_store.get_metric_history(run.info.run_id, name)
+    for name in ("reward", "loss", "entropy", "rewards/correctness_reward/mean", "rewards/<lambda>/mean"):
+        history = mlflow_store.get_metric_history(run.info.run_id, name.replace("<lambda>", "_lambda_"))
         assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r[name])) for r in rows]
     assert run.data.params["learning_rate"] == "0.001" and run.data.params["max_steps"] == "2"
     assert len(run.data.params) == len(trainer.args.to_dict()) > 100  # sent in requests of at most 100

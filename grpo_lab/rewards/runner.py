@@ -114,7 +114,7 @@ def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_ini
         if isinstance(func, PreTrainedModel):
             func.eval().requires_grad_(False)
             if tokenizer is None:
-                remote_code = bool((model_init_kwargs or {}).get("trust_remote_code"))
+                remote_code = bool((model_init_kwargs or {}).get("trust_remote_code"))  # from config.model_kwargs()
                 tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path, trust_remote_code=remote_code)
             if tokenizer.pad_token is None:
                 tokenizer.pad_token = tokenizer.eos_token

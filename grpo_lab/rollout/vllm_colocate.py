@@ -44,7 +44,7 @@ class VLLMColocateBackend:
             max_model_len=config.vllm_max_model_length,
             tensor_parallel_size=config.vllm_tensor_parallel_size,
             model_impl=config.vllm_model_impl,
-            trust_remote_code=config.trust_remote_code,
+            trust_remote_code=config.model_kwargs()["trust_remote_code"],
             dtype=training_dtype(config),  # the same precision on both sides keeps their log-probs close
         )
         self.enable_sleep_mode = config.vllm_enable_sleep_mode

@@ -23,6 +23,7 @@ from grpo_lab.rollout.prompts import render_prompts
 from grpo_lab.rollout.vllm_client import ServerError, VLLMServerBackend
 from grpo_lab.views import data
 from grpo_lab.tasks import TINY_MODEL_DIR, default_task
+from tests.conftest import launch_two
 
 pytestmark = pytest.mark.vllm
 
@@ -291,8 +292,7 @@ trainer.train()
 """)
     distributed = (["--config_file", str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml")] if sharded
                    else ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"])
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *distributed, "--num_processes", "2",
-              "--num_machines", "1", str(script)]
+    launch = [*launch_two(*distributed), str(script)]
     result = subprocess.run(launch, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"PARAMETERS {['DTensor'] if sharded else ['Parameter']}" in result.stdout
