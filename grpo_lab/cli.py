@@ -121,7 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = build_trainer(args.recipe, overrides)
     last = trainer.train(resume_from_checkpoint=args.resume_from)
     trainer.save_model()
-    trainer.accelerator.end_training()  # under accelerate launch: ends the process group
+    trainer.close()  # frees the model and ends the process group of an accelerate launch
     if args.json:
         print(json.dumps(last))
     return 0

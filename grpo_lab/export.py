@@ -240,7 +240,7 @@ def export_session(session, path: str | Path) -> Path:
         "    )",
         "    trainer.train(resume_from_checkpoint=resume_from)",
         "    trainer.save_model()",
-        "    trainer.accelerator.end_training()  # under accelerate launch: ends the process group",
+        "    trainer.close()  # frees the model and ends the process group of an accelerate launch",
         "",
         "",
         'if __name__ == "__main__":',
@@ -592,7 +592,7 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
         "",
         f"    {target}.train(resume_from_checkpoint=_RESUME_FROM)",
         f"    {target}.save_model()",
-        f"    {target}.accelerator.end_training()  # under accelerate launch: ends the process group",
+        f"    {target}.close()  # frees the model and ends the process group of an accelerate launch",
         "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -73,8 +73,8 @@ class GRPOTrainer:
         """
         if self.session is None and not resume_from_checkpoint:
             raise RuntimeError(
-                "This trainer released its model for a resume that failed (see that error); call "
-                "train(resume_from_checkpoint=...) again, or build a new GRPOTrainer."
+                "This trainer has no model: it was closed, or it released its model for a resume that failed (see "
+                "that error). Call train(resume_from_checkpoint=...), or build a new GRPOTrainer."
             )
         fresh = not resume_from_checkpoint and self.session.global_step == 0  # not this trainer's own run, continued
         if fresh and self.accelerator.is_main_process:
@@ -172,6 +172,25 @@ class GRPOTrainer:
         self.session.save(path)  # every process: each one's random state goes into the checkpoint
         on_main(self.accelerator, "remove checkpoints beyond save_total_limit", self._rotate_checkpoints)
         return path
+
+    def close(self) -> None:
+        """Release the model, optimizer and generation backend, then end the process group of an
+        ``accelerate launch`` run. A script calls it last (exported scripts and ``grpo-lab train`` do).
+
+        torch's gloo threads (multi-process CPU runs) can otherwise drop their last reference to a
+        collective's tensors while the interpreter shuts down, which aborts the process ("terminate
+        called without an active exception") after the run has finished: freed here, the process
+        group joins its threads while Python still runs.
+        """
+        if self.session is None:
+            return
+        accelerator = self.accelerator
+        session, self.session = self.session, None
+        session.close()
+        del session
+        accelerator.free_memory()  # accelerate keeps the prepared model, which holds the process group
+        gc.collect()  # the engine and its generation backend refer to each other
+        accelerator.end_training()
 
     def _release_session(self):
         """Let go of the session before a checkpoint is loaded, so that its model, optimizer state and

@@ -30,6 +30,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -67,11 +68,14 @@ def main() -> None:
     if args.mode == "optimizer":
         checkpoint, out = args.paths
         session = GRPOSession.load(checkpoint, reward_funcs=task.reward_funcs)
-        engine = session.engine
-        state = grpo_lab.dist.full_optimizer_state(engine.accelerator, engine.model, engine.optimizer)
-        if engine.accelerator.is_main_process:
+        engine, accelerator = session.engine, session.engine.accelerator
+        state = grpo_lab.dist.full_optimizer_state(accelerator, engine.model, engine.optimizer)
+        if accelerator.is_main_process:
             torch.save(state, out)
-        engine.accelerator.end_training()
+        del session, engine  # as GRPOTrainer.close does: the process group is freed before the interpreter exits
+        accelerator.free_memory()
+        gc.collect()
+        accelerator.end_training()
         return
     if args.mode == "fp32head":
         model, out = args.paths
@@ -109,9 +113,7 @@ def main() -> None:
                   "distributed_type": str(trainer.accelerator.distributed_type)}
         with open(f"{out}/result.json", "w") as handle:
             json.dump(result, handle)
-    # ends the gloo process group: left to the interpreter's exit, a process aborted there once in
-    # about ten launches ("terminate called without an active exception")
-    trainer.accelerator.end_training()
+    trainer.close()  # as a script should: see GRPOTrainer.close
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ try:
     trainer.train()
 except (OSError, RuntimeError) as error:
     print(f"process {trainer.accelerator.process_index}: {type(error).__name__}: {error}", flush=True)
-trainer.accelerator.end_training()
+trainer.close()
 """
 
 

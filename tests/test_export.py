@@ -275,7 +275,7 @@ def test_notebook_script_creates_and_trains_the_trainer_only_when_run_as_main(tm
     assert 'if __name__ == "__main__":' in text and "args=_cli_config(task.config(), {'max_steps': STEPS + 10, 'beta': 0.0})" in text
     assert text.endswith(
         "    session.train(resume_from_checkpoint=_RESUME_FROM)\n    session.save_model()\n"
-        "    session.accelerator.end_training()  # under accelerate launch: ends the process group\n"
+        "    session.close()  # frees the model and ends the process group of an accelerate launch\n"
     )
     assert "    pass; AFTER = 1\n" in text  # the folded edit's line keeps the statement after it
     assert "    # session.config.beta = 0.0: applied to the config above (command-line options win)  # no KL\n" in text

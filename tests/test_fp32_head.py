@@ -42,6 +42,11 @@ def test_a_step_keeps_the_float32_head_in_the_policy_the_reference_and_a_reloade
     loaded = GRPOSession.load(tmp_path / "saved")
     assert torch.equal(loaded.engine.unwrapped_model.lm_head.weight, head.weight)  # not rounded to the model's dtype
     assert loaded.step()["step"] == 2
+    from transformers import AutoModelForCausalLM
+
+    given = AutoModelForCausalLM.from_pretrained(untied_bf16)  # a bfloat16 head, as a caller would build it
+    GRPOSession.load(tmp_path / "saved", model=given)
+    assert given.lm_head.weight.dtype == torch.float32 and torch.equal(given.lm_head.weight, head.weight)
 
 
 def test_a_tied_output_layer_is_refused_with_the_fix(task, tmp_path):

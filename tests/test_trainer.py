@@ -439,3 +439,15 @@ def test_the_end_of_training_is_always_checkpointed(task, tmp_path):
     fresh = _trainer(task, tmp_path, max_steps=1)
     with pytest.warns(UserWarning, match=r"already holds checkpoint-2, checkpoint-3, metrics.jsonl from an earlier run.*resume_from_checkpoint=True"):
         fresh.train()
+
+
+def test_close_frees_the_model_optimizer_and_accelerators_references_and_a_closed_trainer_says_so(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=1)
+    trainer.train()
+    model, accelerator = weakref.ref(trainer.session.engine.model), trainer.accelerator
+    assert accelerator._models  # accelerate keeps the prepared model until told otherwise
+    trainer.close()
+    assert model() is None and accelerator._models == [] and accelerator._optimizers == []
+    trainer.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="has no model: it was closed"):
+        trainer.train()

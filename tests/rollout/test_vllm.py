@@ -289,6 +289,7 @@ trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=
 if trainer.accelerator.is_main_process:  # one line: the two processes' prints would interleave
     print("PARAMETERS", sorted({{type(p).__name__ for p in trainer.session.engine.model.parameters()}}))
 trainer.train()
+trainer.close()
 """)
     distributed = (["--config_file", str(ROOT / "examples" / "accelerate_configs" / "fsdp.yaml")] if sharded
                    else ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"])
