@@ -499,21 +499,21 @@ class GRPOSession:
             given_model=model is not None, half_used=half_used,
         )
         model_dir = directory / MODEL_DIR
+        config = kwargs["args"]
+        adapter = (model_dir / "adapter_config.json").exists()
+        if model is None and not adapter and config.cast_lm_head_to_fp32:
+            model = load_causal_lm(str(model_dir), config.model_kwargs())  # the saved weights are copied in below
         if model is not None:
-            if kwargs["args"].cast_lm_head_to_fp32:  # before the copy, which would round a float32 head
+            if config.cast_lm_head_to_fp32:  # before the copy: a head in the model's dtype would round the saved one
                 cast_lm_head_to_fp32(model)
             load_saved_weights(model, model_dir)
-        elif (model_dir / "adapter_config.json").exists():
+        elif adapter:
             from peft import AutoPeftModelForCausalLM
 
-            model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True, **kwargs["args"].model_kwargs())
-        elif kwargs["args"].cast_lm_head_to_fp32:  # loaded in the model's dtype, the float32 head would be rounded
-            model = load_causal_lm(str(model_dir), kwargs["args"].model_kwargs())
-            cast_lm_head_to_fp32(model)
-            load_saved_weights(model, model_dir)
+            model = AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True, **config.model_kwargs())
         else:
             model = str(model_dir)
-        remote_code = kwargs["args"].model_kwargs()["trust_remote_code"]
+        remote_code = config.model_kwargs()["trust_remote_code"]
         kwargs.setdefault("processing_class", load_tokenizer(str(model_dir), trust_remote_code=remote_code))
         session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         accelerator = session.engine.accelerator
