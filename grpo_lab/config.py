@@ -38,7 +38,6 @@ NOT_YET_IMPLEMENTED = {
     "router_aux_loss_coef": "mixture-of-experts auxiliary loss is not wired into the objective",
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
-    "cache_implementation": "pass cache_implementation in generation_kwargs instead",
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
     "max_tool_calling_iterations": "tool calling during generation is not available yet",
     "log_completions_hub_repo": "nothing is uploaded to the Hub",
@@ -128,7 +127,10 @@ class GRPOConfig:
     repetition_penalty: float = 1.0
     """Penalty (> 0) on tokens already present; > 1 discourages repetition, 1 disables it."""
     cache_implementation: str | None = None
-    """KV-cache implementation for transformers generation. Not implemented yet: use generation_kwargs."""
+    """transformers generation's key/value cache (``"static"``, ``"offloaded"``, ... as
+    ``GenerationConfig`` lists them); None keeps the default. Setting one generates with
+    ``model.generate`` (the completions' prompts are then pre-filled per row). Not for use_vllm=True,
+    where vLLM manages its own cache."""
 
     # ------------------------------------------------------------------ vLLM
     use_vllm: bool = False
@@ -492,6 +494,8 @@ class GRPOConfig:
                 "generation_batch_size and steps_per_generation cannot both be set: each determines the "
                 "other. Set one and leave the other None."
             )
+        if self.cache_implementation is not None:
+            _check_cache_implementation(self.cache_implementation, self.use_vllm)
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 cannot both be True: choose one mixed precision.")
         if self.fp16 and self.use_cpu:
@@ -805,6 +809,17 @@ def _one_of(name: str, value, allowed: tuple[str, ...], extra: str = "") -> None
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"{name}={value!r} is not supported. Allowed values: {', '.join(map(repr, allowed))}{extra}.{hint}")
+
+
+def _check_cache_implementation(value, use_vllm: bool) -> None:
+    from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
+    _one_of("cache_implementation", value, tuple(ALL_CACHE_IMPLEMENTATIONS), extra=" (or None for the default)")
+    if use_vllm:
+        raise ValueError(
+            f"cache_implementation={value!r} applies to transformers generation, but use_vllm=True: vLLM manages "
+            "its own cache. Set cache_implementation=None."
+        )
 
 
 def steps_between(value: float, total_steps: int) -> int:

@@ -129,6 +129,8 @@ def test_default_config_builds_on_cpu_and_resolves_to_fp32():
         ({"generation_kwargs": "{bad"}, ValueError, ["generation_kwargs is not valid JSON"]),
         ({"report_to": "tensorbord"}, ValueError, ["Did you mean 'tensorboard'"]),
         ({"optim": "adamw_8bit"}, ValueError, ["optim='adamw_8bit'", "'adamw_torch_fused'", "optimizers="]),
+        ({"cache_implementation": "statc"}, ValueError, ["cache_implementation='statc'", "Did you mean 'static'"]),
+        ({"cache_implementation": "static", "use_vllm": True}, ValueError, ["use_vllm=True", "cache_implementation=None"]),
     ],
 )
 def test_bad_values_raise_at_construction_with_the_fix(kwargs, error, fragments):

@@ -31,6 +31,7 @@ def sampling_config(
     top_k: int | None = 0,
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
+    cache_implementation: str | None = None,
     generation_kwargs: dict | None = None,
 ) -> GenerationConfig:
     """A ``GenerationConfig`` from TRL-named sampling fields; ``generation_kwargs`` override them."""
@@ -46,6 +47,8 @@ def sampling_config(
         settings.update(temperature=temperature, top_p=top_p, top_k=top_k or 0, min_p=min_p)
     else:
         settings.update(temperature=None, top_p=None, top_k=None)
+    if cache_implementation is not None:
+        settings.update(cache_implementation=cache_implementation)
     settings.update(generation_kwargs or {})
     return GenerationConfig(**settings)
 
@@ -158,7 +161,8 @@ class TransformersBackend:
         settings = sampling_config(
             self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-            repetition_penalty=config.repetition_penalty, generation_kwargs=config.generation_kwargs,
+            repetition_penalty=config.repetition_penalty, cache_implementation=config.cache_implementation,
+            generation_kwargs=config.generation_kwargs,
         )
         with self.accelerator.autocast():
             return generate(

@@ -69,6 +69,7 @@ def test_rows_that_never_finish_stop_at_max_new_tokens(model_and_tokenizer, text
     (dict(generation_kwargs={"num_beams": 2, "typical_p": 0.9}),
      "the generation settings num_beams, typical_p need model.generate"),
     (dict(generation_kwargs={"use_cache": False}), "use_cache=False asks model.generate to recompute every step"),
+    (dict(cache_implementation="static"), "the generation settings cache_implementation need model.generate"),
 ])
 def test_other_generation_settings_go_to_generate(model_and_tokenizer, texts, extra, reason):
     model, tokenizer = model_and_tokenizer
