@@ -359,6 +359,12 @@ class GRPOConfig:
     model wrapped for DDP, sharded, quantized or offloaded weights, and generation_kwargs beyond
     temperature, top_k, top_p and min_p take transformers' path (a warning says why, once; not for
     DDP)."""
+    keep_freed_cpu_memory: bool = True
+    """grpo_lab only: training on a CPU with glibc, keep the memory each step frees for the next
+    step instead of returning it to the OS (``grpo_lab/host_memory.py``), as PyTorch's CUDA allocator
+    does on a GPU: otherwise every step's activations come back as fresh pages that the kernel zeroes
+    on first touch. Set for the whole process by the first session or trainer built with it (it
+    cannot be undone); resident memory then stays near its peak between steps."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
     the tensorboard package), "wandb", "trackio", "comet_ml" (their packages; metrics, config and

@@ -27,7 +27,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
 
-from grpo_lab import compact_forward, dist, notices, ops
+from grpo_lab import compact_forward, dist, host_memory, notices, ops
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
@@ -92,6 +92,8 @@ class Engine:
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
         self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
+        if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
+            host_memory.keep_freed_memory()
         self.batching = config.resolve(self.accelerator.num_processes)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
