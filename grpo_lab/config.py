@@ -127,10 +127,10 @@ class GRPOConfig:
     repetition_penalty: float = 1.0
     """Penalty (> 0) on tokens already present; > 1 discourages repetition, 1 disables it."""
     cache_implementation: str | None = None
-    """transformers generation's key/value cache (``"static"``, ``"offloaded"``, ... as
-    ``GenerationConfig`` lists them); None keeps the default. Setting one generates with
-    ``model.generate`` (the completions' prompts are then pre-filled per row). Not for use_vllm=True,
-    where vLLM manages its own cache."""
+    """transformers generation's key/value cache (``"static"``, ``"quantized"``, ... as
+    ``GenerationConfig`` lists them; the ``"offloaded"`` ones need a GPU); None or ``"dynamic"``
+    keeps the default. Another one generates with ``model.generate``, pre-filling each completion's
+    prompt itself. Not for use_vllm=True, where vLLM manages its own cache."""
 
     # ------------------------------------------------------------------ vLLM
     use_vllm: bool = False
@@ -363,8 +363,10 @@ class GRPOConfig:
     """grpo_lab only: training on a CPU with glibc, keep the memory each step frees for the next
     step instead of returning it to the OS (``grpo_lab/host_memory.py``), as PyTorch's CUDA allocator
     does on a GPU: otherwise every step's activations come back as fresh pages that the kernel zeroes
-    on first touch. Set for the whole process by the first session or trainer built with it (it
-    cannot be undone); resident memory then stays near its peak between steps."""
+    on first touch. It tunes glibc's malloc for the rest of the process, from the first session or
+    trainer built with it, so the process's resident memory stays near its peak; ``close()`` hands
+    the free part back. Not set where another allocator is preloaded or glibc's malloc is tuned
+    through the environment (``MALLOC_*_``, ``GLIBC_TUNABLES``)."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs
     the tensorboard package), "wandb", "trackio", "comet_ml" (their packages; metrics, config and
@@ -818,9 +820,16 @@ def _one_of(name: str, value, allowed: tuple[str, ...], extra: str = "") -> None
 
 
 def _check_cache_implementation(value, use_vllm: bool) -> None:
-    from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
-
-    _one_of("cache_implementation", value, tuple(ALL_CACHE_IMPLEMENTATIONS), extra=" (or None for the default)")
+    try:
+        from transformers.generation.configuration_utils import (
+            DYNAMIC_CACHE_IMPLEMENTATIONS,
+            STATIC_CACHE_IMPLEMENTATIONS,
+        )
+    except ImportError:  # a transformers release that does not list them: GenerationConfig checks the name
+        pass
+    else:
+        allowed = (*STATIC_CACHE_IMPLEMENTATIONS, *DYNAMIC_CACHE_IMPLEMENTATIONS)
+        _one_of("cache_implementation", value, allowed, extra=" (or None for the default)")
     if use_vllm:
         raise ValueError(
             f"cache_implementation={value!r} applies to transformers generation, but use_vllm=True: vLLM manages "

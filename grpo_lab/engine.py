@@ -92,8 +92,14 @@ class Engine:
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
         self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
-        if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
-            host_memory.keep_freed_memory()
+        if self.accelerator.device.type == "cpu":
+            if config.keep_freed_cpu_memory:
+                host_memory.keep_freed_memory()
+            if (config.cache_implementation or "").startswith("offloaded") and not config.use_vllm:
+                raise ValueError(
+                    f"cache_implementation={config.cache_implementation!r} moves a GPU's key/value cache to CPU memory, "
+                    "but this run trains on a CPU. Set cache_implementation=None (or 'static')."
+                )
         self.batching = config.resolve(self.accelerator.num_processes)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
@@ -222,9 +228,11 @@ class Engine:
         return name
 
     def close(self) -> None:
-        """Release the generation backend (a vLLM engine holds memory until then)."""
+        """Release the generation backend (a vLLM engine holds memory until then), and return the
+        free memory that ``keep_freed_cpu_memory`` kept to the kernel."""
         self.rollout_backend.close()
         self._remove_model_copy()
+        host_memory.release_freed_memory()
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:

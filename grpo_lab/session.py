@@ -51,9 +51,11 @@ _BUILD_TIME_FIELDS = {
     "gradient_checkpointing_kwargs", "bf16", "fp16",
     "use_cpu", "seed", "data_seed", "shuffle_dataset", "num_generations", "per_device_train_batch_size",
     "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
+    "keep_freed_cpu_memory",
 }
 """Config fields read once, when the session is built: the model and its precision, the generation
-backend, the optimizer, the random seeds, the prompt order and the batch layout."""
+backend, the optimizer, the random seeds, the prompt order, the batch layout and the process's
+memory allocator."""
 
 _MODEL_FIELDS = {
     "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
@@ -226,7 +228,8 @@ class GRPOSession:
             self._undo(fixed)
             raise ValueError(
                 f"{', '.join(fixed)} cannot change after the session is built (they load the model, start the "
-                "generation backend, build the optimizer, seed the run or lay out its batches); the edit was undone. "
+                "generation backend, build the optimizer, seed the run, lay out its batches or set the process's "
+                "memory allocator); the edit was undone. "
                 "Build a new GRPOSession with the new value."
             )
         if "beta" in changed and self.config.beta > 0 and self.engine.ref_model is None and not self.engine.is_peft:
@@ -372,7 +375,8 @@ class GRPOSession:
         )
 
     def close(self) -> None:
-        """Release the generation backend: a colocated vLLM engine keeps its memory until then."""
+        """Release the generation backend (a colocated vLLM engine keeps its memory until then), and
+        return to the kernel the free memory ``keep_freed_cpu_memory`` kept."""
         self.engine.close()
 
     # ------------------------------------------------------------------ views (ipywidgets, imported on demand)

@@ -19,7 +19,7 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from grpo_lab import notices
+from grpo_lab import host_memory, notices
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
@@ -190,6 +190,7 @@ class GRPOTrainer:
         del session
         accelerator.free_memory()  # accelerate keeps the prepared model, which holds the process group
         gc.collect()  # the engine and its generation backend refer to each other
+        host_memory.release_freed_memory()  # what the model and optimizer held
         accelerator.end_training()
 
     def _release_session(self):

@@ -260,5 +260,6 @@ def test_a_model_or_setting_that_keeps_the_compact_pass_off_is_warned_about_once
         "Generation runs model.generate, not grpo_lab's faster sampling loop: the generation settings "
         "cache_implementation need model.generate. The log-prob passes are not affected."
     ]
+    assert notes(lambda: make_session(cache_implementation="dynamic")) == []  # generate's default cache
     assert notes(make_session) == []
     assert notes(lambda: make_session(model=gpt2, processing_class=tokenizer, compact_forward=False), steps=1) == []

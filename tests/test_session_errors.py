@@ -25,6 +25,11 @@ def test_dataset_without_prompt_column(task, tmp_path):
         GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=bad)
 
 
+def test_an_offloaded_cache_on_a_cpu_is_refused_with_the_fix(make_session):
+    with pytest.raises(ValueError, match="moves a GPU's key/value cache.*trains on a CPU.*cache_implementation=None"):
+        make_session(cache_implementation="offloaded")
+
+
 def test_empty_dataset(task):
     empty = task.train_dataset.select([])
     with pytest.raises(ValueError, match="train_dataset is empty"):
@@ -219,7 +224,7 @@ def test_the_optimizer_cannot_be_switched_between_steps(make_session):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("num_generations", 2), ("gradient_checkpointing", True), ("bf16", True), ("seed", 7), ("num_iterations", 2),
-     ("model_init_kwargs", {"dtype": "bfloat16"})],
+     ("model_init_kwargs", {"dtype": "bfloat16"}), ("keep_freed_cpu_memory", False)],
 )
 def test_fields_read_when_the_session_is_built_refuse_edits_and_undo_them(make_session, field, value):
     session = make_session()

@@ -47,7 +47,7 @@ def sampling_config(
         settings.update(temperature=temperature, top_p=top_p, top_k=top_k or 0, min_p=min_p)
     else:
         settings.update(temperature=None, top_p=None, top_k=None)
-    if cache_implementation is not None:
+    if cache_implementation not in (None, "dynamic"):  # "dynamic" is generate's default cache
         settings.update(cache_implementation=cache_implementation)
     settings.update(generation_kwargs or {})
     return GenerationConfig(**settings)
