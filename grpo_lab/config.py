@@ -365,7 +365,7 @@ class GRPOConfig:
     does on a GPU: otherwise every step's activations come back as fresh pages that the kernel zeroes
     on first touch. It tunes glibc's malloc for the rest of the process, from the first session or
     trainer built with it, so the process's resident memory stays near its peak; ``close()`` hands
-    the free part back. Not set where another allocator is preloaded or glibc's malloc is tuned
+    the free part back. Not set where another allocator is loaded or glibc's malloc is tuned
     through the environment (``MALLOC_*_``, ``GLIBC_TUNABLES``)."""
     report_to: str | list[str] = "none"
     """Where the trainer sends metrics besides output_dir/metrics.jsonl: "none", "tensorboard" (needs

@@ -25,10 +25,21 @@ _NEVER = -1  # read by glibc as the largest size_t: the heap is never trimmed
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
+_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+@functools.cache
 def _glibc():
     """glibc's ``mallopt`` and ``malloc_trim``, or None where malloc is not glibc's: another C
-    library, or an allocator preloaded in its place (jemalloc, tcmalloc, mimalloc)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or os.environ.get("LD_PRELOAD", "").strip():
+    library, or an allocator loaded in its place (jemalloc, tcmalloc, mimalloc, usually through
+    ``LD_PRELOAD``)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            if any(name in maps.read() for name in _ALLOCATORS):
+                return None
+    except OSError:
         return None
     return ctypes.CDLL(None)
 
@@ -37,7 +48,9 @@ def _glibc():
 def keep_freed_memory() -> bool:
     """Set glibc's ``malloc`` to keep freed memory for reuse, for the rest of the process. Returns
     whether it was set: not where malloc is not glibc's, nor where the user tuned glibc's malloc
-    (``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` with ``glibc.malloc``), whose choice stands."""
+    (``MALLOC_*_`` variables, ``GLIBC_TUNABLES`` with ``glibc.malloc``), whose choice stands.
+    Decided once: libraries may change the environment later for the processes they start (vLLM
+    sets ``LD_PRELOAD``)."""
     libc = _glibc()
     if libc is None or any(name in os.environ for name in _USER_SETTINGS) or "glibc.malloc" in os.environ.get(
         "GLIBC_TUNABLES", ""

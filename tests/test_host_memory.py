@@ -12,7 +12,7 @@ import sys
 import pytest
 
 SCRIPT = """
-import json, resource, sys
+import json, os, resource, sys
 import torch
 from grpo_lab import GRPOConfig, GRPOSession
 from grpo_lab.host_memory import keep_freed_memory
@@ -34,6 +34,7 @@ for step in range(8):
     del blocks
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 held = resident_mib()
+os.environ["LD_PRELOAD"] = "libtcmalloc.so.4"  # as vLLM sets it for its workers: this process's malloc is still glibc's
 session.close()
 made = keep_freed_memory.cache_info().currsize == 1 and keep_freed_memory()  # without calling it anew
 print(json.dumps({"faults": faults, "set": made, "released_mib": held - resident_mib()}))
