@@ -23,8 +23,6 @@ _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest mapping threshold on 6
 _NEVER = -1  # read by glibc as the largest size_t: the heap is never trimmed
 
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
-
-
 _ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
