@@ -41,6 +41,7 @@ from grpo_lab.prefix_sharing import PrefixSharing, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
 from grpo_lab.rollout import make_backend
+from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -92,14 +93,10 @@ class Engine:
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
         self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
-        if self.accelerator.device.type == "cpu":
-            if config.keep_freed_cpu_memory:
-                host_memory.keep_freed_memory()
-            if (config.cache_implementation or "").startswith("offloaded") and not config.use_vllm:
-                raise ValueError(
-                    f"cache_implementation={config.cache_implementation!r} moves a GPU's key/value cache to CPU memory, "
-                    "but this run trains on a CPU. Set cache_implementation=None (or 'static')."
-                )
+        if not config.use_vllm:
+            check_cache_device(config.cache_implementation, self.accelerator.device)
+        if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
+            host_memory.keep_freed_memory()
         self.batching = config.resolve(self.accelerator.num_processes)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.

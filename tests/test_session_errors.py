@@ -26,8 +26,14 @@ def test_dataset_without_prompt_column(task, tmp_path):
 
 
 def test_an_offloaded_cache_on_a_cpu_is_refused_with_the_fix(make_session):
-    with pytest.raises(ValueError, match="moves a GPU's key/value cache.*trains on a CPU.*cache_implementation=None"):
+    with pytest.raises(ValueError, match="moves a GPU's key/value cache.*generates on a CPU.*cache_implementation=None"):
         make_session(cache_implementation="offloaded")
+    session = make_session()
+    session.config.cache_implementation = "offloaded_static"  # between steps: refused before generation runs
+    with pytest.raises(ValueError, match="'offloaded_static' moves a GPU's key/value cache"):
+        session.generate()
+    session.config.cache_implementation = None
+    _steps_fine(session)
 
 
 def test_empty_dataset(task):

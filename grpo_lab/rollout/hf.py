@@ -53,6 +53,16 @@ def sampling_config(
     return GenerationConfig(**settings)
 
 
+def check_cache_device(cache_implementation: str | None, device: torch.device) -> None:
+    """Refuse an offloaded key/value cache (a GPU cache kept in CPU memory) for generation on a CPU,
+    where transformers would fail at the first token without saying why."""
+    if device.type == "cpu" and (cache_implementation or "").startswith("offloaded"):
+        raise ValueError(
+            f"cache_implementation={cache_implementation!r} moves a GPU's key/value cache to CPU memory, but this "
+            "run generates on a CPU. Set cache_implementation=None (or 'static')."
+        )
+
+
 def tokenize_prompts(tokenizer, prompt_texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     if tokenizer.padding_side != "left":
         raise ValueError(
@@ -158,6 +168,7 @@ class TransformersBackend:
         self._noted: set[str] = set()
 
     def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+        check_cache_device(config.cache_implementation, self.accelerator.device)  # it may change between steps
         settings = sampling_config(
             self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
