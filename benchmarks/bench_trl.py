@@ -16,7 +16,9 @@ completions, up to 8 tokens); ``large`` is a randomly initialised Llama of about
 with the shipped tokenizer, 2 prompts x 8 completions of 128 tokens, where compute dominates;
 ``long_prompt`` is the larger model on prompts that open with a system message (about 160 prompt
 tokens), 4 prompts x 8 completions of up to 32 tokens: the shape of few-shot or instruction-heavy
-RL, where a group's shared prompt is most of each sequence.
+RL, where a group's shared prompt is most of each sequence. The two cases on the larger model add a
+reward that random text earns in varying amounts (``letter_share_reward``), so that their steps
+train on a gradient that is not zero.
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ INSTRUCTIONS = ("You add two whole numbers. Read both numbers, add them digit by
 """The ``long_prompt`` case's system message: about 160 prompt tokens with the chat template."""
 
 
+def letter_share_reward(completions, **kwargs) -> list[float]:
+    """The share of a completion's characters that are ASCII letters: the random larger model never
+    earns the task's rewards, so without this one every group's advantages would be zero, the loss
+    pass would compute a gradient of exactly zero, and grpo_lab would skip its backward pass
+    (``skip_zero_advantage_backward``) where TRL runs it."""
+    from grpo_lab.tasks.addition import completion_text
+
+    texts = [completion_text(c) for c in completions]
+    return [sum(c.isascii() and c.isalpha() for c in text) / max(len(text), 1) for text in texts]
+
+
 def _case(name: str, workdir: Path) -> dict:
     from grpo_lab.tasks import default_task
 
@@ -54,15 +67,16 @@ def _case(name: str, workdir: Path) -> dict:
     common = dict(learning_rate=1e-4, num_generations=8, beta=0.0, loss_type="dapo", temperature=1.0,
                   gradient_checkpointing=False, seed=0, logging_steps=1)
     if name == "tiny":
-        return dict(task=task, model=task.model, dataset=task.train_dataset,
+        return dict(rewards=task.reward_funcs, model=task.model, dataset=task.train_dataset,
                     config=dict(common, per_device_train_batch_size=64, max_completion_length=8))
     model = large_model(workdir, task.model)
+    rewards = [*task.reward_funcs, letter_share_reward]
     if name == "large":
-        return dict(task=task, model=model, dataset=task.train_dataset,
+        return dict(rewards=rewards, model=model, dataset=task.train_dataset,
                     config=dict(common, per_device_train_batch_size=16, max_completion_length=128))
     system = {"role": "system", "content": INSTRUCTIONS}
     dataset = task.train_dataset.map(lambda row: {"prompt": [system, *row["prompt"]]})
-    return dict(task=task, model=model, dataset=dataset,
+    return dict(rewards=rewards, model=model, dataset=dataset,
                 config=dict(common, per_device_train_batch_size=32, max_completion_length=32))
 
 
@@ -86,7 +100,7 @@ def run_trl(case: dict, steps: int, output_dir: str) -> tuple[list[float], list[
 
     config = GRPOConfig(output_dir=output_dir, max_steps=steps, use_cpu=True, bf16=False, report_to="none",
                         save_strategy="no", disable_tqdm=True, **case["config"])
-    trainer = GRPOTrainer(model=case["model"], reward_funcs=case["task"].reward_funcs, args=config,
+    trainer = GRPOTrainer(model=case["model"], reward_funcs=case["rewards"], args=config,
                           train_dataset=case["dataset"], callbacks=[Clock()])
     trainer.train()
     return [b - a for a, b in zip(stamps, stamps[1:])], tokens
@@ -98,7 +112,7 @@ def run_grpo_lab(case: dict, steps: int, output_dir: str, *, session: bool) -> t
     from grpo_lab.trainer import GRPOTrainer
 
     config = GRPOConfig(output_dir=output_dir, max_steps=steps, save_steps=10**9, disable_tqdm=True, **case["config"])
-    args = (case["model"], case["task"].reward_funcs)
+    args = (case["model"], case["rewards"])
     kwargs = dict(args=config, train_dataset=case["dataset"])
     if session:
         runner = GRPOSession(*args, **kwargs)

@@ -178,6 +178,7 @@ class Engine:
                 func.to(self.accelerator.device)
         self.global_step = 0
         self.num_input_tokens_seen = 0
+        self._trained_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
         # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
         # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
         self.entropy_coef = config.entropy_coef
@@ -520,66 +521,123 @@ class Engine:
         parts, total_loss = [], 0.0
         entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
         masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
+        zero_K = self._zero_advantage_micro_batches(advantages, micro_batches, entropy_coef)
+        skipped, not_finite = 0, False
         for k, index_B in enumerate(micro_batches):
             sync = k == len(micro_batches) - 1
-            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
-                with self.accelerator.autocast():
-                    logprobs_BT, entropies_BT = self.sequence_logprobs(
-                        self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
-                    )
-                mask_BT = loss_mask_BT[index_B]
-                entropy_mask_BT = None
-                if config.top_entropy_quantile < 1.0:
-                    entropy_mask_BT = ops.entropy_mask(entropies_BT.detach(), mask_BT, quantile=config.top_entropy_quantile)
-                if config.use_adaptive_entropy:
-                    kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
-                    entropy_stats.append(torch.stack([(entropies_BT.detach() * kept_BT).sum(), kept_BT.sum()]))
-                off_policy_B1 = self._off_policy_mask(rollout, index_B, advantages, logprobs_BT, mask_BT)
-                if off_policy_B1 is not None:
-                    masked_sequences += (off_policy_B1 == 0).sum()
-                out = ops.policy_loss(
-                    logprobs_BT,
-                    None if rollout.old_logprobs_BT is None else rollout.old_logprobs_BT[index_B],
-                    advantages.advantages_B[index_B],
-                    mask_BT,
-                    loss_type=config.loss_type,
-                    epsilon_low=config.epsilon,
-                    epsilon_high=epsilon_high,
-                    delta=config.delta,
-                    importance_sampling_level=config.importance_sampling_level,
-                    sapo_temperature_pos=config.sapo_temperature_pos,
-                    sapo_temperature_neg=config.sapo_temperature_neg,
-                    vespo_k_pos=config.vespo_k_pos,
-                    vespo_lambda_pos=config.vespo_lambda_pos,
-                    vespo_k_neg=config.vespo_k_neg,
-                    vespo_lambda_neg=config.vespo_lambda_neg,
-                    ref_logprobs_BT=None if rollout.ref_logprobs_BT is None else rollout.ref_logprobs_BT[index_B],
-                    beta=config.beta,
-                    use_bias_correction_kl=config.use_bias_correction_kl,
-                    entropy_mask_BT=entropy_mask_BT,
-                    importance_sampling_ratio_BT=(
-                        None if rollout.importance_weights_BT is None else rollout.importance_weights_BT[index_B]
-                    ),
-                    max_completion_length=config.max_completion_length,
-                    num_items_in_batch=normalizer,
-                    off_policy_mask_B1=off_policy_B1,
-                    entropies_BT=entropies_BT,
-                    entropy_coef=entropy_coef,
-                )
-                loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / len(micro_batches)
-                self.accelerator.backward(loss)
+            # A micro-batch whose advantages are all zero adds exactly nothing to the gradient: its
+            # forward pass runs (for the metrics) without a backward. Over several processes the last
+            # micro-batch always runs one, since it is the one whose gradients are averaged.
+            skip = zero_K[k] and (
+                not sync or (self.accelerator.num_processes == 1 and (skipped < k or self._trained_names is not None))
+            )
+            args = (rollout, advantages, index_B, loss_mask_BT, normalizer, epsilon_high, entropy_coef, len(micro_batches))
+            with torch.no_grad() if skip else contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                step = self._micro_batch_loss(*args)
+                if skip:
+                    not_finite |= not (bool(torch.isfinite(step[0])) and bool(torch.isfinite(step[1][step[4].bool()]).all()))
+                else:
+                    self.accelerator.backward(step[0])
+            skipped += skip
+            loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1 = step
+            if config.use_adaptive_entropy:
+                entropy_stats.append(torch.stack([(entropies_BT.detach() * kept_BT).sum(), kept_BT.sum()]))
+            if off_policy_B1 is not None:
+                masked_sequences += (off_policy_B1 == 0).sum()
             total_loss += float(loss.detach())
             parts.append((index_B, logprobs_BT.detach(), entropies_BT.detach(), out, mask_BT))
+        self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
         if config.use_adaptive_entropy:
             entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
             self._pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
         result = self._loss_result(advantages, step_index, parts, total_loss)
+        result.micro_batches, result.backward_skipped = len(micro_batches), skipped
         if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
             result.metrics["entropy_coef"] = entropy_coef
         if config.off_policy_mask_threshold is not None:
             sequences = dist.total(self.accelerator, torch.tensor(float(len(step_index)), device=masked_sequences.device))
             result.metrics["off_policy_mask/masked_fraction"] = float(dist.total(self.accelerator, masked_sequences) / sequences)
         return result
+
+    def _micro_batch_loss(self, rollout: Rollout, advantages: Advantages, index_B, loss_mask_BT, normalizer,
+                          epsilon_high: float, entropy_coef: float, micro_batches: int):
+        """One micro-batch's forward pass and loss: (loss, logprobs_BT, entropies_BT, policy_loss output,
+        mask_BT, the tokens its entropy statistic keeps, the off-policy mask or None)."""
+        config = self.config
+        with self.accelerator.autocast():
+            logprobs_BT, entropies_BT = self.sequence_logprobs(
+                self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
+            )
+        mask_BT = loss_mask_BT[index_B]
+        entropy_mask_BT = None
+        if config.top_entropy_quantile < 1.0:
+            entropy_mask_BT = ops.entropy_mask(entropies_BT.detach(), mask_BT, quantile=config.top_entropy_quantile)
+        kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
+        off_policy_B1 = self._off_policy_mask(rollout, index_B, advantages, logprobs_BT, mask_BT)
+        out = ops.policy_loss(
+            logprobs_BT,
+            None if rollout.old_logprobs_BT is None else rollout.old_logprobs_BT[index_B],
+            advantages.advantages_B[index_B],
+            mask_BT,
+            loss_type=config.loss_type,
+            epsilon_low=config.epsilon,
+            epsilon_high=epsilon_high,
+            delta=config.delta,
+            importance_sampling_level=config.importance_sampling_level,
+            sapo_temperature_pos=config.sapo_temperature_pos,
+            sapo_temperature_neg=config.sapo_temperature_neg,
+            vespo_k_pos=config.vespo_k_pos,
+            vespo_lambda_pos=config.vespo_lambda_pos,
+            vespo_k_neg=config.vespo_k_neg,
+            vespo_lambda_neg=config.vespo_lambda_neg,
+            ref_logprobs_BT=None if rollout.ref_logprobs_BT is None else rollout.ref_logprobs_BT[index_B],
+            beta=config.beta,
+            use_bias_correction_kl=config.use_bias_correction_kl,
+            entropy_mask_BT=entropy_mask_BT,
+            importance_sampling_ratio_BT=(
+                None if rollout.importance_weights_BT is None else rollout.importance_weights_BT[index_B]
+            ),
+            max_completion_length=config.max_completion_length,
+            num_items_in_batch=normalizer,
+            off_policy_mask_B1=off_policy_B1,
+            entropies_BT=entropies_BT,
+            entropy_coef=entropy_coef,
+        )
+        loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / micro_batches
+        return loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1
+
+    def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float) -> list[bool]:
+        """For each micro-batch, whether its backward pass may be skipped because its advantages are
+        all zero (``skip_zero_advantage_backward``): every policy loss is a multiple of the advantage,
+        so its gradient is exactly zero unless a KL term (beta > 0) or an entropy bonus adds one.
+        DeepSpeed counts the backward passes of an accumulation itself, so it runs them all; under
+        FSDP a backward pass gathers the shards, so a micro-batch is skipped only where it is zero on
+        every process."""
+        from accelerate.utils import DistributedType
+
+        config = self.config
+        if (not config.skip_zero_advantage_backward or config.beta != 0.0 or entropy_coef != 0.0
+                or self.accelerator.distributed_type == DistributedType.DEEPSPEED):
+            return [False] * len(micro_batches)
+        zero_K = torch.stack([~advantages.advantages_B[index_B].any() for index_B in micro_batches])
+        if dist.sharding(self.accelerator) == "fsdp":
+            zero_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device)).view(-1, len(micro_batches)).all(0)
+        return zero_K.tolist()
+
+    def _complete_gradients(self, *, none_ran: bool, not_finite: bool) -> None:
+        """Record which parameters a backward pass reaches (once). When no micro-batch of the step ran
+        one, give those parameters the zero gradient it would have given, so that the optimizer step
+        (momentum, weight decay) is the one it would have been; when a skipped micro-batch's loss was
+        not finite, make the gradient not finite, as its backward pass would have, so that
+        ``update`` skips the step."""
+        if none_ran:
+            for name, parameter in self.model.named_parameters():
+                if name in self._trained_names:
+                    parameter.grad = torch.zeros_like(parameter)
+        elif self._trained_names is None:
+            self._trained_names = {name for name, p in self.model.named_parameters() if p.grad is not None}
+        if not_finite:
+            next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
 
     def _off_policy_mask(self, rollout: Rollout, index_B, advantages: Advantages, logprobs_BT, mask_BT):
         """(B, 1) off-policy sequence mask (``off_policy_mask_threshold``) against the sampling policy:

@@ -156,10 +156,16 @@ class LossResult(_Table):
     ratio_BT: torch.Tensor
     clipped_BT: torch.Tensor
     metrics: dict[str, float]
+    micro_batches: int = 1
+    backward_skipped: int = 0
+    """Micro-batches of this step (on this process) whose advantages were all zero, so that their
+    backward pass, which adds nothing to the gradient, did not run (``skip_zero_advantage_backward``)."""
 
     def summary(self) -> str:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items() if k in {"entropy", "clip_ratio/region_mean", "kl"})
-        return f"loss {self.loss:.6g} over {len(self.sample_index_B)} completions; {shown}"
+        skipped = (f"; {self.backward_skipped} of {self.micro_batches} micro-batches had zero advantages and no backward pass"
+                   if self.backward_skipped else "")
+        return f"loss {self.loss:.6g} over {len(self.sample_index_B)} completions; {shown}{skipped}"
 
     def to_dict(self) -> dict[str, list]:
         rows = self.sample_index_B.tolist()

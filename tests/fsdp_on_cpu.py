@@ -16,7 +16,8 @@ Modes:
                                       a save before training, then 4 steps of 2 accumulated
                                       micro-batches, a checkpoint every 2,
                                       then ``save_model(OUT/final)``; the main process writes
-                                      OUT/result.json. The full model trains with a KL term against
+                                      OUT/result.json, each process OUT/losses-RANK.json (its
+                                      skipped backward passes, its all-zero micro-batches). The full model trains with a KL term against
                                       a reference mixed towards it every step (TR-DPO); --lora
                                       trains a rank-8 adapter instead (beta 0); --ddp leaves
                                       accelerate's own choice on CPU, plain data parallel
@@ -106,7 +107,13 @@ def main() -> None:
     reference = [] if engine.ref_model is None else [type(p).__name__ for p in engine.ref_model.parameters()]
     if not args.resume:  # a save before any update must leave the run as it was (compared with --ddp)
         trainer.session.save(f"{out}/start")
+    losses = []  # per optimizer step: backward passes skipped, and which micro-batches were all zero here
+    trainer.session.on(lambda stage, result: losses.append(
+        [result.backward_skipped, (result.advantages.advantages_B.view(2, -1) == 0).all(1).tolist()]
+    ) if stage == "loss" else None)
     row = trainer.train(resume_from_checkpoint=args.resume)
+    with open(f"{out}/losses-{trainer.accelerator.process_index}.json", "w") as handle:
+        json.dump(losses, handle)
     trainer.save_model(f"{out}/final")
     if trainer.accelerator.is_main_process:
         result = {"row": row, "parameter_types": sorted(set(sharded)), "reference_types": sorted(set(reference)),

@@ -43,6 +43,12 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     assert whole["distributed_type"] == "DistributedType.FSDP" and whole["parameter_types"] == ["DTensor"]
     assert whole["reference_types"] == ([] if lora else ["DTensor"])  # the KL reference is sharded too
     assert whole["row"]["step"] == 4 and (tmp_path / "whole" / "checkpoint-2" / "COMPLETE").exists()
+    if lora:  # beta 0: a first micro-batch zero on both processes skips its backward pass on both, or a
+        # backward pass gathering shards on one process alone would hang the other
+        losses = [json.loads((tmp_path / "whole" / f"losses-{rank}.json").read_text()) for rank in (0, 1)]
+        for (skipped, zero), (other_skipped, other_zero) in zip(*losses, strict=True):
+            assert skipped == other_skipped == int(zero[0] and other_zero[0])
+        assert any(step[0] for step in losses[0])
 
     # every tensor whole (each process holds half of each), as the unsharded model has them
     from transformers import AutoModelForCausalLM
