@@ -360,13 +360,15 @@ class GRPOConfig:
     temperature, top_k, top_p and min_p take transformers' path (a warning says why, once; not for
     DDP)."""
     skip_zero_advantage_backward: bool = True
-    """grpo_lab only: a micro-batch whose advantages are all zero (every completion of its groups got
-    the same reward) runs its forward pass, for the metrics, but not its backward pass: with beta = 0
-    and no entropy bonus its loss is a multiple of the advantages, so its gradient is exactly zero.
-    The gradients, the optimizer step and the metrics are those of running it (where no micro-batch
-    of a step runs one, the parameters get the zero gradient it would have given). With several
-    processes, the last micro-batch of each optimizer step runs its backward pass always (the one
-    that averages the gradients), and DeepSpeed runs every one. Micro-batches of one group
+    """grpo_lab only: a micro-batch whose advantages are all exactly zero (e.g. every completion of its
+    groups got the same reward) runs its forward pass, for the metrics, but not its backward pass:
+    with beta = 0 and no entropy bonus its loss is a multiple of the advantages, so its gradient is
+    exactly zero. The gradients and the optimizer step are those of running it: where no
+    micro-batch of a step runs one, the parameters get the zero gradient it would have given, and a
+    non-finite loss or importance ratio makes the step's gradient non-finite, as running it would.
+    The last micro-batch of a step always runs where its backward pass averages or gathers
+    gradients (several processes, FSDP); FSDP skips a micro-batch only where it is zero on every
+    process; DeepSpeed and mixture-of-experts models run them all. Micro-batches of one group
     (``per_device_train_batch_size == num_generations``, TRL's default) benefit most."""
     keep_freed_cpu_memory: bool = True
     """grpo_lab only: training on a CPU with glibc, keep the memory each step frees for the next

@@ -36,6 +36,7 @@ from grpo_lab.models import (
     load_causal_lm,
     load_tokenizer,
     prepare_tokenizer,
+    routes_to_experts,
 )
 from grpo_lab.prefix_sharing import PrefixSharing, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
@@ -47,6 +48,14 @@ from grpo_lab.sampler import PromptSampler
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
 _GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "vespo"}
+
+
+def _finite_zero_gradient(loss: torch.Tensor, ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> bool:
+    """Whether a zero-advantage micro-batch's backward pass would give a finite (zero) gradient: its
+    loss is finite, and so are the importance ratios of its kept tokens (an infinite ratio times a
+    zero advantage back-propagates NaN even where the loss is 0)."""
+    kept = ratio_BT.expand_as(mask_BT)[mask_BT.bool()]
+    return bool(torch.isfinite(loss)) and bool(torch.isfinite(kept).all())
 
 
 def check_dataset(dataset, name: str) -> None:
@@ -179,6 +188,7 @@ class Engine:
         self.global_step = 0
         self.num_input_tokens_seen = 0
         self._trained_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
+        self._routes_to_experts = routes_to_experts(self.unwrapped_model)
         # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
         # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
         self.entropy_coef = config.entropy_coef
@@ -526,16 +536,17 @@ class Engine:
         for k, index_B in enumerate(micro_batches):
             sync = k == len(micro_batches) - 1
             # A micro-batch whose advantages are all zero adds exactly nothing to the gradient: its
-            # forward pass runs (for the metrics) without a backward. Over several processes the last
-            # micro-batch always runs one, since it is the one whose gradients are averaged.
-            skip = zero_K[k] and (
-                not sync or (self.accelerator.num_processes == 1 and (skipped < k or self._trained_names is not None))
+            # forward pass runs (for the metrics) without a backward. The last micro-batch of a step
+            # always runs one where gradients are averaged or gathered in it (several processes,
+            # FSDP), and where no backward pass has run yet that says which parameters it reaches.
+            skip = zero_K is not None and zero_K[k] and (
+                not sync or (self._whole_model_here() and (skipped < k or self._trained_names is not None))
             )
             args = (rollout, advantages, index_B, loss_mask_BT, normalizer, epsilon_high, entropy_coef, len(micro_batches))
             with torch.no_grad() if skip else contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 step = self._micro_batch_loss(*args)
                 if skip:
-                    not_finite |= not (bool(torch.isfinite(step[0])) and bool(torch.isfinite(step[1][step[4].bool()]).all()))
+                    not_finite |= not _finite_zero_gradient(step[0], step[3].ratio_BT, step[4])
                 else:
                     self.accelerator.backward(step[0])
             skipped += skip
@@ -546,6 +557,8 @@ class Engine:
                 masked_sequences += (off_policy_B1 == 0).sum()
             total_loss += float(loss.detach())
             parts.append((index_B, logprobs_BT.detach(), entropies_BT.detach(), out, mask_BT))
+        if zero_K is not None and self.accelerator.num_processes > 1:  # running it would average the NaN into all
+            not_finite = bool(dist.total(self.accelerator, torch.tensor(float(not_finite), device=self.accelerator.device)))
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
         if config.use_adaptive_entropy:
             entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
@@ -606,33 +619,39 @@ class Engine:
         loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / micro_batches
         return loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1
 
-    def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float) -> list[bool]:
+    def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float):
         """For each micro-batch, whether its backward pass may be skipped because its advantages are
-        all zero (``skip_zero_advantage_backward``): every policy loss is a multiple of the advantage,
-        so its gradient is exactly zero unless a KL term (beta > 0) or an entropy bonus adds one.
-        DeepSpeed counts the backward passes of an accumulation itself, so it runs them all; under
-        FSDP a backward pass gathers the shards, so a micro-batch is skipped only where it is zero on
-        every process."""
+        all zero (``skip_zero_advantage_backward``); None when none may. Every policy loss is a
+        multiple of the advantage, so such a gradient is exactly zero unless a KL term (beta > 0)
+        or an entropy bonus adds one. DeepSpeed counts the backward passes of an accumulation
+        itself, so it runs them all; a mixture-of-experts model's backward pass gives the experts
+        its tokens reach a (zero) gradient that the optimizer would act on, so it runs them all too;
+        under FSDP a backward pass gathers the shards, so a micro-batch is skipped only where it is
+        zero on every process."""
         from accelerate.utils import DistributedType
 
         config = self.config
         if (not config.skip_zero_advantage_backward or config.beta != 0.0 or entropy_coef != 0.0
-                or self.accelerator.distributed_type == DistributedType.DEEPSPEED):
-            return [False] * len(micro_batches)
+                or self.accelerator.distributed_type == DistributedType.DEEPSPEED or self._routes_to_experts):
+            return None
         zero_K = torch.stack([~advantages.advantages_B[index_B].any() for index_B in micro_batches])
         if dist.sharding(self.accelerator) == "fsdp":
             zero_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device)).view(-1, len(micro_batches)).all(0)
         return zero_K.tolist()
 
+    def _whole_model_here(self) -> bool:
+        """One process holding the whole model, so that a backward pass moves no gradient elsewhere."""
+        return self.accelerator.num_processes == 1 and dist.sharding(self.accelerator) != "fsdp"
+
     def _complete_gradients(self, *, none_ran: bool, not_finite: bool) -> None:
         """Record which parameters a backward pass reaches (once). When no micro-batch of the step ran
         one, give those parameters the zero gradient it would have given, so that the optimizer step
-        (momentum, weight decay) is the one it would have been; when a skipped micro-batch's loss was
-        not finite, make the gradient not finite, as its backward pass would have, so that
-        ``update`` skips the step."""
+        (momentum, weight decay) is the one it would have been; when a skipped micro-batch's loss or
+        ratios were not finite, make the gradient not finite, as its backward pass would have, so
+        that ``update`` skips the step."""
         if none_ran:
             for name, parameter in self.model.named_parameters():
-                if name in self._trained_names:
+                if name in self._trained_names and parameter.requires_grad and parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
         elif self._trained_names is None:
             self._trained_names = {name for name, p in self.model.named_parameters() if p.grad is not None}

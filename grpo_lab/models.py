@@ -142,3 +142,27 @@ def enable_gradient_checkpointing(model, kwargs: dict) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def config_settings(config) -> dict:
+    """A model config's attributes, with those of the dicts and sub-configs nested in it (a
+    multimodal model's ``text_config``...) merged in."""
+    settings = dict(vars(config))
+    for nested in list(settings.values()):
+        if isinstance(nested, dict):
+            settings.update(nested)
+        elif hasattr(nested, "to_dict") and hasattr(nested, "model_type"):  # a sub-config
+            settings.update(vars(nested))
+    return settings
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config fields through which transformers' mixture-of-experts models give their number of experts."""
+
+
+def routes_to_experts(model) -> bool:
+    """Whether ``model``'s config (or a config nested in it) has more than one routed expert."""
+    config = getattr(model, "config", None)
+    settings = config_settings(config) if config is not None else {}
+    return any(isinstance(settings.get(name), int) and settings[name] > 1 for name in _EXPERT_COUNTS)
+

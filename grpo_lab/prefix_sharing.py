@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import compact_forward, notices
-from grpo_lab.models import CACHE
+from grpo_lab.models import CACHE, config_settings
 
 
 def position_ids(attention_mask_BL: torch.Tensor) -> torch.Tensor:
@@ -249,13 +249,7 @@ def _random_in_training(modules) -> bool:
 
 
 def _config_is_random(config) -> bool:
-    settings = dict(vars(config))
-    for nested in list(settings.values()):
-        if isinstance(nested, dict):
-            settings.update(nested)
-        elif hasattr(nested, "to_dict") and hasattr(nested, "model_type"):  # a sub-config
-            settings.update(vars(nested))
     return any(
         isinstance(value, float) and value > 0 and name.endswith(("dropout", "pdrop", "jitter_noise", "jitter_eps"))
-        for name, value in settings.items()
+        for name, value in config_settings(config).items()
     )

@@ -30,12 +30,14 @@ def _zero_micro_batches(advantages_B: torch.Tensor, size: int) -> int:
 
 
 def _steps(session, rewards: list) -> list[dict]:
-    """One optimizer step per reward function in ``rewards``: advantages, loss result, gradients, weights."""
+    """One optimizer step per reward function in ``rewards`` (a batch reused by ``num_iterations`` keeps
+    the reward it was scored with): advantages, loss result, gradients, weights."""
     steps = []
     for reward in rewards:
-        session.reward_funcs = [reward]
-        session.generate(), session.score()
-        advantages, result = session.advantages(), session.loss()
+        if session.next_stage == "generate":
+            session.reward_funcs = [reward]
+            session.generate(), session.score(), session.advantages()
+        advantages, result = session.advantages_result, session.loss()
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in session.model.named_parameters()}
         session.update()
         weights = {n: p.detach().clone() for n, p in session.model.named_parameters()}
@@ -56,14 +58,21 @@ def _assert_same_step(skipping: dict, running: dict) -> None:
     assert torch.allclose(skipping["result"].logprobs_BT, running["result"].logprobs_BT, rtol=0, atol=1e-6)
 
 
-def test_zero_advantage_micro_batches_skip_their_backward_and_the_steps_are_unchanged(make_session):
-    rewards = [parity_reward] * 3
-    skipping = _steps(make_session(**GROUPS), rewards)
-    running = _steps(make_session(**GROUPS, skip_zero_advantage_backward=False), rewards)
+# A reused batch (num_iterations=2) has importance ratios other than 1 in its second step.
+@pytest.mark.parametrize("options", [
+    dict(), dict(loss_type="grpo", num_iterations=2, delta=1.5), dict(loss_type="cispo", num_iterations=2),
+    dict(loss_type="sapo", num_iterations=2), dict(loss_type="vespo", num_iterations=2),
+    dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence"),
+    dict(num_iterations=2, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5),
+], ids=["dapo", "grpo_delta", "cispo", "sapo", "vespo", "luspo_sequence", "masks"])
+def test_zero_advantage_micro_batches_skip_their_backward_and_the_steps_are_unchanged(make_session, options):
+    rewards = [parity_reward] * 4
+    skipping = _steps(make_session(**GROUPS, **options), rewards)
+    running = _steps(make_session(**GROUPS, **options, skip_zero_advantage_backward=False), rewards)
     skipped = [step["result"].backward_skipped for step in skipping]
     assert skipped == [_zero_micro_batches(step["advantages"], 4) for step in skipping]
     assert 0 < sum(skipped) < 4 * len(rewards)  # both kinds of micro-batch occurred
-    assert [step["result"].backward_skipped for step in running] == [0, 0, 0]
+    assert [step["result"].backward_skipped for step in running] == [0] * len(rewards)
     assert "micro-batches had zero advantages and no backward pass" in repr(skipping[skipped.index(max(skipped))]["result"])
     for skipping_step, running_step in zip(skipping, running, strict=True):
         _assert_same_step(skipping_step, running_step)
@@ -106,10 +115,13 @@ def test_a_skipped_micro_batch_whose_loss_is_not_finite_makes_the_update_skip_as
 @pytest.mark.parametrize("overrides", [dict(beta=0.04), dict(entropy_coef=0.01), dict(skip_zero_advantage_backward=False)],
                          ids=["kl", "entropy_bonus", "off"])
 def test_a_kl_term_or_an_entropy_bonus_gives_zero_advantages_a_gradient_so_nothing_is_skipped(make_session, overrides):
-    session = make_session(reward_funcs=[constant_reward], **GROUPS, **overrides)
-    session.generate(), session.score()
-    assert not session.advantages().advantages_B.any()
-    assert session.loss().backward_skipped == 0  # 3 of the 4 would be skipped otherwise
+    session = make_session(**GROUPS, **overrides)
+    (step,) = _steps(session, [parity_reward])  # the policy moves away from the reference
+    (step,) = _steps(session, [constant_reward])
+    assert not step["advantages"].any()
+    assert step["result"].backward_skipped == 0  # all 4 would be skipped otherwise
+    has_gradient = any(grad is not None and grad.any() for grad in step["grads"].values())
+    assert has_gradient == ("skip_zero_advantage_backward" not in overrides)
 
 
 TWO_PROCESSES = """
@@ -138,8 +150,7 @@ trainer.train()
 rank = trainer.accelerator.process_index
 with open(f"{out}/seen-{rank}.json", "w") as report:
     json.dump(seen, report)
-if rank == 0:
-    torch.save({n: p.detach().clone() for n, p in trainer.session.model.named_parameters()}, f"{out}/weights.pt")
+torch.save({n: p.detach().clone() for n, p in trainer.session.model.named_parameters()}, f"{out}/weights-{rank}.pt")
 trainer.close()
 """
 
@@ -156,6 +167,27 @@ def test_two_processes_skip_only_before_the_micro_batch_that_averages_the_gradie
     for skipped, zero, last_zero in (step for rank in seen for step in rank):
         assert skipped == zero - last_zero  # all but the last micro-batch, whose backward averages over processes
     assert sum(step[0] for rank in seen for step in rank) > 0
-    skipping, running = (torch.load(tmp_path / mode / "weights.pt") for mode in ("skip", "run"))
-    assert skipping.keys() == running.keys()
-    assert all(torch.equal(skipping[name], running[name]) for name in running)
+    running = torch.load(tmp_path / "run" / "weights-0.pt")
+    for rank in (0, 1):  # every process's copy: one that skipped its update alone would drift apart
+        skipping = torch.load(tmp_path / "skip" / f"weights-{rank}.pt")
+        assert skipping.keys() == running.keys()
+        assert all(torch.equal(skipping[name], running[name]) for name in running)
+
+
+def test_mixture_of_experts_models_run_every_backward_pass(make_session, task, tmp_path):
+    # a backward pass gives each expert its tokens reach a zero gradient, which AdamW acts on
+    from transformers import AutoTokenizer, LlamaConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
+
+    from grpo_lab.models import routes_to_experts
+
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert routes_to_experts(MixtralForCausalLM(config)) and routes_to_experts(type("M", (), {"config": Qwen2MoeConfig()}))
+    assert not routes_to_experts(type("M", (), {"config": LlamaConfig()}))
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    session = make_session(model=str(tmp_path / "moe"), reward_funcs=[constant_reward], **GROUPS)
+    (step,) = _steps(session, [constant_reward])
+    assert not step["advantages"].any() and step["result"].backward_skipped == 0
