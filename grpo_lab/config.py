@@ -35,7 +35,6 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 
 NOT_YET_IMPLEMENTED = {
-    "router_aux_loss_coef": "mixture-of-experts auxiliary loss is not wired into the objective",
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
@@ -75,7 +74,12 @@ class GRPOConfig:
     """Run the model code a checkpoint ships (its ``auto_map``) when loading the policy, reference and
     reward models, their tokenizers and colocated vLLM. Only for checkpoints whose code you trust."""
     router_aux_loss_coef: float | None = None
-    """Weight of a mixture-of-experts router loss added to the objective. Not implemented yet."""
+    """Weight of a mixture-of-experts model's load-balancing loss (the ``aux_loss`` transformers'
+    MoE models return with ``output_router_logits=True``), added to each micro-batch's loss divided
+    by gradient_accumulation_steps, as TRL does; logged as ``aux_loss``. None uses the model
+    config's own ``router_aux_loss_coef`` (0 where it declares none); 0 turns it off. Refused for
+    a model without router logits. While it is on, the policy's log-prob passes run every prompt
+    with each completion (the loss is over whole sequences), not once per group."""
     disable_dropout: bool = False
     """Set every dropout probability to 0, so that log-probs of the same tokens are deterministic."""
     cast_lm_head_to_fp32: bool = False
@@ -473,6 +477,8 @@ class GRPOConfig:
             _positive(name, getattr(self, name))
         if self.epsilon_high is not None:
             _positive("epsilon_high", self.epsilon_high)
+        if self.router_aux_loss_coef is not None:
+            _non_negative("router_aux_loss_coef", self.router_aux_loss_coef)
         for name in ("beta", "learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "entropy_coef",
                      "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
             _non_negative(name, getattr(self, name))

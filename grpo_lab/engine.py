@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
@@ -38,7 +39,7 @@ from grpo_lab.models import (
     prepare_tokenizer,
     routes_to_experts,
 )
-from grpo_lab.prefix_sharing import PrefixSharing, unpack
+from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
 from grpo_lab.rollout import make_backend
@@ -48,6 +49,19 @@ from grpo_lab.sampler import PromptSampler
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
 _GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "vespo"}
+
+
+class _MicroBatch(NamedTuple):
+    """One micro-batch's forward pass and loss (``Engine._micro_batch_loss``)."""
+
+    loss: torch.Tensor
+    logprobs_BT: torch.Tensor
+    entropies_BT: torch.Tensor
+    out: ops.PolicyLossOutput
+    mask_BT: torch.Tensor
+    kept_BT: torch.Tensor  # the tokens the entropy statistic counts
+    off_policy_B1: torch.Tensor | None
+    aux_loss: torch.Tensor | None  # a mixture-of-experts model's load-balancing loss, when weighted
 
 
 def _finite_zero_gradient(loss: torch.Tensor, ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> bool:
@@ -189,6 +203,7 @@ class Engine:
         self.num_input_tokens_seen = 0
         self._trained_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
         self._routes_to_experts = routes_to_experts(self.unwrapped_model)
+        self.router_aux_loss_weight()  # a weight set for a model without router logits is refused here
         # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
         # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
         self.entropy_coef = config.entropy_coef
@@ -331,21 +346,31 @@ class Engine:
 
     # ------------------------------------------------------------------ log-probs
     def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,
-                          entropy_grad: bool = False):
-        """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``.
+                          entropy_grad: bool = False, router_aux_loss: bool = False):
+        """Per-token log-probs (and entropies, and a mixture-of-experts model's load-balancing loss)
+        of the completions ``index_B`` under ``model``: ``(logprobs_BT, entropies_BT or None,
+        aux_loss or None)``.
 
         Logits are divided by the sampling temperature first, so the log-probs are those of the
         distribution the completions were sampled from (as TRL does). A group's shared prompt is
         run once where the model allows it (``share_prompt_prefix``); with ``compact_forward`` only the
         kept tokens are scored, and the (B, T) results hold zeros after each completion's end.
-        Entropies carry their gradient only with ``entropy_grad`` (for the entropy bonus).
+        Entropies carry their gradient only with ``entropy_grad`` (for the entropy bonus). While the
+        load-balancing loss is weighted, every pass runs whole sequences, as that loss is over them
+        (and the old policy's log-probs then come from the same path as the training pass's).
         """
         completion_ids = rollout.completion_ids_BT[index_B]
-        logits, slots_N = self.prefix_sharing.logits(
-            model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], completion_ids,
-            rollout.completion_mask_BT[index_B], enabled=self.config.share_prompt_prefix,
-            compact=self.config.compact_forward,
-        )
+        rows = (model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], completion_ids,
+                rollout.completion_mask_BT[index_B])
+        aux_loss = None
+        if router_aux_loss:
+            output = full_forward(*rows, output_router_logits=True)
+            logits, slots_N, aux_loss = output.logits[:, :-1, :], None, output.aux_loss
+        else:
+            logits, slots_N = self.prefix_sharing.logits(
+                *rows, enabled=self.config.share_prompt_prefix and self.router_aux_loss_weight() == 0.0,
+                compact=self.config.compact_forward,
+            )
         if slots_N is not None:  # the kept tokens only, as one row
             logits, token_ids = logits.unsqueeze(0), completion_ids.flatten().index_select(0, slots_N).unsqueeze(0)
         else:
@@ -359,9 +384,9 @@ class Engine:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropies = ops.entropy_from_logits(logits)
         if slots_N is None:
-            return logprobs, entropies
+            return logprobs, entropies, aux_loss
         spread = lambda values: unpack(values[0], slots_N, *completion_ids.shape)  # noqa: E731
-        return spread(logprobs), None if entropies is None else spread(entropies)
+        return spread(logprobs), None if entropies is None else spread(entropies), aux_loss
 
     @torch.no_grad()
     def _batched_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
@@ -531,8 +556,9 @@ class Engine:
         parts, total_loss = [], 0.0
         entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
         masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
-        zero_K = self._zero_advantage_micro_batches(advantages, micro_batches, entropy_coef)
-        skipped, not_finite = 0, False
+        aux_weight = self.router_aux_loss_weight()
+        zero_K = self._zero_advantage_micro_batches(advantages, micro_batches, entropy_coef, aux_weight)
+        skipped, not_finite, aux_losses = 0, False, []
         for k, index_B in enumerate(micro_batches):
             sync = k == len(micro_batches) - 1
             # A micro-batch whose advantages are all zero adds exactly nothing to the gradient: its
@@ -542,21 +568,23 @@ class Engine:
             skip = zero_K is not None and zero_K[k] and (
                 not sync or (self._whole_model_here() and (skipped < k or self._trained_names is not None))
             )
-            args = (rollout, advantages, index_B, loss_mask_BT, normalizer, epsilon_high, entropy_coef, len(micro_batches))
+            args = (rollout, advantages, index_B, loss_mask_BT, normalizer, epsilon_high, entropy_coef, aux_weight,
+                    len(micro_batches))
             with torch.no_grad() if skip else contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 step = self._micro_batch_loss(*args)
                 if skip:
-                    not_finite |= not _finite_zero_gradient(step[0], step[3].ratio_BT, step[4])
+                    not_finite |= not _finite_zero_gradient(step.loss, step.out.ratio_BT, step.mask_BT)
                 else:
-                    self.accelerator.backward(step[0])
+                    self.accelerator.backward(step.loss)
             skipped += skip
-            loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1 = step
             if config.use_adaptive_entropy:
-                entropy_stats.append(torch.stack([(entropies_BT.detach() * kept_BT).sum(), kept_BT.sum()]))
-            if off_policy_B1 is not None:
-                masked_sequences += (off_policy_B1 == 0).sum()
-            total_loss += float(loss.detach())
-            parts.append((index_B, logprobs_BT.detach(), entropies_BT.detach(), out, mask_BT))
+                entropy_stats.append(torch.stack([(step.entropies_BT.detach() * step.kept_BT).sum(), step.kept_BT.sum()]))
+            if step.off_policy_B1 is not None:
+                masked_sequences += (step.off_policy_B1 == 0).sum()
+            if step.aux_loss is not None:
+                aux_losses.append(step.aux_loss.detach())
+            total_loss += float(step.loss.detach())
+            parts.append((index_B, step.logprobs_BT.detach(), step.entropies_BT.detach(), step.out, step.mask_BT))
         if zero_K is not None and self.accelerator.num_processes > 1:  # running it would average the NaN into all
             not_finite = bool(dist.total(self.accelerator, torch.tensor(float(not_finite), device=self.accelerator.device)))
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
@@ -567,19 +595,22 @@ class Engine:
         result.micro_batches, result.backward_skipped = len(micro_batches), skipped
         if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
             result.metrics["entropy_coef"] = entropy_coef
+        if aux_losses:
+            result.metrics["aux_loss"] = float(dist.mean(self.accelerator, torch.stack(aux_losses).mean()))
         if config.off_policy_mask_threshold is not None:
             sequences = dist.total(self.accelerator, torch.tensor(float(len(step_index)), device=masked_sequences.device))
             result.metrics["off_policy_mask/masked_fraction"] = float(dist.total(self.accelerator, masked_sequences) / sequences)
         return result
 
     def _micro_batch_loss(self, rollout: Rollout, advantages: Advantages, index_B, loss_mask_BT, normalizer,
-                          epsilon_high: float, entropy_coef: float, micro_batches: int):
-        """One micro-batch's forward pass and loss: (loss, logprobs_BT, entropies_BT, policy_loss output,
-        mask_BT, the tokens its entropy statistic keeps, the off-policy mask or None)."""
+                          epsilon_high: float, entropy_coef: float, aux_weight: float, micro_batches: int) -> _MicroBatch:
+        """One micro-batch's forward pass and loss; a mixture-of-experts model's load-balancing loss
+        is added with ``aux_weight`` / ``micro_batches`` (TRL's scaling)."""
         config = self.config
         with self.accelerator.autocast():
-            logprobs_BT, entropies_BT = self.sequence_logprobs(
+            logprobs_BT, entropies_BT, aux_loss = self.sequence_logprobs(
                 self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
+                router_aux_loss=aux_weight != 0.0,
             )
         mask_BT = loss_mask_BT[index_B]
         entropy_mask_BT = None
@@ -617,13 +648,16 @@ class Engine:
             entropy_coef=entropy_coef,
         )
         loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / micro_batches
-        return loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1
+        if aux_loss is not None:
+            loss = loss + aux_weight * aux_loss / micro_batches
+        return _MicroBatch(loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1, aux_loss)
 
-    def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float):
+    def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float,
+                                      aux_weight: float):
         """For each micro-batch, whether its backward pass may be skipped because its advantages are
         all zero (``skip_zero_advantage_backward``); None when none may. Every policy loss is a
-        multiple of the advantage, so such a gradient is exactly zero unless a KL term (beta > 0)
-        or an entropy bonus adds one. DeepSpeed counts the backward passes of an accumulation
+        multiple of the advantage, so such a gradient is exactly zero unless a KL term (beta > 0),
+        an entropy bonus or a router load-balancing loss adds one. DeepSpeed counts the backward passes of an accumulation
         itself, so it runs them all; a mixture-of-experts model's backward pass gives the experts
         its tokens reach a (zero) gradient that the optimizer would act on, so it runs them all too;
         under FSDP a backward pass gathers the shards, so a micro-batch is skipped only where it is
@@ -631,13 +665,30 @@ class Engine:
         from accelerate.utils import DistributedType
 
         config = self.config
-        if (not config.skip_zero_advantage_backward or config.beta != 0.0 or entropy_coef != 0.0
+        if (not config.skip_zero_advantage_backward or config.beta != 0.0 or entropy_coef != 0.0 or aux_weight != 0.0
                 or self.accelerator.distributed_type == DistributedType.DEEPSPEED or self._routes_to_experts):
             return None
         zero_K = torch.stack([~advantages.advantages_B[index_B].any() for index_B in micro_batches])
         if dist.sharding(self.accelerator) == "fsdp":
             zero_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device)).view(-1, len(micro_batches)).all(0)
         return zero_K.tolist()
+
+    def router_aux_loss_weight(self) -> float:
+        """The weight of a mixture-of-experts model's load-balancing loss: ``router_aux_loss_coef``, or
+        where that is None the model config's own (0 where it declares none); 0 for a model whose
+        config has no ``output_router_logits`` (not a mixture of experts returning router logits).
+        Raises for a weight set on such a model."""
+        text_config = self.unwrapped_model.config.get_text_config()
+        coef = self.config.router_aux_loss_coef
+        if not hasattr(text_config, "output_router_logits"):
+            if coef:
+                raise ValueError(
+                    f"router_aux_loss_coef={coef} but {type(self.unwrapped_model).__name__} is not a mixture-of-experts "
+                    "model that returns router logits (its config has no output_router_logits), so there is no "
+                    "load-balancing loss to weight. Leave router_aux_loss_coef=None."
+                )
+            return 0.0
+        return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
 
     def _whole_model_here(self) -> bool:
         """One process holding the whole model, so that a backward pass moves no gradient elsewhere."""

@@ -54,16 +54,20 @@ def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) 
     return first_U.scatter_reduce(0, inverse_B, rows_B, reduce="amin"), inverse_B
 
 
-def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
-    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
+def full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, **kwargs):
+    """The model's output for one pass over ``[prompt, completion]``, its logits kept at the
+    completion's positions and the one before (``kwargs`` go to the model)."""
     input_ids = torch.cat([prompt_ids_BP, completion_ids_BT], dim=1)
     attention_mask = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
-    num_completion_tokens = completion_ids_BT.shape[1]
-    logits = model(
+    return model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-        logits_to_keep=num_completion_tokens + 1, use_cache=False,
-    ).logits
-    return logits[:, :-1, :]
+        logits_to_keep=completion_ids_BT.shape[1] + 1, use_cache=False, **kwargs,
+    )
+
+
+def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
+    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
+    return full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT).logits[:, :-1, :]
 
 
 def _plain_cache_reason(cache, prompt_length: int) -> str | None:

@@ -83,6 +83,22 @@ def untied_bf16(task, tmp_path_factory):
     return str(directory)
 
 
+@pytest.fixture(scope="session")
+def tiny_moe(task, tmp_path_factory):
+    """A randomly initialised 2-layer Mixtral (4 experts, 2 per token) with the shipped tokenizer: a
+    directory. Its config keeps transformers' router_aux_loss_coef (0.001)."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    directory = tmp_path_factory.mktemp("tiny_moe")
+    MixtralForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.fixture
 def batch(task):
     """A log-prob pass's input: 3 prompts of different lengths (left padded), 4 completions each of 1 to

@@ -174,20 +174,15 @@ def test_two_processes_skip_only_before_the_micro_batch_that_averages_the_gradie
         assert all(torch.equal(skipping[name], running[name]) for name in running)
 
 
-def test_mixture_of_experts_models_run_every_backward_pass(make_session, task, tmp_path):
+def test_mixture_of_experts_models_run_every_backward_pass(make_session, tiny_moe):
     # a backward pass gives each expert its tokens reach a zero gradient, which AdamW acts on
-    from transformers import AutoTokenizer, LlamaConfig, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2MoeConfig
 
     from grpo_lab.models import routes_to_experts
 
-    tokenizer = AutoTokenizer.from_pretrained(task.model)
-    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    assert routes_to_experts(MixtralForCausalLM(config)) and routes_to_experts(type("M", (), {"config": Qwen2MoeConfig()}))
+    assert routes_to_experts(AutoModelForCausalLM.from_pretrained(tiny_moe))
+    assert routes_to_experts(type("M", (), {"config": Qwen2MoeConfig()}))
     assert not routes_to_experts(type("M", (), {"config": LlamaConfig()}))
-    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
-    tokenizer.save_pretrained(tmp_path / "moe")
-    session = make_session(model=str(tmp_path / "moe"), reward_funcs=[constant_reward], **GROUPS)
+    session = make_session(model=tiny_moe, reward_funcs=[constant_reward], **GROUPS, router_aux_loss_coef=0.0)
     (step,) = _steps(session, [constant_reward])
     assert not step["advantages"].any() and step["result"].backward_skipped == 0
