@@ -346,7 +346,13 @@ class Engine:
 
     # ------------------------------------------------------------------ log-probs
     def sequence_logprobs(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,
-                          entropy_grad: bool = False, router_aux_loss: bool = False):
+                          entropy_grad: bool = False):
+        """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``:
+        ``(logprobs_BT, entropies_BT or None)``; see ``logprobs_and_aux_loss``."""
+        return self.logprobs_and_aux_loss(model, rollout, index_B, with_entropy=with_entropy, entropy_grad=entropy_grad)[:2]
+
+    def logprobs_and_aux_loss(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,
+                              entropy_grad: bool = False, router_aux_loss: bool = False):
         """Per-token log-probs (and entropies, and a mixture-of-experts model's load-balancing loss)
         of the completions ``index_B`` under ``model``: ``(logprobs_BT, entropies_BT or None,
         aux_loss or None)``.
@@ -608,7 +614,7 @@ class Engine:
         is added with ``aux_weight`` / ``micro_batches`` (TRL's scaling)."""
         config = self.config
         with self.accelerator.autocast():
-            logprobs_BT, entropies_BT, aux_loss = self.sequence_logprobs(
+            logprobs_BT, entropies_BT, aux_loss = self.logprobs_and_aux_loss(
                 self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
                 router_aux_loss=aux_weight != 0.0,
             )

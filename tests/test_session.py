@@ -38,7 +38,7 @@ def test_stages_return_numbers_that_match_an_independent_recomputation(make_sess
     result = session.loss()
     engine = session.engine
     with torch.no_grad():
-        logprobs_BT, _, _ = engine.sequence_logprobs(engine.model, rollout, torch.arange(8), with_entropy=False)
+        logprobs_BT, _ = engine.sequence_logprobs(engine.model, rollout, torch.arange(8), with_entropy=False)
     mask = rollout.completion_mask_BT.float()
     # on-policy (ratio 1): the dapo loss is -sum(A_i * mask_it) / sum(mask)
     expected_loss = -(advantages.advantages_B[:, None] * mask).sum() / mask.sum()
@@ -153,7 +153,7 @@ def test_lora_steps_and_uses_disabled_adapter_as_reference(task, tmp_path):
     rollout = lora.generate()
     # a fresh LoRA adapter is zero-initialised on B, so the reference equals the policy
     with torch.no_grad():
-        policy_BT, _, _ = lora.engine.sequence_logprobs(lora.engine.model, rollout, torch.arange(8), with_entropy=False)
+        policy_BT, _ = lora.engine.sequence_logprobs(lora.engine.model, rollout, torch.arange(8), with_entropy=False)
     mask = rollout.completion_mask_BT.bool()
     torch.testing.assert_close(rollout.ref_logprobs_BT[mask], policy_BT[mask])
     lora.step()
