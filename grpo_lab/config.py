@@ -77,9 +77,11 @@ class GRPOConfig:
     """Weight of a mixture-of-experts model's load-balancing loss (the ``aux_loss`` transformers'
     MoE models return with ``output_router_logits=True``), added to each micro-batch's loss divided
     by gradient_accumulation_steps, as TRL does; logged as ``aux_loss``. None uses the model
-    config's own ``router_aux_loss_coef`` (0 where it declares none); 0 turns it off. Refused for
-    a model without router logits. While it is on, the policy's log-prob passes run every prompt
-    with each completion (the loss is over whole sequences), not once per group."""
+    config's own ``router_aux_loss_coef`` (0 where it declares none); 0 turns it off; a non-zero
+    weight is refused for a model without router logits (no ``output_router_logits`` in its
+    config), and a weighted model that returns no ``aux_loss`` fails the loss stage with the fix.
+    While it is on, the policy's log-prob passes run every prompt with each completion (the loss is
+    over whole sequences), not once per group."""
     disable_dropout: bool = False
     """Set every dropout probability to 0, so that log-probs of the same tokens are deterministic."""
     cast_lm_head_to_fp32: bool = False

@@ -37,6 +37,7 @@ from grpo_lab.models import (
     load_causal_lm,
     load_tokenizer,
     prepare_tokenizer,
+    router_aux_loss_weight,
     routes_to_experts,
 )
 from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
@@ -132,6 +133,7 @@ class Engine:
             processing_class = load_tokenizer(name, trust_remote_code=config.model_kwargs()["trust_remote_code"])
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_kwargs())
+        router_aux_loss_weight(policy, config.router_aux_loss_coef)  # refused here for a model without router logits
         keep_4bit_layers_differentiable(policy)
         self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
         self._remove_model_copy = lambda: None
@@ -203,7 +205,6 @@ class Engine:
         self.num_input_tokens_seen = 0
         self._trained_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
         self._routes_to_experts = routes_to_experts(self.unwrapped_model)
-        self.router_aux_loss_weight()  # a weight set for a model without router logits is refused here
         # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
         # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
         self.entropy_coef = config.entropy_coef
@@ -371,10 +372,17 @@ class Engine:
         aux_loss = None
         if router_aux_loss:
             output = full_forward(*rows, output_router_logits=True)
-            logits, slots_N, aux_loss = output.logits[:, :-1, :], None, output.aux_loss
+            logits, slots_N, aux_loss = output.logits[:, :-1, :], None, getattr(output, "aux_loss", None)
+            if not isinstance(aux_loss, torch.Tensor):
+                raise ValueError(
+                    f"router_aux_loss_coef weights a load-balancing loss ({self.router_aux_loss_weight():g}, "
+                    f"{'the model config' if self.config.router_aux_loss_coef is None else 'set'}), but "
+                    f"{type(self.unwrapped_model).__name__} returns none with output_router_logits=True. "
+                    "Set router_aux_loss_coef=0."
+                )
         else:
             logits, slots_N = self.prefix_sharing.logits(
-                *rows, enabled=self.config.share_prompt_prefix and self.router_aux_loss_weight() == 0.0,
+                *rows, enabled=self.config.share_prompt_prefix and (model is not self.model or self.router_aux_loss_weight() == 0.0),
                 compact=self.config.compact_forward,
             )
         if slots_N is not None:  # the kept tokens only, as one row
@@ -545,6 +553,7 @@ class Engine:
         if config.beta > 0 and rollout.ref_logprobs_BT is None:  # beta switched on after this batch was sampled
             with self.accelerator.autocast():
                 rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
+        aux_weight = self.router_aux_loss_weight()  # raises before any gradient is touched
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self.step_indices(batch_step)
         step_index = torch.cat(micro_batches)
@@ -562,7 +571,6 @@ class Engine:
         parts, total_loss = [], 0.0
         entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
         masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
-        aux_weight = self.router_aux_loss_weight()
         zero_K = self._zero_advantage_micro_batches(advantages, micro_batches, entropy_coef, aux_weight)
         skipped, not_finite, aux_losses = 0, False, []
         for k, index_B in enumerate(micro_batches):
@@ -655,7 +663,7 @@ class Engine:
         )
         loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / micro_batches
         if aux_loss is not None:
-            loss = loss + aux_weight * aux_loss / micro_batches
+            loss = loss + aux_weight * aux_loss.to(loss.device) / micro_batches
         return _MicroBatch(loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1, aux_loss)
 
     def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float,
@@ -680,21 +688,8 @@ class Engine:
         return zero_K.tolist()
 
     def router_aux_loss_weight(self) -> float:
-        """The weight of a mixture-of-experts model's load-balancing loss: ``router_aux_loss_coef``, or
-        where that is None the model config's own (0 where it declares none); 0 for a model whose
-        config has no ``output_router_logits`` (not a mixture of experts returning router logits).
-        Raises for a weight set on such a model."""
-        text_config = self.unwrapped_model.config.get_text_config()
-        coef = self.config.router_aux_loss_coef
-        if not hasattr(text_config, "output_router_logits"):
-            if coef:
-                raise ValueError(
-                    f"router_aux_loss_coef={coef} but {type(self.unwrapped_model).__name__} is not a mixture-of-experts "
-                    "model that returns router logits (its config has no output_router_logits), so there is no "
-                    "load-balancing loss to weight. Leave router_aux_loss_coef=None."
-                )
-            return 0.0
-        return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
+        """The weight of the policy's load-balancing loss now (``models.router_aux_loss_weight``)."""
+        return router_aux_loss_weight(self.unwrapped_model, self.config.router_aux_loss_coef)
 
     def _whole_model_here(self) -> bool:
         """One process holding the whole model, so that a backward pass moves no gradient elsewhere."""

@@ -166,3 +166,20 @@ def routes_to_experts(model) -> bool:
     settings = config_settings(config) if config is not None else {}
     return any(isinstance(settings.get(name), int) and settings[name] > 1 for name in _EXPERT_COUNTS)
 
+
+def router_aux_loss_weight(model, coef: float | None) -> float:
+    """The weight of a mixture-of-experts model's load-balancing loss (TRL's rule): ``coef``, or
+    where that is None the model config's own ``router_aux_loss_coef`` (0 where it declares none);
+    0 for a model whose config has no ``output_router_logits`` (not a mixture of experts returning
+    router logits), for which a non-zero ``coef`` is refused."""
+    text_config = model.config.get_text_config()
+    if not hasattr(text_config, "output_router_logits"):
+        if coef:
+            raise ValueError(
+                f"router_aux_loss_coef={coef} but {type(model).__name__} is not a mixture-of-experts model that "
+                "returns router logits (its config has no output_router_logits), so there is no load-balancing "
+                "loss to weight. Leave router_aux_loss_coef=None."
+            )
+        return 0.0
+    return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
+

@@ -238,6 +238,12 @@ class GRPOSession:
                 "beta > 0 needs a reference model, and this session was built with beta=0, so none was kept; the edit "
                 "was undone. Build a new GRPOSession with beta > 0 (its reference is the model it starts from)."
             )
+        if "router_aux_loss_coef" in changed:
+            try:
+                self.engine.router_aux_loss_weight()
+            except ValueError as error:
+                self._undo(["router_aux_loss_coef"])
+                raise ValueError(f"{error} The edit was undone.") from None
         schedule = sorted(set(changed) & _SCHEDULE_FIELDS)
         if schedule and not self.engine.owns_scheduler and set(schedule) & _SCHEDULE_ONLY_FIELDS:
             self._undo(schedule)

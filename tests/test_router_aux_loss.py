@@ -64,3 +64,43 @@ def test_a_weight_for_a_model_without_router_logits_or_below_zero_is_refused(mak
     assert "aux_loss" not in make_session(router_aux_loss_coef=0.0).step()
     with pytest.raises(ValueError, match="router_aux_loss_coef must be >= 0"):
         GRPOConfig(router_aux_loss_coef=-0.1)
+
+
+def test_a_weight_set_between_steps_on_a_model_without_router_logits_is_undone(make_session):
+    session = make_session()
+    session.config.router_aux_loss_coef = 0.01
+    with pytest.raises(ValueError, match="no load-balancing loss to weight.*The edit was undone"):
+        session.generate()
+    assert session.config.router_aux_loss_coef is None
+    assert "loss" in session.step()
+
+
+def test_a_weighted_model_that_returns_no_load_balancing_loss_fails_the_loss_stage_with_the_fix(make_session, task, tmp_path):
+    # Llama 4's text model declares router logits and a weight but returns no aux_loss
+    from transformers import AutoTokenizer, Llama4ForCausalLM, Llama4TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    config = Llama4TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              num_local_experts=4, num_experts_per_tok=1, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    Llama4ForCausalLM(config).save_pretrained(tmp_path / "llama4")
+    tokenizer.save_pretrained(tmp_path / "llama4")
+    session = make_session(model=str(tmp_path / "llama4"), max_completion_length=4)
+    session.generate(), session.score(), session.advantages()
+    with pytest.raises(ValueError, match=r"\(0.001, the model config\).*returns none.*Set router_aux_loss_coef=0"):
+        session.loss()
+    session.config.router_aux_loss_coef = 0.0
+    assert "aux_loss" not in session.loss().metrics
+
+
+def test_zero_advantage_micro_batches_run_their_backward_pass_while_the_load_balancing_loss_is_weighted(make_session, tiny_moe):
+    # its gradient does not vanish with the advantages; the model's experts are not what stops the skip here
+    skipped = {}
+    for weight in (None, 0.0):
+        session = make_session(model=tiny_moe, reward_funcs=[constant_reward], num_generations=4,
+                               per_device_train_batch_size=4, gradient_accumulation_steps=4, router_aux_loss_coef=weight)
+        session.engine._routes_to_experts = False
+        session.generate(), session.score(), session.advantages()
+        skipped[weight] = session.loss().backward_skipped
+    assert skipped == {None: 0, 0.0: 3}
