@@ -368,14 +368,16 @@ class GRPOConfig:
     skip_zero_advantage_backward: bool = True
     """grpo_lab only: a micro-batch whose advantages are all exactly zero (e.g. every completion of its
     groups got the same reward) runs its forward pass, for the metrics, but not its backward pass:
-    with beta = 0 and no entropy bonus its loss is a multiple of the advantages, so its gradient is
-    exactly zero. The gradients and the optimizer step are those of running it: where no
-    micro-batch of a step runs one, the parameters get the zero gradient it would have given, and a
-    non-finite loss or importance ratio makes the step's gradient non-finite, as running it would.
-    The last micro-batch of a step always runs where its backward pass averages or gathers
-    gradients (several processes, FSDP); FSDP skips a micro-batch only where it is zero on every
-    process; DeepSpeed and mixture-of-experts models run them all. Micro-batches of one group
-    (``per_device_train_batch_size == num_generations``, TRL's default) benefit most."""
+    with beta = 0, no entropy bonus and no router load-balancing loss its loss is a multiple of the
+    advantages, so its gradient is exactly zero. The gradients and the optimizer step are those of
+    running it: where no micro-batch of a step runs one, the parameters get the zero gradient it
+    would have given, and a non-finite loss or importance ratio makes the step's gradient
+    non-finite, as running it would. The last micro-batch of a step still runs its backward pass
+    where that pass averages or gathers gradients (several processes, FSDP), and in a session's
+    first all-zero step before any backward pass has run (that pass tells which parameters get a
+    gradient); FSDP skips a micro-batch only where it is zero on every process; DeepSpeed and
+    mixture-of-experts models run them all. Logged as ``backward_skipped_fraction``. Micro-batches
+    of one group (``per_device_train_batch_size == num_generations``, TRL's default) benefit most."""
     keep_freed_cpu_memory: bool = True
     """grpo_lab only: training on a CPU with glibc, keep the memory each step frees for the next
     step instead of returning it to the OS (``grpo_lab/host_memory.py``), as PyTorch's CUDA allocator
@@ -872,12 +874,12 @@ def _at_least(name: str, value, minimum: int, hint: str = "") -> None:
 
 
 def _positive(name: str, value) -> None:
-    if not _number(value) or value <= 0:
+    if not _number(value) or not value > 0:  # NaN too
         raise ValueError(f"{name} must be > 0 (got {value!r}).")
 
 
 def _non_negative(name: str, value) -> None:
-    if not _number(value) or value < 0:
+    if not _number(value) or not value >= 0:  # NaN too
         raise ValueError(f"{name} must be >= 0 (got {value!r}).")
 
 

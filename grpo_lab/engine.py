@@ -609,6 +609,10 @@ class Engine:
         result.micro_batches, result.backward_skipped = len(micro_batches), skipped
         if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
             result.metrics["entropy_coef"] = entropy_coef
+        if zero_K is not None:
+            counts = torch.tensor([float(skipped), float(len(micro_batches))], device=self.accelerator.device)
+            skipped_all, micro_batches_all = (dist.total(self.accelerator, count) for count in counts)
+            result.metrics["backward_skipped_fraction"] = float(skipped_all / micro_batches_all)
         if aux_losses:
             result.metrics["aux_loss"] = float(dist.mean(self.accelerator, torch.stack(aux_losses).mean()))
         if config.off_policy_mask_threshold is not None:

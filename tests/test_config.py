@@ -290,3 +290,10 @@ def test_a_config_file_is_merged_before_validation_and_may_restore_defaults(tmp_
     config = GRPOConfig.from_args(["--config", str(path), "--num_generations", "6"], base=GRPOConfig(beta=0.04, learning_rate=1e-5))
     assert (config.per_device_train_batch_size, config.num_generations) == (6, 6)
     assert (config.beta, config.learning_rate) == (0.0, 1e-6)
+
+
+@pytest.mark.parametrize("name, message", [("beta", ">= 0"), ("router_aux_loss_coef", ">= 0"), ("entropy_coef", ">= 0"),
+                                           ("temperature", "> 0"), ("epsilon", "> 0")])
+def test_a_weight_or_scale_that_is_not_a_number_is_refused(name, message):
+    with pytest.raises(ValueError, match=f"{name} must be {message} \\(got nan\\)"):
+        GRPOConfig(**{name: float("nan")})
