@@ -67,7 +67,17 @@ def full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, comple
 
 def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
     """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
-    return full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT).logits[:, :-1, :]
+    args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
+    return full_forward(*args, **_without_router_loss(model)).logits[:, :-1, :]
+
+
+def _without_router_loss(model) -> dict:
+    """``output_router_logits=False`` for a mixture-of-experts model whose config turns it on: such a
+    model computes its load-balancing loss in every call, against the call's attention mask, which
+    a call that continues a cache does not match."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"output_router_logits": False} if getattr(text_config, "output_router_logits", False) else {}
 
 
 def _plain_cache_reason(cache, prompt_length: int) -> str | None:
@@ -112,7 +122,7 @@ class PrefixSharing:
         """The forward pass over distinct prompts, or None (and the reason kept) if its cache cannot be shared."""
         out = model(
             input_ids=prompt_ids_UP, attention_mask=prompt_mask_UP, position_ids=positions_UP, use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=1, **_without_router_loss(model),
         )
         reason = _plain_cache_reason(getattr(out, CACHE), prompt_ids_UP.shape[1])
         if reason is not None:
@@ -157,7 +167,7 @@ class PrefixSharing:
         _select_rows(cache, inverse_B)
         rest_BTV = model(
             input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
-            position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache},
+            position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache}, **_without_router_loss(model),
         ).logits
         return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1), None
 

@@ -104,3 +104,18 @@ def test_zero_advantage_micro_batches_run_their_backward_pass_while_the_load_bal
         session.generate(), session.score(), session.advantages()
         skipped[weight] = session.loss().backward_skipped
     assert skipped == {None: 0, 0.0: 3}
+
+
+def test_a_model_whose_config_turns_router_logits_on_shares_prompts_when_unweighted(make_session, tiny_moe, tmp_path):
+    # such a model computes its load-balancing loss in every call, against that call's attention mask,
+    # which a call continuing a shared prompt's cache does not match: prefix sharing turns it off
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe)
+    model.config.output_router_logits = True
+    model.save_pretrained(tmp_path / "moe")
+    AutoTokenizer.from_pretrained(tiny_moe).save_pretrained(tmp_path / "moe")
+    for weight, logged in ((0.0, False), (None, True)):
+        session = make_session(model=str(tmp_path / "moe"), num_iterations=2, router_aux_loss_coef=weight)
+        rows = [session.step() for _ in range(2)]  # the old policy's pass, then the reused batch
+        assert all(("aux_loss" in row) == logged for row in rows)
