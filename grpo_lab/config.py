@@ -17,6 +17,7 @@ import inspect
 import json
 import math
 import os
+import warnings
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -40,9 +41,6 @@ NOT_YET_IMPLEMENTED = {
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
     "max_tool_calling_iterations": "tool calling during generation is not available yet",
     "log_completions_hub_repo": "nothing is uploaded to the Hub",
-    "use_transformers_continuous_batching": "generation uses transformers' padded generate()",
-    "transformers_continuous_batching_config": "generation uses transformers' padded generate()",
-    "use_transformers_paged": "generation uses transformers' padded generate()",
 }
 """Fields accepted for compatibility with TRL that raise ``NotImplementedError`` when set to anything
 but their default, with the reason (never silently ignored)."""
@@ -281,11 +279,17 @@ class GRPOConfig:
     log_completions_hub_repo: str | None = None
     """Upload logged completions to a Hub dataset. Not implemented yet."""
     use_transformers_continuous_batching: bool = False
-    """Generate with transformers' continuous batching. Not implemented yet."""
+    """Generate with transformers' continuous batching engine (``model.generate_batch``: paged key/value
+    blocks, requests scheduled as they finish) instead of ``generate``, with the same sampling
+    settings; no prompt prefix sharing there. Not with use_vllm=True, nor with parameters sharded by
+    FSDP or ZeRO-3. A GPU feature: on a CPU it runs, slowly."""
     transformers_continuous_batching_config: dict[str, Any] | str | None = None
-    """Settings of continuous batching. Not implemented yet."""
+    """Keyword arguments of transformers' ``ContinuousBatchingConfig`` for
+    use_transformers_continuous_batching; ``max_memory_percent`` defaults to 0.5 (TRL's choice: the
+    backward pass needs the rest of the GPU) and ``drop_unsupported_processors`` to False (a sampling
+    setting the engine cannot apply fails instead of being dropped)."""
     use_transformers_paged: bool = False
-    """Generate with transformers' paged attention. Not implemented yet."""
+    """Deprecated TRL name of use_transformers_continuous_batching: True sets that (with a warning)."""
 
     # ------------------------------------------------------------------ training (TrainingArguments)
     output_dir: str = "outputs/grpo"
@@ -525,6 +529,7 @@ class GRPOConfig:
             )
         if self.cache_implementation is not None:
             _check_cache_implementation(self.cache_implementation, self.use_vllm)
+        self._check_continuous_batching()
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 cannot both be True: choose one mixed precision.")
         if self.fp16 and self.use_cpu:
@@ -536,6 +541,36 @@ class GRPOConfig:
                     f"{name}={getattr(self, name)!r} is accepted for compatibility with TRL but not supported by "
                     f"grpo_lab yet: {reason}. Leave it at its default ({_defaults()[name]!r})."
                 )
+
+    def _check_continuous_batching(self) -> None:
+        if self.use_transformers_paged:
+            warnings.warn("use_transformers_paged is deprecated (as in TRL): it sets use_transformers_continuous_batching, "
+                          "which is the name to use.", FutureWarning, stacklevel=4)
+            object.__setattr__(self, "use_transformers_paged", False)
+            object.__setattr__(self, "use_transformers_continuous_batching", True)
+        if self.use_transformers_continuous_batching and self.use_vllm:
+            raise ValueError(
+                "use_transformers_continuous_batching and use_vllm both choose the generation engine: set one of them."
+            )
+        if self.transformers_continuous_batching_config is not None:
+            if not self.use_transformers_continuous_batching:
+                raise ValueError(
+                    "transformers_continuous_batching_config is set but use_transformers_continuous_batching is False, "
+                    "so nothing would read it. Set use_transformers_continuous_batching=True, or drop the settings."
+                )
+            self.continuous_batching_config()  # unknown settings fail here, not at the first generation
+
+    def continuous_batching_config(self):
+        """transformers' ``ContinuousBatchingConfig`` from ``transformers_continuous_batching_config``."""
+        from transformers.generation import ContinuousBatchingConfig
+
+        settings = {"max_memory_percent": 0.5, "drop_unsupported_processors": False,
+                    **(self.transformers_continuous_batching_config or {})}
+        try:
+            return ContinuousBatchingConfig(**settings)
+        except TypeError as error:
+            raise ValueError(f"transformers_continuous_batching_config: {error}. See transformers' "
+                             "ContinuousBatchingConfig for its settings.") from None
 
     # ------------------------------------------------------------------ derived values
     def resolve(self, num_processes: int = 1) -> Batching:

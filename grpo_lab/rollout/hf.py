@@ -1,4 +1,5 @@
-"""Generation with transformers' ``model.generate``: the default rollout backend.
+"""Generation with transformers' ``model.generate`` (or its continuous batching engine): the
+default rollout backend.
 
 Prompts are tokenized with left padding (so every prompt ends where generation starts), sampled
 with the configured sampling parameters, cut after the first EOS, and returned as padded tensors
@@ -12,12 +13,12 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationConfig
 
-from grpo_lab import compact_forward, notices
+from grpo_lab import compact_forward, dist, notices
 from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.prefix_sharing import PrefixSharing
 from grpo_lab.rollout import decoding
-from grpo_lab.rollout.batch import GeneratedBatch
+from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
 from grpo_lab.rollout.kv_buffer import buffer_cache
 
 
@@ -157,6 +158,48 @@ def generate(
     return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, is_truncated_B)
 
 
+@torch.no_grad()
+def generate_continuous(model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig,
+                        batching_config) -> GeneratedBatch:
+    """Sample one completion per prompt text with transformers' continuous batching engine
+    (``model.generate_batch``), which takes the prompts unpadded and stops each at EOS."""
+    device = next(model.parameters()).device
+    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
+    check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
+    inputs = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_BP, prompt_mask_BP, strict=True)]
+    was_training = model.training
+    model.eval()
+    try:
+        outputs = list(model.generate_batch(
+            inputs, generation_config=generation_config, continuous_batching_config=batching_config, progress_bar=False,
+        ).values())
+    finally:
+        model.train(was_training)
+    failed = [output.error for output in outputs if output.error is not None]
+    if len(outputs) != len(inputs) or failed:  # generate_batch logs its errors and returns what finished
+        raise RuntimeError(
+            f"transformers' continuous batching returned {len(outputs) - len(failed)} of {len(inputs)} completions"
+            f"{': ' + str(failed[0]) if failed else ''} (its log above says why). Set "
+            "use_transformers_continuous_batching=False to generate with generate()."
+        )
+    eos = generation_config.eos_token_id
+    return batch_from_token_lists(
+        prompt_ids_BP, prompt_mask_BP, [list(output.generated_tokens) for output in outputs], None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_ids=set(eos) if isinstance(eos, list) else {eos},
+    )
+
+
+def check_unsharded(accelerator) -> None:
+    """Refuse continuous batching over parameters that FSDP or ZeRO-3 shard: its engine runs the model
+    on a thread of its own, outside the collectives that gather them."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if dist.sharding(accelerator) == "fsdp" or (dist.sharding(accelerator) == "deepspeed" and plugin.zero_stage == 3):
+        raise ValueError(
+            "use_transformers_continuous_batching cannot generate with parameters sharded by FSDP or ZeRO-3 (its "
+            "engine runs the model on a thread of its own). Set use_transformers_continuous_batching=False."
+        )
+
+
 class TransformersBackend:
     """The default backend: ``model.generate`` on the policy being trained (always up to date)."""
 
@@ -175,6 +218,10 @@ class TransformersBackend:
             repetition_penalty=config.repetition_penalty, cache_implementation=config.cache_implementation,
             generation_kwargs=config.generation_kwargs,
         )
+        if config.use_transformers_continuous_batching:  # its engine samples on a thread of its own
+            check_unsharded(self.accelerator)
+            return generate_continuous(self._model_fn(), self.tokenizer, prompt_texts, settings,
+                                       config.continuous_batching_config())
         with self.accelerator.autocast():
             return generate(
                 self._model_fn(), self.tokenizer, prompt_texts, settings,

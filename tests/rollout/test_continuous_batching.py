@@ -1,0 +1,36 @@
+"""use_transformers_continuous_batching: generation by transformers' continuous batching engine."""
+
+import pytest
+import torch
+
+from grpo_lab import GRPOConfig
+
+
+@pytest.mark.slow  # the engine takes seconds to start on a CPU
+def test_a_session_generates_with_continuous_batching_and_trains(make_session):
+    session = make_session(use_transformers_continuous_batching=True)
+    rollout = session.generate()
+    lengths = rollout.completion_mask_BT.sum(1)
+    assert rollout.completion_mask_BT.shape[1] <= session.config.max_completion_length
+    assert torch.equal(rollout.completion_mask_BT, (torch.arange(rollout.completion_mask_BT.shape[1]) < lengths[:, None]).long())
+    eos = session.tokenizer.eos_token_id
+    for ids, length, truncated in zip(rollout.completion_ids_BT, lengths, rollout.is_truncated_B, strict=True):
+        assert bool(truncated) == (int(ids[length - 1]) != eos)  # ended by EOS, or cut at the limit
+        assert (ids[length:] == session.tokenizer.pad_token_id).all()
+    assert rollout.completion_texts[0].startswith("<answer>")  # the shipped model's answers, not noise
+    session.score(), session.advantages(), session.loss()
+    assert session.update()["update_skipped"] == 0.0
+
+
+def test_continuous_batching_settings_are_checked_when_the_config_is_built():
+    with pytest.warns(FutureWarning, match="use_transformers_paged is deprecated"):
+        config = GRPOConfig(use_transformers_paged=True)
+    assert config.use_transformers_continuous_batching and not config.use_transformers_paged
+    with pytest.raises(ValueError, match="both choose the generation engine"):
+        GRPOConfig(use_transformers_continuous_batching=True, use_vllm=True)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching is False, so nothing would read it"):
+        GRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.3})
+    with pytest.raises(ValueError, match="unexpected keyword argument 'nope'"):
+        GRPOConfig(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"nope": 1})
+    settings = GRPOConfig(use_transformers_continuous_batching=True).continuous_batching_config()
+    assert settings.max_memory_percent == 0.5 and settings.drop_unsupported_processors is False
