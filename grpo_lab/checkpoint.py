@@ -167,6 +167,8 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], g
         "global_step": engine.global_step,
         "num_input_tokens_seen": engine.num_input_tokens_seen,
         "entropy_control": {"coef": engine.entropy_coef, "last_step_entropy": engine.last_step_entropy},
+        # which parameters a backward pass reaches, once known (skip_zero_advantage_backward)
+        "trained_parameters": None if engine.trained_parameter_names is None else sorted(engine.trained_parameter_names),
         "ref_model": ref_state,
         "extra": extra,
     }
@@ -252,6 +254,8 @@ def restore_engine(engine, state: dict, rng: dict | None) -> None:
     control = state.get("entropy_control")  # absent from checkpoints written before the entropy bonus
     if control is not None:
         engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
+    if state.get("trained_parameters") is not None:  # absent from checkpoints written before the setting
+        engine.trained_parameter_names = set(state["trained_parameters"])
     if state["ref_model"] is not None and engine.ref_model is not None:
         load_full_state(engine.accelerator, engine.ref_model, state["ref_model"])
     if rng is not None:

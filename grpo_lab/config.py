@@ -35,6 +35,9 @@ VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 
+_CONTINUOUS_BATCHING_SAMPLING = {"do_sample", "temperature", "top_k", "top_p", "min_p"}
+"""The generation_kwargs transformers' continuous batching engine applies as generate() does."""
+
 NOT_YET_IMPLEMENTED = {
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
@@ -280,14 +283,16 @@ class GRPOConfig:
     """Upload logged completions to a Hub dataset. Not implemented yet."""
     use_transformers_continuous_batching: bool = False
     """Generate with transformers' continuous batching engine (``model.generate_batch``: paged key/value
-    blocks, requests scheduled as they finish) instead of ``generate``, with the same sampling
-    settings; no prompt prefix sharing there. Not with use_vllm=True, nor with parameters sharded by
-    FSDP or ZeRO-3. A GPU feature: on a CPU it runs, slowly."""
+    blocks, requests scheduled as they finish) instead of ``generate``: temperature, top_k, top_p and
+    min_p apply as there; repetition_penalty, cache_implementation and other generation_kwargs are
+    refused. Its samples depend on how its thread batches the requests, so a run is not
+    bit-reproducible and does not resume exactly. Not with use_vllm=True, nor with parameters sharded
+    by FSDP or ZeRO-3. A GPU feature: on a CPU it runs, slowly."""
     transformers_continuous_batching_config: dict[str, Any] | str | None = None
     """Keyword arguments of transformers' ``ContinuousBatchingConfig`` for
     use_transformers_continuous_batching; ``max_memory_percent`` defaults to 0.5 (TRL's choice: the
-    backward pass needs the rest of the GPU) and ``drop_unsupported_processors`` to False (a sampling
-    setting the engine cannot apply fails instead of being dropped)."""
+    backward pass needs the rest of the GPU). ``seed`` is refused (the engine would reseed the whole
+    process at every generation)."""
     use_transformers_paged: bool = False
     """Deprecated TRL name of use_transformers_continuous_batching: True sets that (with a warning)."""
 
@@ -545,27 +550,47 @@ class GRPOConfig:
     def _check_continuous_batching(self) -> None:
         if self.use_transformers_paged:
             warnings.warn("use_transformers_paged is deprecated (as in TRL): it sets use_transformers_continuous_batching, "
-                          "which is the name to use.", FutureWarning, stacklevel=4)
+                          "which is the name to use.", FutureWarning, stacklevel=5)
             object.__setattr__(self, "use_transformers_paged", False)
             object.__setattr__(self, "use_transformers_continuous_batching", True)
-        if self.use_transformers_continuous_batching and self.use_vllm:
-            raise ValueError(
-                "use_transformers_continuous_batching and use_vllm both choose the generation engine: set one of them."
-            )
-        if self.transformers_continuous_batching_config is not None:
-            if not self.use_transformers_continuous_batching:
+        if not self.use_transformers_continuous_batching:
+            if self.transformers_continuous_batching_config is not None:
                 raise ValueError(
                     "transformers_continuous_batching_config is set but use_transformers_continuous_batching is False, "
                     "so nothing would read it. Set use_transformers_continuous_batching=True, or drop the settings."
                 )
-            self.continuous_batching_config()  # unknown settings fail here, not at the first generation
+            return
+        if self.use_vllm:
+            raise ValueError(
+                "use_transformers_continuous_batching and use_vllm both choose the generation engine: set one of them."
+            )
+        # Settings the engine would not apply as generate() does (it keeps an unsupported logits
+        # processor with a log line, and feeds it the last token only), refused instead.
+        unsupported = [f"{name}={getattr(self, name)!r}" for name, default in
+                       (("repetition_penalty", 1.0), ("cache_implementation", None)) if getattr(self, name) != default]
+        unsupported += [f"generation_kwargs[{key!r}]" for key in (self.generation_kwargs or {})
+                        if key not in _CONTINUOUS_BATCHING_SAMPLING]
+        if "seed" in (self.transformers_continuous_batching_config or {}):
+            unsupported.append("transformers_continuous_batching_config['seed'] (it reseeds the whole process at "
+                               "every generation; the run's seed drives sampling)")
+        if unsupported:
+            raise ValueError(
+                f"use_transformers_continuous_batching cannot apply {', '.join(unsupported)}: its engine applies "
+                f"temperature, top_k, top_p and min_p only. Drop them, or generate with generate() "
+                "(use_transformers_continuous_batching=False)."
+            )
+        self.continuous_batching_config()  # a transformers without the engine, or unknown settings, fail here
 
     def continuous_batching_config(self):
         """transformers' ``ContinuousBatchingConfig`` from ``transformers_continuous_batching_config``."""
-        from transformers.generation import ContinuousBatchingConfig
-
-        settings = {"max_memory_percent": 0.5, "drop_unsupported_processors": False,
-                    **(self.transformers_continuous_batching_config or {})}
+        try:
+            from transformers.generation import ContinuousBatchingConfig
+        except ImportError:
+            raise ImportError(
+                "use_transformers_continuous_batching needs transformers' continuous batching engine (transformers "
+                ">= 5.8): upgrade transformers, or set use_transformers_continuous_batching=False."
+            ) from None
+        settings = {"max_memory_percent": 0.5, **(self.transformers_continuous_batching_config or {})}
         try:
             return ContinuousBatchingConfig(**settings)
         except TypeError as error:

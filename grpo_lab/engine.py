@@ -203,7 +203,7 @@ class Engine:
                 func.to(self.accelerator.device)
         self.global_step = 0
         self.num_input_tokens_seen = 0
-        self._trained_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
+        self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
         self._routes_to_experts = routes_to_experts(self.unwrapped_model)
         # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
         # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
@@ -580,7 +580,7 @@ class Engine:
             # always runs one where gradients are averaged or gathered in it (several processes,
             # FSDP), and where no backward pass has run yet that says which parameters it reaches.
             skip = zero_K is not None and zero_K[k] and (
-                not sync or (self._whole_model_here() and (skipped < k or self._trained_names is not None))
+                not sync or (self._whole_model_here() and (skipped < k or self.trained_parameter_names is not None))
             )
             args = (rollout, advantages, index_B, loss_mask_BT, normalizer, epsilon_high, entropy_coef, aux_weight,
                     len(micro_batches))
@@ -706,11 +706,11 @@ class Engine:
         ratios were not finite, make the gradient not finite, as its backward pass would have, so
         that ``update`` skips the step."""
         if none_ran:
-            for name, parameter in self.model.named_parameters():
-                if name in self._trained_names and parameter.requires_grad and parameter.grad is None:
+            for name, parameter in self.unwrapped_model.named_parameters():
+                if name in self.trained_parameter_names and parameter.requires_grad and parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
-        elif self._trained_names is None:
-            self._trained_names = {name for name, p in self.model.named_parameters() if p.grad is not None}
+        elif self.trained_parameter_names is None:  # the unwrapped model's names: a checkpoint keeps them for any launch
+            self.trained_parameter_names = {name for name, p in self.unwrapped_model.named_parameters() if p.grad is not None}
         if not_finite:
             next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
 

@@ -167,7 +167,7 @@ def generate_continuous(model, tokenizer, prompt_texts: list[str], generation_co
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
     check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
     inputs = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_BP, prompt_mask_BP, strict=True)]
-    was_training = model.training
+    was_training, attention = model.training, model.config._attn_implementation
     model.eval()
     try:
         outputs = list(model.generate_batch(
@@ -175,6 +175,8 @@ def generate_continuous(model, tokenizer, prompt_texts: list[str], generation_co
         ).values())
     finally:
         model.train(was_training)
+        if model.config._attn_implementation != attention:  # the engine's own, left behind if it failed to start
+            model.set_attn_implementation(attention)
     failed = [output.error for output in outputs if output.error is not None]
     if len(outputs) != len(inputs) or failed:  # generate_batch logs its errors and returns what finished
         raise RuntimeError(

@@ -22,6 +22,16 @@ def test_a_session_generates_with_continuous_batching_and_trains(make_session):
     assert session.update()["update_skipped"] == 0.0
 
 
+@pytest.mark.slow
+def test_continuous_batching_applies_the_sampling_settings_as_generate_does(make_session):
+    # top_k=1 leaves one token to draw: both engines then pick each step's most likely token, where
+    # temperature 3 alone would draw noise from the shipped model
+    engine, loop = (make_session(top_k=1, temperature=3.0, use_transformers_continuous_batching=cb).generate()
+                    for cb in (True, False))
+    assert engine.completion_texts == loop.completion_texts
+    assert torch.equal(engine.completion_ids_BT, loop.completion_ids_BT)
+
+
 def test_continuous_batching_settings_are_checked_when_the_config_is_built():
     with pytest.warns(FutureWarning, match="use_transformers_paged is deprecated"):
         config = GRPOConfig(use_transformers_paged=True)
@@ -32,5 +42,12 @@ def test_continuous_batching_settings_are_checked_when_the_config_is_built():
         GRPOConfig(transformers_continuous_batching_config={"max_memory_percent": 0.3})
     with pytest.raises(ValueError, match="unexpected keyword argument 'nope'"):
         GRPOConfig(use_transformers_continuous_batching=True, transformers_continuous_batching_config={"nope": 1})
-    settings = GRPOConfig(use_transformers_continuous_batching=True).continuous_batching_config()
-    assert settings.max_memory_percent == 0.5 and settings.drop_unsupported_processors is False
+    assert GRPOConfig(use_transformers_continuous_batching=True).continuous_batching_config().max_memory_percent == 0.5
+    for unsupported, named in [(dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
+                               (dict(cache_implementation="static"), "cache_implementation='static'"),
+                               (dict(generation_kwargs={"num_return_sequences": 2}), "generation_kwargs['num_return_sequences']"),
+                               (dict(transformers_continuous_batching_config={"seed": 1}), "reseeds the whole process")]:
+        with pytest.raises(ValueError, match=f"cannot apply .*{named}".replace("[", r"\[").replace("(", r"\(")):
+            GRPOConfig(use_transformers_continuous_batching=True, **unsupported)
+    GRPOConfig(use_transformers_continuous_batching=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
+               generation_kwargs={"do_sample": True})
