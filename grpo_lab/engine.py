@@ -599,8 +599,10 @@ class Engine:
                 aux_losses.append(step.aux_loss.detach())
             total_loss += float(step.loss.detach())
             parts.append((index_B, step.logprobs_BT.detach(), step.entropies_BT.detach(), step.out, step.mask_BT))
-        if zero_K is not None and self.accelerator.num_processes > 1:  # running it would average the NaN into all
-            not_finite = bool(dist.total(self.accelerator, torch.tensor(float(not_finite), device=self.accelerator.device)))
+        if zero_K is not None:  # over processes, in one collective: running it would average a NaN into all
+            counts = torch.tensor([[float(not_finite), float(skipped), float(len(micro_batches))]], device=self.accelerator.device)
+            not_finite_all, skipped_all, micro_batches_all = dist.gather(self.accelerator, counts).sum(0).tolist()
+            not_finite = not_finite_all > 0
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
         if config.use_adaptive_entropy:
             entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
@@ -610,9 +612,7 @@ class Engine:
         if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
             result.metrics["entropy_coef"] = entropy_coef
         if zero_K is not None:
-            counts = torch.tensor([float(skipped), float(len(micro_batches))], device=self.accelerator.device)
-            skipped_all, micro_batches_all = (dist.total(self.accelerator, count) for count in counts)
-            result.metrics["backward_skipped_fraction"] = float(skipped_all / micro_batches_all)
+            result.metrics["backward_skipped_fraction"] = skipped_all / micro_batches_all
         if aux_losses:
             result.metrics["aux_loss"] = float(dist.mean(self.accelerator, torch.stack(aux_losses).mean()))
         if config.off_policy_mask_threshold is not None:
@@ -674,12 +674,12 @@ class Engine:
                                       aux_weight: float):
         """For each micro-batch, whether its backward pass may be skipped because its advantages are
         all zero (``skip_zero_advantage_backward``); None when none may. Every policy loss is a
-        multiple of the advantage, so such a gradient is exactly zero unless a KL term (beta > 0),
-        an entropy bonus or a router load-balancing loss adds one. DeepSpeed counts the backward passes of an accumulation
-        itself, so it runs them all; a mixture-of-experts model's backward pass gives the experts
-        its tokens reach a (zero) gradient that the optimizer would act on, so it runs them all too;
-        under FSDP a backward pass gathers the shards, so a micro-batch is skipped only where it is
-        zero on every process."""
+        multiple of the advantage, so such a gradient is exactly zero unless a KL term (beta > 0), an
+        entropy bonus or a router load-balancing loss adds one. DeepSpeed counts the backward passes
+        of an accumulation itself, so it runs them all; a mixture-of-experts model's backward pass
+        gives the experts its tokens reach a (zero) gradient that the optimizer would act on, so it
+        runs them all too; under FSDP a backward pass gathers the shards, so a micro-batch is
+        skipped only where it is zero on every process."""
         from accelerate.utils import DistributedType
 
         config = self.config
