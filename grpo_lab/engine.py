@@ -43,7 +43,10 @@ from grpo_lab.models import (
 from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
+from grpo_lab.rewards.runner import CALL_KEYWORDS
 from grpo_lab.rollout import make_backend
+from grpo_lab.rollout.batch import eos_token_ids
+from grpo_lab.rollout.custom import call_rollout_func, check_rollout_func
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
@@ -105,6 +108,7 @@ class Engine:
         reward_processing_classes=None,
         peft_config=None,
         optimizers=(None, None),
+        rollout_func=None,
     ):
         if args is not None and not isinstance(args, GRPOConfig):
             raise TypeError(
@@ -184,6 +188,9 @@ class Engine:
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        check_rollout_func(rollout_func)
+        self.rollout_func = rollout_func
+        self.rollout_owner = None  # what rollout_func receives as its second argument (the GRPOSession)
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
         self.sampler = PromptSampler(
             dataset_size=len(train_dataset),
@@ -423,8 +430,8 @@ class Engine:
             local = dist.local_slice(self.accelerator, len(global_rows))
             rows = self._train_rows(global_rows[local])
             prompts = rows.pop("prompt")
-            texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs)
-            batch = self.rollout_backend.generate(texts, config)
+            batch, env_mask_BT, extra = self._generate_batch(prompts, list(rows))
+            rows.update(extra)
             if batch.policy_version is not None and batch.policy_version != self.global_step:
                 raise RuntimeError(
                     f"The {self.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
@@ -449,6 +456,7 @@ class Engine:
             step=self.global_step,
             sampling_logprobs_BT=batch.sampling_logprobs_BT,
             policy_version=batch.policy_version,
+            env_mask_BT=env_mask_BT,
         )
         with self.accelerator.autocast():
             if self.needs_old_logprobs():
@@ -457,12 +465,28 @@ class Engine:
                 rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
         if self.corrects_sampling() and rollout.sampling_logprobs_BT is not None:
             self._importance_weights(rollout)
-        tokens = batch.prompt_mask_BP.sum() + batch.completion_mask_BT.sum()
+        tokens = batch.prompt_mask_BP.sum() + rollout.completion_lengths_B.sum()
         self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
         return rollout
 
-    def reward_columns(self) -> list[str]:
-        """The training dataset's columns that reward functions receive as keyword arguments."""
+    def _generate_batch(self, prompts: list, columns: list[str]):
+        """``(batch, env_mask_BT or None, extra columns)`` for ``prompts`` (one per completion): from the
+        rollout function when there is one, else from the generation backend."""
+        if self.rollout_func is None:
+            texts = render_prompts(prompts, self.tokenizer, self.config.chat_template_kwargs)
+            return self.rollout_backend.generate(texts, self.config), None, {}
+        return call_rollout_func(
+            self.rollout_func, prompts, self.rollout_owner, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_ids=eos_token_ids(self.tokenizer, self.unwrapped_model),
+            vocab_size=self.unwrapped_model.get_input_embeddings().num_embeddings,
+            reserved={"prompt", *CALL_KEYWORDS, *columns}, device=self.accelerator.device,
+        )
+
+    def reward_columns(self) -> list[str] | None:
+        """The training dataset's columns that reward functions receive as keyword arguments; None with
+        a rollout function, whose extra keys are known only once it has run (score() checks then)."""
+        if self.rollout_func is not None:
+            return None
         return [name for name in self.train_dataset.column_names if name != "prompt"]
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
@@ -477,7 +501,7 @@ class Engine:
         config = self.config
         old_BT = rollout.old_logprobs_BT.float()
         sampling_BT = rollout.sampling_logprobs_BT.to(old_BT.device)
-        mask_BT = rollout.completion_mask_BT.to(old_BT.device)
+        mask_BT = rollout.generated_mask_BT.to(old_BT.device)
         clip_max = config.vllm_importance_sampling_clip_max
         if config.vllm_importance_sampling_cap is not None:
             clip_max = config.vllm_importance_sampling_cap
@@ -501,6 +525,8 @@ class Engine:
             [token for token, kept in zip(ids, mask) if kept]
             for ids, mask in zip(rollout.completion_ids_BT.tolist(), rollout.completion_mask_BT.tolist())
         ]
+        if self.rollout_func is not None:
+            check_reward_signatures(self.reward_funcs, self.reward_names, list(rollout.columns))
         rewards_BF, logs = score_completions(
             self.reward_funcs, self.reward_processing_classes, self.reward_names,
             prompts=rollout.prompts, completions=rollout.completions, completion_ids=completion_ids,
@@ -557,7 +583,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self.step_indices(batch_step)
         step_index = torch.cat(micro_batches)
-        loss_mask_BT = rollout.completion_mask_BT.float()
+        loss_mask_BT = rollout.generated_mask_BT.float()
         if config.mask_truncated_completions:
             loss_mask_BT = ops.truncation_mask(loss_mask_BT, rollout.is_truncated_B)
         # dapo-style losses divide by the tokens of the whole optimizer step, counted over all processes;
@@ -775,7 +801,8 @@ class Engine:
         config = self.config
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
-        check_reward_signatures(self.reward_funcs, self.reward_names, [c for c in dataset.column_names if c != "prompt"])
+        if self.rollout_func is None:  # else once its extra keys are known
+            check_reward_signatures(self.reward_funcs, self.reward_names, [c for c in dataset.column_names if c != "prompt"])
         rows = dataset.with_format(None)[local.start:local.stop]
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
         columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
@@ -785,18 +812,21 @@ class Engine:
             torch.manual_seed(config.seed + self.accelerator.process_index)
             for start in range(0, len(prompts), size):
                 chunk = prompts[start:start + size]
-                texts = render_prompts(chunk, self.tokenizer, config.chat_template_kwargs)
-                batch = self.rollout_backend.generate(texts, config)
+                chunk_columns = {k: v[start:start + size] for k, v in columns.items()}
+                batch, env_mask_BT, extra = self._generate_batch(chunk, list(chunk_columns))
+                chunk_columns.update(extra)
+                if self.rollout_func is not None:
+                    check_reward_signatures(self.reward_funcs, self.reward_names, list(chunk_columns))
                 decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
                 ids = [i[m.bool()].tolist() for i, m in zip(batch.completion_ids_BT, batch.completion_mask_BT)]
                 rewards_BF, _ = score_completions(
                     self.reward_funcs, self.reward_processing_classes, self.reward_names, prompts=chunk,
-                    completions=wrap_completions(chunk, decoded), completion_ids=ids,
-                    columns={k: v[start:start + size] for k, v in columns.items()},
+                    completions=wrap_completions(chunk, decoded), completion_ids=ids, columns=chunk_columns,
                     trainer_state=self.trainer_state(),
                 )
                 rewards.append(rewards_BF)
-                lengths.append(batch.completion_mask_BT.sum(1).float())
+                generated_BT = batch.completion_mask_BT if env_mask_BT is None else batch.completion_mask_BT * env_mask_BT
+                lengths.append(generated_BT.sum(1).float())
         rewards_BF = dist.gather(self.accelerator, torch.cat(rewards).to(self.accelerator.device)).cpu()
         lengths_B = dist.gather(self.accelerator, torch.cat(lengths).to(self.accelerator.device)).cpu()
         weights = torch.tensor(config.reward_weights) if config.reward_weights else torch.ones(rewards_BF.shape[1])

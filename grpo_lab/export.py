@@ -104,17 +104,19 @@ def _literal(value) -> bool:
         return False
 
 
-def _check_exportable(func, index: int) -> None:
+def _check_exportable(func, label: str) -> None:
+    """``label``: how errors name the function, e.g. "Reward function #0"."""
     name = getattr(func, "__name__", repr(func))
     if name == "<lambda>":
         raise ExportError(
-            f"Reward function #{index} is a lambda, which has no name to export. Define it with "
-            "`def my_reward(completions, **kwargs): ...` at the top level of a cell or module."
+            f"{label} is a lambda, which has no name to export. Define it with `def "
+            f"{'my_rollout(prompts, session)' if label.startswith('Rollout') else 'my_reward(completions, **kwargs)'}: ...` "
+            "at the top level of a cell or module."
         )
     if func.__closure__:
         captured = ", ".join(func.__code__.co_freevars)
         raise ExportError(
-            f"Reward function {name!r} is a closure over live objects ({captured}); a script cannot "
+            f"{label.split(' #')[0]} {name!r} is a closure over live objects ({captured}); a script cannot "
             "recreate them. Make them module-level constants or function arguments with defaults, "
             "or move the function into an importable module."
         )
@@ -125,18 +127,18 @@ def _is_importable(func) -> bool:
     return func.__module__ != "__main__" and module is not None and getattr(module, func.__qualname__, None) is func
 
 
-def _function_source(func, index: int) -> str:
-    _check_exportable(func, index)
+def _function_source(func, label: str) -> str:
+    _check_exportable(func, label)
     try:
         return textwrap.dedent(inspect.getsource(func))
     except (OSError, TypeError) as error:
         raise ExportError(
-            f"The source of reward function {func.__name__!r} cannot be found ({error}). Define it in a "
+            f"The source of {func.__name__!r} ({label}) cannot be found ({error}). Define it in a "
             "notebook cell or a module file, not with exec()."
         ) from error
 
 
-def _dependencies(func, imports: dict[str, str], definitions: dict[str, str], index: int) -> None:
+def _dependencies(func, imports: dict[str, str], definitions: dict[str, str], label: str) -> None:
     """Collect the imports and top-level definitions a ``__main__`` function uses."""
     for name in sorted(set(func.__code__.co_names) | _nested_names(func.__code__)):
         if name in definitions or name in imports or hasattr(builtins, name) or name not in func.__globals__:
@@ -149,13 +151,13 @@ def _dependencies(func, imports: dict[str, str], definitions: dict[str, str], in
                 "" if value.__name__ == name else f" as {name}"
             )
         elif isinstance(value, types.FunctionType):
-            definitions[name] = _function_source(value, index)
-            _dependencies(value, imports, definitions, index)
+            definitions[name] = _function_source(value, label)
+            _dependencies(value, imports, definitions, label)
         elif _literal(value):
             definitions[name] = f"{name} = {value!r}\n"
         else:
             raise ExportError(
-                f"Reward function #{index} uses the global {name!r} ({type(value).__name__}), which is not "
+                f"{label} uses the global {name!r} ({type(value).__name__}), which is not "
                 "a module, an importable object, a function or a literal. Build it inside the function, "
                 "or move it into an importable module."
             )
@@ -169,24 +171,25 @@ def _nested_names(code) -> set[str]:
     return names
 
 
-def reward_function_code(funcs: list) -> tuple[list[str], list[str], list[str]]:
-    """(import lines, definitions, names) that recreate ``funcs`` in a script."""
+def reward_function_code(funcs: list, kind: str = "Reward function") -> tuple[list[str], list[str], list[str]]:
+    """(import lines, definitions, names) that recreate ``funcs`` in a script; ``kind`` names them in errors."""
     imports: dict[str, str] = {}
     definitions: dict[str, str] = {}
     names = []
     for index, func in enumerate(funcs):
+        label = f"{kind} #{index}" if len(funcs) > 1 or kind == "Reward function" else kind
         if not callable(func) or not isinstance(func, types.FunctionType):
             raise ExportError(
-                f"Reward function #{index} ({type(func).__name__}) is not a plain function; reward models "
-                "and callable objects are not exported yet. Wrap it in a function defined in a module."
+                f"{label} ({type(func).__name__}) is not a plain function; models and callable objects "
+                "are not exported yet. Wrap it in a function defined in a module."
             )
-        _check_exportable(func, index)
+        _check_exportable(func, label)
         name = func.__name__
         if _is_importable(func):
             imports[name] = f"from {func.__module__} import {name}"
         else:
-            definitions[name] = _function_source(func, index)
-            _dependencies(func, imports, definitions, index)
+            definitions[name] = _function_source(func, label)
+            _dependencies(func, imports, definitions, label)
         names.append(name)
     return sorted(set(imports.values())), list(definitions.values()), names
 
@@ -200,6 +203,11 @@ def export_session(session, path: str | Path) -> Path:
     path = Path(path)
     engine = session.engine
     imports, definitions, names = reward_function_code(engine.reward_funcs)
+    rollout = ""
+    if engine.rollout_func is not None:
+        more_imports, more_definitions, (rollout,) = reward_function_code([engine.rollout_func], "Rollout function")
+        imports = sorted(set(imports) | set(more_imports))
+        definitions += [d for d in more_definitions if d not in definitions]
     data_dir = path.with_suffix(".data")
     engine.train_dataset.save_to_disk(str(data_dir / "train"))
     has_eval = engine.eval_dataset is not None
@@ -237,6 +245,7 @@ def export_session(session, path: str | Path) -> Path:
         "        train_dataset=load_from_disk(str(DATA / 'train')),",
         f"        eval_dataset={'load_from_disk(str(DATA / ' + repr('eval') + '))' if has_eval else 'None'},",
         *([peft] if peft else []),
+        *([f"        rollout_func={rollout},"] if rollout else []),
         "    )",
         "    trainer.train(resume_from_checkpoint=resume_from)",
         "    trainer.save_model()",

@@ -101,12 +101,14 @@ class GRPOSession:
         reward_processing_classes=None,
         peft_config=None,
         optimizers=(None, None),
+        rollout_func=None,
     ):
         self.engine = Engine(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            peft_config=peft_config, optimizers=optimizers,
+            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func,
         )
+        self.engine.rollout_owner = self
         self.config = self.engine.config
         self._applied_config = self.config.to_dict()
         self.config_changes: list[dict] = []
@@ -141,6 +143,11 @@ class GRPOSession:
         self.engine.reward_funcs, self.engine.reward_processing_classes, self.engine.reward_names = (
             prepare_reward_funcs(funcs, None, self.config.model_kwargs(), columns=self.engine.reward_columns())
         )
+
+    @property
+    def rollout_func(self):
+        """The function that generates the completions in place of the backend (None: the backend does)."""
+        return self.engine.rollout_func
 
     @property
     def global_step(self) -> int:
@@ -282,6 +289,40 @@ class GRPOSession:
         self.rollout = self.engine.generate()
         self._emit("generate", self.rollout)
         return self.rollout
+
+    def sample(self, prompts: list) -> dict[str, list]:
+        """One completion per prompt, sampled by the run's generation backend with its sampling
+        settings: the building block of a rollout function (``rollout_func``), e.g. for a turn after
+        a tool's answer. A prompt is a text, chat messages (rendered with the chat template) or a
+        list of token ids (kept as given, so that a multi-turn context is never re-tokenized).
+
+        Returns ``{"prompt_ids", "completion_ids", "logprobs", "texts"}``, lists with one entry per
+        prompt: token ids without padding (a completion ends with its EOS unless truncated at
+        max_completion_length), the log-probs the tokens were sampled with (vLLM; None with
+        transformers) and the completions decoded without special tokens. Draws from the random
+        generator as generate() does; no optimizer state changes.
+        """
+        from grpo_lab.rollout.prompts import render_prompts
+
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("sample() takes a non-empty list of prompts (texts, chat messages or token-id lists).")
+        as_ids = [p if isinstance(p, (list, tuple)) and p and all(isinstance(t, int) for t in p) else None for p in prompts]
+        if all(ids is not None for ids in as_ids):
+            inputs = [list(ids) for ids in as_ids]
+        elif any(ids is not None for ids in as_ids):
+            raise ValueError("sample() takes prompts of one kind: all token-id lists, or all texts and chat messages.")
+        else:
+            inputs = render_prompts(list(prompts), self.tokenizer, self.config.chat_template_kwargs)
+        engine = self.engine
+        batch = engine.rollout_backend.generate(inputs, self.config)
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)]
+        kept_BT = batch.completion_mask_BT.bool()
+        completion_ids = [ids[mask].tolist() for ids, mask in zip(batch.completion_ids_BT, kept_BT, strict=True)]
+        logprobs = None
+        if batch.sampling_logprobs_BT is not None:
+            logprobs = [values[mask].tolist() for values, mask in zip(batch.sampling_logprobs_BT, kept_BT, strict=True)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "texts": texts}
 
     def score(self) -> Scores:
         """Run the reward functions; may be called again after changing ``session.reward_funcs``."""
@@ -455,6 +496,7 @@ class GRPOSession:
             "batch_step": self.batch_step,
             "last_stage": self._last_stage,
             "reward_funcs": _pickled(engine.reward_funcs),
+            "rollout_func": _pickled(engine.rollout_func),
         }
 
         def write(directory: Path) -> None:
@@ -495,6 +537,14 @@ class GRPOSession:
                     "a lambda); pass them again: GRPOSession.load(path, reward_funcs=[...])."
                 )
             reward_funcs = pickle.loads(extra["reward_funcs"])
+        if "rollout_func" not in kwargs:
+            saved_func = extra.get("rollout_func", pickle.dumps(None))
+            if saved_func is None:
+                raise ValueError(
+                    f"The rollout function saved in {directory} could not be stored (not importable, e.g. defined "
+                    "in a notebook); pass it again: GRPOSession.load(path, rollout_func=...)."
+                )
+            kwargs["rollout_func"] = pickle.loads(saved_func)
         if train_dataset is None:
             train_dataset = load_from_disk(str(directory / "train_dataset"))
         if eval_dataset is None and (directory / "eval_dataset").exists():
@@ -607,7 +657,8 @@ def _in_effect(name: str, config: dict):
 
 
 def _pickled(funcs) -> bytes | None:
-    """Reward functions pickled by reference when importable, else None (they must be passed again)."""
+    """Reward functions (or a rollout function) pickled by reference when importable, else None
+    (they must be passed again)."""
     try:
         return pickle.dumps(funcs)
     except (pickle.PicklingError, AttributeError, TypeError):

@@ -42,16 +42,17 @@ class GRPOTrainer:
         reward_processing_classes=None,
         peft_config=None,
         optimizers=(None, None),
+        rollout_func=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            reward_processing_classes=reward_processing_classes, optimizers=optimizers,
+            reward_processing_classes=reward_processing_classes, optimizers=optimizers, rollout_func=rollout_func,
         )
         self.session = GRPOSession(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            peft_config=peft_config, optimizers=optimizers,
+            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func,
         )
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)

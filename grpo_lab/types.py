@@ -64,10 +64,21 @@ class Rollout(_Table):
     sampling_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     policy_version: int | None = None
     """Optimizer step of the weights or adapter the engine generated with (vLLM)."""
+    env_mask_BT: torch.Tensor | None = None
+    """From a rollout function: 1 where the model generated the token, 0 where an environment or a
+    tool inserted it (context for later tokens, never trained on); None when the model wrote them all."""
+
+    @property
+    def generated_mask_BT(self) -> torch.Tensor:
+        """1 for the completion tokens the model generated: ``completion_mask_BT * env_mask_BT``."""
+        if self.env_mask_BT is None:
+            return self.completion_mask_BT
+        return self.completion_mask_BT * self.env_mask_BT.to(self.completion_mask_BT.device)
 
     @property
     def completion_lengths_B(self) -> torch.Tensor:
-        return self.completion_mask_BT.sum(dim=1)
+        """Tokens the model generated per completion (those an environment inserted left out)."""
+        return self.generated_mask_BT.sum(dim=1)
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -170,7 +181,7 @@ class LossResult(_Table):
     def to_dict(self) -> dict[str, list]:
         rows = self.sample_index_B.tolist()
         columns = {name: [values[row] for row in rows] for name, values in self.advantages.to_dict().items()}
-        mask_BT = self.advantages.scores.rollout.completion_mask_BT[self.sample_index_B].to(self.ratio_BT.dtype)
+        mask_BT = self.advantages.scores.rollout.generated_mask_BT[self.sample_index_B].to(self.ratio_BT.dtype)
         tokens = mask_BT.sum(1).clamp(min=1)
         columns["ratio"] = ((self.ratio_BT * mask_BT).sum(1) / tokens).tolist()
         columns["clipped_fraction"] = ((self.clipped_BT.to(mask_BT.dtype) * mask_BT).sum(1) / tokens).tolist()

@@ -131,7 +131,10 @@ def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_ini
 
 
 def check_reward_signatures(funcs, names, columns) -> None:
-    """:func:`check_reward_signature` for each reward function (models take no keyword arguments)."""
+    """:func:`check_reward_signature` for each reward function (models take no keyword arguments);
+    nothing while ``columns`` is None (not known yet)."""
+    if columns is None:
+        return
     for func, name in zip(funcs, names, strict=True):
         if not isinstance(func, PreTrainedModel):
             check_reward_signature(func, name, list(columns))

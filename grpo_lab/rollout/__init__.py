@@ -1,7 +1,7 @@
 """Generation backends: who samples the completions of a generation batch.
 
-A backend turns prompt texts into a :class:`GeneratedBatch` and is told after every optimizer step
-that the policy changed (``sync_weights``). Three exist:
+A backend turns prompts (texts, or token ids) into a :class:`GeneratedBatch` and is told after every
+optimizer step that the policy changed (``sync_weights``). Three exist:
 
 - ``transformers`` (default): ``model.generate`` on the trained model itself;
 - ``vllm`` colocated (``use_vllm=True, vllm_mode="colocate"``): a vLLM engine in this process;
@@ -21,8 +21,8 @@ from grpo_lab.rollout.batch import GeneratedBatch
 class RolloutBackend(Protocol):
     name: str
 
-    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
-        """One completion per prompt text, sampled with the settings of ``config`` (a GRPOConfig)."""
+    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
+        """One completion per prompt (a text or token ids), sampled with the settings of ``config`` (a GRPOConfig)."""
 
     def sync_weights(self, model, version: int) -> None:
         """Generate with ``model`` (the policy after optimizer step ``version``) from now on."""

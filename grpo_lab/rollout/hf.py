@@ -64,17 +64,40 @@ def check_cache_device(cache_implementation: str | None, device: torch.device) -
         )
 
 
-def tokenize_prompts(tokenizer, prompt_texts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(ids, mask)`` of prompts given as texts or as token ids (kept as they are)."""
     if tokenizer.padding_side != "left":
         raise ValueError(
             f"The tokenizer pads on the {tokenizer.padding_side!r}; generation needs left padding so that "
             "every prompt ends where its completion starts. Set tokenizer.padding_side = 'left'."
         )
-    distinct = list(dict.fromkeys(prompt_texts))  # each text once; the copies of a group are rows of it
-    encoded = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
-    row_of = {text: row for row, text in enumerate(distinct)}
-    row_B = torch.tensor([row_of[text] for text in prompt_texts], dtype=torch.long)
-    return encoded["input_ids"][row_B].to(device), encoded["attention_mask"][row_B].to(device)
+    keys = [prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts]
+    distinct = list(dict.fromkeys(keys))  # each prompt once; the copies of a group are rows of it
+    if all(isinstance(key, str) for key in distinct):
+        encoded = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids_UP, mask_UP = encoded["input_ids"], encoded["attention_mask"]
+    else:
+        ids_UP, mask_UP = left_pad(distinct, tokenizer.pad_token_id)
+    row_of = {key: row for row, key in enumerate(distinct)}
+    row_B = torch.tensor([row_of[key] for key in keys], dtype=torch.long)
+    return ids_UP[row_B].to(device), mask_UP[row_B].to(device)
+
+
+def left_pad(token_lists, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of token-id sequences padded on the left to the longest: ``(len, longest)``."""
+    bad = next((ids for ids in token_lists if not ids or not all(isinstance(t, int) for t in ids)), None)
+    if bad is not None:
+        raise ValueError(
+            f"A prompt given as token ids must be a non-empty sequence of ints; got {list(bad)[:8]!r}. Pass texts, "
+            "or lists of token ids from the tokenizer."
+        )
+    size = max(len(ids) for ids in token_lists)
+    ids_BP = torch.full((len(token_lists), size), pad_token_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(token_lists), size), dtype=torch.long)
+    for row, ids in enumerate(token_lists):
+        ids_BP[row, size - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
+        mask_BP[row, size - len(ids):] = 1
+    return ids_BP, mask_BP
 
 
 def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:
@@ -121,11 +144,11 @@ def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, pre
 
 @torch.no_grad()
 def generate(
-    model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig,
+    model, tokenizer, prompts: list[str] | list[list[int]], generation_config: GenerationConfig,
     prefix_sharing: PrefixSharing | None = None, *, compact: bool = False,
     on_fallback: Callable[[Any, str], None] | None = None,
 ) -> GeneratedBatch:
-    """Sample one completion per prompt text (repeat a prompt to get several).
+    """Sample one completion per prompt, a text or token ids (repeat a prompt to get several).
 
     With ``compact``, grpo_lab's own loop samples (``decoding``) where the model and settings allow
     it, else ``model.generate``, after a call of ``on_fallback(model, reason)``. With
@@ -134,7 +157,7 @@ def generate(
     place: ``kv_buffer``).
     """
     device = next(model.parameters()).device
-    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
+    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, device)
     check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
     was_training = model.training
     model.eval()
@@ -159,12 +182,12 @@ def generate(
 
 
 @torch.no_grad()
-def generate_continuous(model, tokenizer, prompt_texts: list[str], generation_config: GenerationConfig,
+def generate_continuous(model, tokenizer, prompts: list[str] | list[list[int]], generation_config: GenerationConfig,
                         batching_config) -> GeneratedBatch:
-    """Sample one completion per prompt text with transformers' continuous batching engine
+    """Sample one completion per prompt (a text or token ids) with transformers' continuous batching engine
     (``model.generate_batch``), which takes the prompts unpadded and stops each at EOS."""
     device = next(model.parameters()).device
-    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompt_texts, device)
+    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, device)
     check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
     inputs = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_BP, prompt_mask_BP, strict=True)]
     was_training, attention = model.training, model.config._attn_implementation
@@ -212,7 +235,7 @@ class TransformersBackend:
         self.prefix_sharing = PrefixSharing() if prefix_sharing is None else prefix_sharing
         self._noted: set[str] = set()
 
-    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
         check_cache_device(config.cache_implementation, self.accelerator.device)  # it may change between steps
         settings = sampling_config(
             self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
@@ -222,11 +245,11 @@ class TransformersBackend:
         )
         if config.use_transformers_continuous_batching:  # its engine samples on a thread of its own
             check_unsharded(self.accelerator)
-            return generate_continuous(self._model_fn(), self.tokenizer, prompt_texts, settings,
+            return generate_continuous(self._model_fn(), self.tokenizer, prompts, settings,
                                        config.continuous_batching_config())
         with self.accelerator.autocast():
             return generate(
-                self._model_fn(), self.tokenizer, prompt_texts, settings,
+                self._model_fn(), self.tokenizer, prompts, settings,
                 self.prefix_sharing if config.share_prompt_prefix else None, compact=config.compact_forward,
                 on_fallback=self._note_model_generate,
             )

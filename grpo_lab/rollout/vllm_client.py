@@ -130,12 +130,12 @@ class VLLMServerBackend:
                 time.sleep(0.5)
 
     # ------------------------------------------------------------------ backend
-    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
         model = self._model_fn()
-        prompt_ids_BP, prompt_mask_BP, prompts = prompt_token_lists(self.tokenizer, prompt_texts)
+        prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
         answer = self._call(
-            "/generate", {"prompt_token_ids": prompts, "settings": sampling_settings(config), "seeds": draw_seeds(len(prompts))}
+            "/generate", {"prompt_token_ids": token_lists, "settings": sampling_settings(config), "seeds": draw_seeds(len(token_lists))}
         )
         if answer["run"] != self.run:
             raise RuntimeError(

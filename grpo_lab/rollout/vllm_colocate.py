@@ -51,11 +51,11 @@ class VLLMColocateBackend:
         self.engine.sampling_params(sampling_settings(config), seed=0)  # bad generation_kwargs fail here, not later
         self.sync_weights(model_fn(), 0)
 
-    def generate(self, prompt_texts: list[str], config) -> GeneratedBatch:
+    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
         model = self._model_fn()
-        prompt_ids_BP, prompt_mask_BP, prompts = prompt_token_lists(self.tokenizer, prompt_texts)
+        prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
-        ids, logprobs, version = self.engine.generate(prompts, sampling_settings(config), draw_seeds(len(prompts)))
+        ids, logprobs, version = self.engine.generate(token_lists, sampling_settings(config), draw_seeds(len(token_lists)))
         if self.enable_sleep_mode:
             self.engine.sleep()
         return batch_from_token_lists(

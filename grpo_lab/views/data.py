@@ -164,7 +164,7 @@ def token_quantities(rollout) -> tuple[str, ...]:
 
 def vllm_logprob_gap(rollout) -> torch.Tensor:
     """Trainer minus sampler log-prob of every completion token, in nats, shape (B, T):
-    ``gap_BT = old_logprobs_BT - sampling_logprobs_BT``, NaN where ``completion_mask_BT == 0``.
+    ``gap_BT = old_logprobs_BT - sampling_logprobs_BT``, NaN where ``generated_mask_BT == 0``.
     Positive where the trainer finds the token likelier than vLLM did when it sampled it."""
     if rollout.sampling_logprobs_BT is None or rollout.old_logprobs_BT is None:
         raise ValueError(
@@ -172,7 +172,7 @@ def vllm_logprob_gap(rollout) -> torch.Tensor:
             "generate with use_vllm=True (and vllm_importance_sampling_correction=True)."
         )
     gap_BT = rollout.old_logprobs_BT.float().cpu() - rollout.sampling_logprobs_BT.float().cpu()
-    return gap_BT.masked_fill(~rollout.completion_mask_BT.cpu().bool(), float("nan"))
+    return gap_BT.masked_fill(~rollout.generated_mask_BT.cpu().bool(), float("nan"))
 
 
 def token_values(session, position: int, quantity: str) -> list[tuple[str, float | None]]:
@@ -181,8 +181,8 @@ def token_values(session, position: int, quantity: str) -> list[tuple[str, float
     ``quantity``: "logprob" and "entropy" (of the policy at the last loss()), "advantage_x_ratio"
     (the completion's advantage times the token's ratio), "clipped" (1 where the clip removed the
     gradient) or "vllm_logprob_gap" (see :func:`vllm_logprob_gap`, known from generate() on). The
-    value is None where that quantity is not computed yet or the completion is not in the optimizer
-    step of the last loss().
+    value is None where that quantity is not computed yet, the completion is not in the optimizer
+    step of the last loss(), or an environment inserted the token (a rollout function's env_mask).
     """
     if quantity not in TOKEN_QUANTITIES:
         raise ValueError(f"quantity must be one of {TOKEN_QUANTITIES}, got {quantity!r}.")
@@ -208,5 +208,6 @@ def token_values(session, position: int, quantity: str) -> list[tuple[str, float
                 chosen = result.clipped_BT[row].float()
             else:
                 chosen = result.ratio_BT[row] * result.advantages.advantages_B[position]
-            values = [float(v) for v in chosen[: len(tokens)]]
+            generated = rollout.generated_mask_BT[position][mask_T].tolist()
+            values = [float(v) if kept else None for v, kept in zip(chosen[: len(tokens)].tolist(), generated, strict=True)]
     return list(zip(tokens, values))

@@ -1,0 +1,120 @@
+"""A user's rollout function (TRL's ``rollout_func``): how it is called, and the checks on what it returns.
+
+``rollout_func(prompts, session) -> dict`` takes the place of the generation backend in
+``generate()``: multi-turn rollouts, environments, tools. ``prompts`` is this process's share of the
+generation batch, one entry per completion (a prompt repeated ``num_generations`` times in a row), as
+the dataset holds it (text or chat messages); ``session`` is the :class:`grpo_lab.GRPOSession`, whose
+``sample()`` samples with the run's backend and settings. The dict it returns holds, per completion:
+
+- ``prompt_ids``: the prompt's token ids (what the completion is conditioned on);
+- ``completion_ids``: every token after the prompt, the model's and any an environment inserted;
+- ``logprobs``: the log-prob each completion token was sampled with, or None for the whole batch
+  (read only by vLLM's importance-sampling correction);
+- ``env_mask`` (optional): 1 where the model generated the token, 0 where an environment or a tool
+  inserted it. A 0 token is context for the tokens after it but is not trained on, and completion
+  lengths do not count it;
+- any other key: one value per completion, passed to the reward functions as a keyword argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
+from grpo_lab.rollout.hf import left_pad
+
+REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+def check_rollout_func(func) -> None:
+    if func is not None and not callable(func):
+        raise TypeError(
+            f"rollout_func must be a function rollout_func(prompts, session) -> dict; got {type(func).__name__}."
+        )
+
+
+def _per_completion(output: dict, key: str, count: int) -> list:
+    values = output[key]
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != count:
+        got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(
+            f"rollout_func returned {key!r} with {got}; it must hold one entry per prompt it was given ({count}: "
+            "each prompt arrives num_generations times, once per completion)."
+        )
+    return [value.tolist() if isinstance(value, torch.Tensor) else value for value in values]
+
+
+def _token_lists(output: dict, key: str, count: int, vocab_size: int, *, allow_empty: bool) -> list[list[int]]:
+    lists = _per_completion(output, key, count)
+    for index, ids in enumerate(lists):
+        valid = isinstance(ids, (list, tuple)) and (allow_empty or len(ids) > 0) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+        )
+        if not valid:
+            shown = list(ids)[:8] if isinstance(ids, (list, tuple)) else ids
+            raise ValueError(
+                f"rollout_func returned {key}[{index}] = {shown!r}: each entry must be a "
+                f"{'' if allow_empty else 'non-empty '}list of token ids in [0, {vocab_size}) (the model's vocabulary)."
+            )
+    return [list(ids) for ids in lists]
+
+
+def _aligned(output: dict, key: str, completion_ids: list[list[int]], check) -> list[list]:
+    lists = _per_completion(output, key, len(completion_ids))
+    for index, (values, ids) in enumerate(zip(lists, completion_ids, strict=True)):
+        if not isinstance(values, (list, tuple)) or len(values) != len(ids) or not all(check(v) for v in values):
+            raise ValueError(
+                f"rollout_func returned {key}[{index}] = {values!r:.80}: it must have one "
+                f"{'log-prob (a float)' if key == 'logprobs' else 'flag (0 or 1)'} per token of completion_ids[{index}] "
+                f"({len(ids)} tokens)."
+            )
+    return [list(values) for values in lists]
+
+
+def call_rollout_func(
+    func, prompts: list, session, *, pad_token_id: int, eos_token_ids: set[int], vocab_size: int,
+    reserved: set[str], device,
+) -> tuple[GeneratedBatch, torch.Tensor | None, dict[str, list]]:
+    """Call ``func`` and turn what it returns into ``(batch, env_mask_BT or None, extra columns)``.
+
+    ``reserved`` are the names a returned extra column may not take (the dataset's columns and the
+    keyword arguments every reward function call receives). Every problem raises a ValueError or
+    TypeError that names the key, the entry and what was expected.
+    """
+    output = func(prompts, session)
+    if not isinstance(output, dict):
+        raise TypeError(f"rollout_func must return a dict with the keys {', '.join(REQUIRED_KEYS)}; got {type(output).__name__}.")
+    missing = [key for key in REQUIRED_KEYS if key not in output]
+    if missing:
+        raise ValueError(
+            f"rollout_func returned no {', '.join(repr(k) for k in missing)}: it must return the keys "
+            f"{', '.join(REQUIRED_KEYS)} (logprobs may be None)."
+        )
+    count = len(prompts)
+    prompt_ids = _token_lists(output, "prompt_ids", count, vocab_size, allow_empty=False)
+    completion_ids = _token_lists(output, "completion_ids", count, vocab_size, allow_empty=True)
+    logprobs = None
+    if output["logprobs"] is not None:
+        logprobs = _aligned(output, "logprobs", completion_ids, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+    env_mask_BT = None
+    if output.get("env_mask") is not None:
+        env_mask = _aligned(output, "env_mask", completion_ids, lambda v: v in (0, 1))
+        width = max(1, max(len(ids) for ids in completion_ids))
+        env_mask_BT = torch.zeros((count, width), dtype=torch.long)
+        for row, flags in enumerate(env_mask):
+            env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
+    extra = {key: _per_completion(output, key, count) for key in output if key not in (*REQUIRED_KEYS, "env_mask")}
+    clashes = sorted(set(extra) & reserved)
+    if clashes:
+        raise ValueError(
+            f"rollout_func returned {', '.join(repr(k) for k in clashes)}, which reward functions already receive "
+            f"(from the dataset or every call: {', '.join(sorted(reserved))}). Rename the key."
+        )
+    prompt_ids_BP, prompt_mask_BP = left_pad(prompt_ids, pad_token_id)
+    batch = batch_from_token_lists(
+        prompt_ids_BP.to(device), prompt_mask_BP.to(device), completion_ids, logprobs,
+        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+    )
+    return batch, None if env_mask_BT is None else env_mask_BT.to(device), extra

@@ -1,0 +1,190 @@
+"""rollout_func: a user's function generates the completions (multi-turn, environments), with
+env_mask tokens kept as context but not trained on; session.sample() as its building block."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import GRPOSession, GRPOTrainer
+from grpo_lab.export import ExportError
+from tests.conftest import SMALL
+
+FEEDBACK = " ok "
+
+
+def single_turn(prompts, session):
+    """What the backend does, by way of session.sample()."""
+    out = session.sample(prompts)
+    return {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"], "logprobs": out["logprobs"]}
+
+
+def two_turns(prompts, session):
+    """A first answer, an environment's fixed reply (env_mask 0), then a second answer to it."""
+    first = session.sample(prompts)
+    reply = session.tokenizer.encode(FEEDBACK, add_special_tokens=False)
+    second = session.sample([p + c + reply for p, c in zip(first["prompt_ids"], first["completion_ids"])])
+    pairs = list(zip(first["completion_ids"], second["completion_ids"]))
+    return {
+        "prompt_ids": first["prompt_ids"],
+        "completion_ids": [c + reply + d for c, d in pairs],
+        "logprobs": None,
+        "env_mask": [[1] * len(c) + [0] * len(reply) + [1] * len(d) for c, d in pairs],
+        "first_answer": first["texts"],
+    }
+
+
+def second_answer_digits(completions, first_answer, **kwargs):
+    """Reads the rollout function's extra key: digits written after the environment's reply."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(sum(ch.isdigit() for ch in text.split(FEEDBACK, 1)[-1])) for text in texts]
+
+
+def _session(task, tmp_path, rollout_func, reward_funcs=None, **overrides):
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), **overrides})
+    return GRPOSession(task.model, task.reward_funcs if reward_funcs is None else reward_funcs, args=config,
+                       train_dataset=task.train_dataset, rollout_func=rollout_func)
+
+
+def test_a_rollout_function_sampling_like_the_backend_trains_identically(task, tmp_path):
+    plain = _session(task, tmp_path / "a", None)  # one after the other: sessions share torch's generator
+    rows = [plain.step() for _ in range(2)]
+    custom = _session(task, tmp_path / "b", single_turn)
+    for row in rows:
+        assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in custom.step().items() if k != "step_time"}
+    assert plain.completions_log.equals(custom.completions_log)
+    for p, q in zip(plain.model.parameters(), custom.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_environment_tokens_are_context_but_not_trained(task, tmp_path):
+    session = _session(task, tmp_path, two_turns, reward_funcs=[second_answer_digits], temperature=3.0)
+    rollout = session.generate()
+    reply = len(session.tokenizer.encode(FEEDBACK, add_special_tokens=False))
+    assert rollout.env_mask_BT is not None and rollout.columns["first_answer"]
+    lengths = rollout.completion_mask_BT.sum(1) - reply
+    assert torch.equal(rollout.completion_lengths_B, lengths)
+    session.score()
+    advantages = session.advantages()
+    assert advantages.advantages_B.abs().sum() > 0, "the check needs advantages that are not all zero"
+    result = session.loss()
+    grads = {n: p.grad.clone() for n, p in session.model.named_parameters() if p.grad is not None}
+
+    # By hand: dapo with ratio 1 has the gradient of -sum(A_i * logp_it over generated tokens) / their count,
+    # the log-probs from one plain pass over the whole sequence (environment tokens included as context).
+    model = session.model
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat([rollout.prompt_ids_BP, rollout.completion_ids_BT], 1)
+    mask = torch.cat([rollout.prompt_mask_BP, rollout.completion_mask_BT], 1)
+    P = rollout.prompt_ids_BP.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    logprobs = torch.log_softmax(logits[:, P - 1:-1].float() / 3.0, -1).gather(-1, rollout.completion_ids_BT[..., None])[..., 0]
+    generated = rollout.generated_mask_BT.float()
+    by_hand = -(advantages.advantages_B[:, None] * logprobs * generated).sum() / generated.sum()
+    by_hand.backward()
+    assert result.loss == pytest.approx(-float((advantages.advantages_B * generated.sum(1)).sum() / generated.sum()), abs=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert session.update()["completions/mean_length"] == pytest.approx(float(lengths.float().mean()))
+
+
+def test_sample_takes_token_ids_as_it_takes_texts(task, tmp_path):
+    session = _session(task, tmp_path, None)
+    prompts = [task.train_dataset[i]["prompt"] for i in range(3)]
+    torch.manual_seed(0)
+    from_messages = session.sample(prompts)
+    torch.manual_seed(0)
+    from_ids = session.sample(from_messages["prompt_ids"])
+    assert from_ids == from_messages
+    assert from_ids["logprobs"] is None and all(from_ids["texts"])
+    with pytest.raises(ValueError, match="one kind"):
+        session.sample([[5, 6], "12+3="])
+
+
+def _returning(**output):
+    def rollout(prompts, session):
+        base = single_turn(prompts, session)
+        return {**base, **{k: v(base) if callable(v) else v for k, v in output.items()}}
+    return rollout
+
+
+@pytest.mark.parametrize("output, message", [
+    (dict(prompt_ids=lambda b: b["prompt_ids"][1:]), r"'prompt_ids' with 7 entries; it must hold one entry per prompt"),
+    (dict(completion_ids=lambda b: [[10**6]] * 8), r"completion_ids\[0\] = \[1000000\].*in \[0, 286\)"),
+    (dict(prompt_ids=lambda b: [[]] * 8), r"prompt_ids\[0\] = \[\]: each entry must be a non-empty list"),
+    (dict(logprobs=lambda b: [[0.0]] * 8), r"logprobs\[0\].*one log-prob \(a float\) per token"),
+    (dict(env_mask=lambda b: [[2] * len(c) for c in b["completion_ids"]]), r"env_mask\[0\].*flag \(0 or 1\)"),
+    (dict(answer=lambda b: ["1"] * 8), r"returned 'answer', which reward functions already receive"),
+])
+def test_bad_output_is_refused_and_the_batch_is_not_lost(task, tmp_path, output, message):
+    session = _session(task, tmp_path, _returning(**output))
+    sampler = session.engine.sampler.state_dict()
+    with pytest.raises(ValueError, match=message):
+        session.generate()
+    assert session.engine.sampler.state_dict() == sampler
+
+
+def test_missing_keys_and_non_dicts_are_refused(task, tmp_path):
+    with pytest.raises(ValueError, match=r"returned no 'logprobs'.*logprobs may be None"):
+        _session(task, tmp_path, lambda prompts, session: {"prompt_ids": [], "completion_ids": []}).generate()
+    with pytest.raises(TypeError, match="must return a dict"):
+        _session(task, tmp_path, lambda prompts, session: [1]).generate()
+    with pytest.raises(TypeError, match="rollout_func must be a function"):
+        _session(task, tmp_path, "two_turns")
+
+
+def test_reward_functions_are_checked_against_the_returned_keys(task, tmp_path):
+    session = _session(task, tmp_path, single_turn, reward_funcs=[second_answer_digits])  # built: keys unknown yet
+    session.generate()
+    with pytest.raises(TypeError, match=r"'second_answer_digits' requires first_answer, which no call passes"):
+        session.score()
+
+
+def test_evaluate_uses_the_rollout_function(task, tmp_path):
+    session = _session(task, tmp_path, two_turns, reward_funcs=[second_answer_digits])
+    metrics = session.evaluate(task.eval_dataset.select(range(4)))
+    assert metrics["eval_rewards/second_answer_digits/mean"] >= 0
+
+
+def test_save_load_keeps_an_importable_rollout_function(task, tmp_path):
+    session = _session(task, tmp_path, two_turns)
+    session.step()
+    session.save(tmp_path / "saved")
+    loaded = GRPOSession.load(tmp_path / "saved")
+    assert loaded.rollout_func is two_turns
+    assert loaded.step()["step"] == 2
+
+    local = _session(task, tmp_path / "local", _returning())
+    local.save(tmp_path / "local_saved")
+    with pytest.raises(ValueError, match=r"rollout function saved in .* could not be stored.*rollout_func=\.\.\."):
+        GRPOSession.load(tmp_path / "local_saved")
+    assert GRPOSession.load(tmp_path / "local_saved", rollout_func=single_turn).rollout_func is single_turn
+
+
+def test_trainer_takes_a_rollout_function(task, tmp_path):
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 1})
+    trainer = GRPOTrainer(task.model, [second_answer_digits], args=config, train_dataset=task.train_dataset,
+                          rollout_func=two_turns)
+    trainer.train()
+    assert trainer.session.rollout_func is two_turns and trainer.session.global_step == 2
+    trainer.close()
+
+
+def test_export_carries_the_rollout_function(task, tmp_path):
+    session = _session(task, tmp_path, two_turns, reward_funcs=[second_answer_digits], max_steps=1)
+    script = session.export_script(tmp_path / "train.py")
+    first = session.step()
+    text = script.read_text()
+    assert "rollout_func=two_turns," in text and "from tests.test_rollout_func import" in text
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in first.items() if k != "step_time"}
+    with pytest.raises(ExportError, match=r"Rollout function is a lambda.*def my_rollout\(prompts, session\)"):
+        _session(task, tmp_path / "l", lambda prompts, session: single_turn(prompts, session)).export_script(tmp_path / "x.py")
