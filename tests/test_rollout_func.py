@@ -12,6 +12,7 @@ import torch
 
 from grpo_lab import GRPOSession, GRPOTrainer
 from grpo_lab.export import ExportError
+from grpo_lab.views import data
 from tests.conftest import SMALL
 
 FEEDBACK = " ok "
@@ -89,6 +90,9 @@ def test_environment_tokens_are_context_but_not_trained(task, tmp_path):
     assert result.loss == pytest.approx(-float((advantages.advantages_B * generated.sum(1)).sum() / generated.sum()), abs=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    values = data.token_values(session, 0, "logprob")
+    first = rollout.env_mask_BT[0].tolist().index(0)  # the environment's reply
+    assert [v is None for _, v in values[first:first + reply]] == [True] * reply and values[0][1] is not None
     assert session.update()["completions/mean_length"] == pytest.approx(float(lengths.float().mean()))
 
 

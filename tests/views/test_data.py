@@ -96,11 +96,11 @@ def test_vllm_logprob_gap_is_trainer_minus_sampler_on_completion_tokens():
     class Rollout:
         old_logprobs_BT = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -3.0, -0.2]])
         sampling_logprobs_BT = torch.tensor([[-0.7, -0.9, -2.0], [-0.4, -1.0, -5.0]])
-        completion_mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+        generated_mask_BT = torch.tensor([[1, 0, 1], [1, 1, 0]])  # [0, 1]: inserted by an environment
 
     gap_BT = data.vllm_logprob_gap(Rollout())
-    # -0.5 + 0.7 = 0.2, -1.0 + 0.9 = -0.1, -2 + 2 = 0; -0.1 + 0.4 = 0.3, -3 + 1 = -2, padding -> NaN
-    assert gap_BT[0].tolist() == pytest.approx([0.2, -0.1, 0.0])
+    # -0.5 + 0.7 = 0.2, environment token -> NaN, -2 + 2 = 0; -0.1 + 0.4 = 0.3, -3 + 1 = -2, padding -> NaN
+    assert gap_BT[0, ::2].tolist() == pytest.approx([0.2, 0.0]) and math.isnan(gap_BT[0, 1])
     assert gap_BT[1, :2].tolist() == pytest.approx([0.3, -2.0]) and math.isnan(gap_BT[1, 2])
     assert "vllm_logprob_gap" in data.token_quantities(Rollout())
     Rollout.sampling_logprobs_BT = None  # completions from transformers
