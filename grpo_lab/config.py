@@ -42,7 +42,6 @@ NOT_YET_IMPLEMENTED = {
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
     "pad_to_multiple_of": "sequences are padded to the longest in the batch",
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
-    "max_tool_calling_iterations": "tool calling during generation is not available yet",
     "log_completions_hub_repo": "nothing is uploaded to the Hub",
 }
 """Fields accepted for compatibility with TRL that raise ``NotImplementedError`` when set to anything
@@ -259,7 +258,9 @@ class GRPOConfig:
     """Mean token entropy (nats) the adaptive weight defends. The default 0.2 acts only near a
     collapse; set it near the entropy of the first steps to act earlier."""
     max_tool_calling_iterations: int | None = None
-    """Tool-call rounds per completion. Not implemented yet."""
+    """With ``tools``: how many rounds of tool calls (run the tools, append their results, sample the
+    model's next turn) a completion may take; None for no limit but max_completion_length. 0 parses
+    the calls but runs no tool."""
     off_policy_mask_threshold: float | None = None
     """Off-policy sequence masking (DeepSeek-V3.2): drop from the policy loss a completion with a
     negative advantage whose mean per-token log-ratio log(pi_sampler / pi_theta) exceeds this many
@@ -502,6 +503,9 @@ class GRPOConfig:
             )
         if self.off_policy_mask_threshold is not None:
             _positive("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        rounds = self.max_tool_calling_iterations
+        if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0):
+            raise ValueError(f"max_tool_calling_iterations must be an int >= 0, or None for no limit (got {rounds!r}).")
         if not isinstance(self.num_train_epochs, (int, float)) or self.num_train_epochs <= 0:
             raise ValueError(f"num_train_epochs must be > 0 (got {self.num_train_epochs!r}), or set max_steps.")
         if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):

@@ -41,12 +41,13 @@ from grpo_lab.models import (
     routes_to_experts,
 )
 from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
-from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics
+from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics, tool_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
 from grpo_lab.rewards.runner import CALL_KEYWORDS
 from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.batch import eos_token_ids
-from grpo_lab.rollout.custom import call_rollout_func, check_rollout_func
+from grpo_lab.rollout.custom import CustomBatch, call_rollout_func, check_rollout_func
+from grpo_lab.rollout.tools import ToolCalling, check_tools
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
@@ -109,6 +110,7 @@ class Engine:
         peft_config=None,
         optimizers=(None, None),
         rollout_func=None,
+        tools=None,
     ):
         if args is not None and not isinstance(args, GRPOConfig):
             raise TypeError(
@@ -189,8 +191,16 @@ class Engine:
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         check_rollout_func(rollout_func)
+        if tools is not None and rollout_func is not None:
+            raise ValueError(
+                "Give tools or rollout_func, not both: a rollout function runs its own tools "
+                "(grpo_lab.rollout.tools.ToolCalling, the loop behind tools=, is one)."
+            )
         self.rollout_func = rollout_func
-        self.rollout_owner = None  # what rollout_func receives as its second argument (the GRPOSession)
+        self.tools = None if tools is None else check_tools(tools, self.tokenizer, train_dataset[0]["prompt"])
+        # What generates the completions in place of the backend (and receives rollout_owner, the GRPOSession).
+        self.custom_rollout = rollout_func if tools is None else ToolCalling(self.tools, self.tokenizer)
+        self.rollout_owner = None
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
         self.sampler = PromptSampler(
             dataset_size=len(train_dataset),
@@ -430,7 +440,7 @@ class Engine:
             local = dist.local_slice(self.accelerator, len(global_rows))
             rows = self._train_rows(global_rows[local])
             prompts = rows.pop("prompt")
-            batch, env_mask_BT, extra = self._generate_batch(prompts, list(rows))
+            batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
             rows.update(extra)
             if batch.policy_version is not None and batch.policy_version != self.global_step:
                 raise RuntimeError(
@@ -444,7 +454,7 @@ class Engine:
         completion_texts = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
         rollout = Rollout(
             prompts=prompts,
-            completions=wrap_completions(prompts, completion_texts),
+            completions=wrap_completions(prompts, completion_texts) if completions is None else completions,
             completion_texts=completion_texts,
             columns=rows,
             prompt_ids_BP=batch.prompt_ids_BP,
@@ -469,14 +479,14 @@ class Engine:
         self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
         return rollout
 
-    def _generate_batch(self, prompts: list, columns: list[str]):
-        """``(batch, env_mask_BT or None, extra columns)`` for ``prompts`` (one per completion): from the
-        rollout function when there is one, else from the generation backend."""
-        if self.rollout_func is None:
+    def _generate_batch(self, prompts: list, columns: list[str]) -> CustomBatch:
+        """The completions of ``prompts`` (one per completion): from the rollout function or the tool
+        loop when there is one, else from the generation backend."""
+        if self.custom_rollout is None:
             texts = render_prompts(prompts, self.tokenizer, self.config.chat_template_kwargs)
-            return self.rollout_backend.generate(texts, self.config), None, {}
+            return CustomBatch(self.rollout_backend.generate(texts, self.config), None, {}, None)
         return call_rollout_func(
-            self.rollout_func, prompts, self.rollout_owner, pad_token_id=self.tokenizer.pad_token_id,
+            self.custom_rollout, prompts, self.rollout_owner, pad_token_id=self.tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids(self.tokenizer, self.unwrapped_model),
             vocab_size=self.unwrapped_model.get_input_embeddings().num_embeddings,
             reserved={"prompt", *CALL_KEYWORDS, *columns}, device=self.accelerator.device,
@@ -484,8 +494,8 @@ class Engine:
 
     def reward_columns(self) -> list[str] | None:
         """The training dataset's columns that reward functions receive as keyword arguments; None with
-        a rollout function, whose extra keys are known only once it has run (score() checks then)."""
-        if self.rollout_func is not None:
+        a rollout function (or tools), whose extra keys are known only once it has run (score() checks then)."""
+        if self.custom_rollout is not None:
             return None
         return [name for name in self.train_dataset.column_names if name != "prompt"]
 
@@ -525,7 +535,7 @@ class Engine:
             [token for token, kept in zip(ids, mask) if kept]
             for ids, mask in zip(rollout.completion_ids_BT.tolist(), rollout.completion_mask_BT.tolist())
         ]
-        if self.rollout_func is not None:
+        if self.custom_rollout is not None:
             check_reward_signatures(self.reward_funcs, self.reward_names, list(rollout.columns))
         rewards_BF, logs = score_completions(
             self.reward_funcs, self.reward_processing_classes, self.reward_names,
@@ -559,7 +569,7 @@ class Engine:
             metrics=generation_metrics(
                 self.accelerator, scores, rewards_BF, stats, num_tokens=self.num_input_tokens_seen,
                 epoch=self.sampler.epoch_progress,
-            ) | sampling_metrics(self.accelerator, scores.rollout.sampling_stats),
+            ) | sampling_metrics(self.accelerator, scores.rollout.sampling_stats) | tool_metrics(self.accelerator, scores.rollout),
         )
 
     def step_indices(self, batch_step: int) -> list[torch.Tensor]:
@@ -801,7 +811,7 @@ class Engine:
         config = self.config
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
-        if self.rollout_func is None:  # else once its extra keys are known
+        if self.custom_rollout is None:  # else once its extra keys are known
             check_reward_signatures(self.reward_funcs, self.reward_names, [c for c in dataset.column_names if c != "prompt"])
         rows = dataset.with_format(None)[local.start:local.stop]
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
@@ -813,15 +823,16 @@ class Engine:
             for start in range(0, len(prompts), size):
                 chunk = prompts[start:start + size]
                 chunk_columns = {k: v[start:start + size] for k, v in columns.items()}
-                batch, env_mask_BT, extra = self._generate_batch(chunk, list(chunk_columns))
+                batch, env_mask_BT, extra, completions = self._generate_batch(chunk, list(chunk_columns))
                 chunk_columns.update(extra)
-                if self.rollout_func is not None:
+                if self.custom_rollout is not None:
                     check_reward_signatures(self.reward_funcs, self.reward_names, list(chunk_columns))
                 decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
                 ids = [i[m.bool()].tolist() for i, m in zip(batch.completion_ids_BT, batch.completion_mask_BT)]
                 rewards_BF, _ = score_completions(
                     self.reward_funcs, self.reward_processing_classes, self.reward_names, prompts=chunk,
-                    completions=wrap_completions(chunk, decoded), completion_ids=ids, columns=chunk_columns,
+                    completions=wrap_completions(chunk, decoded) if completions is None else completions,
+                    completion_ids=ids, columns=chunk_columns,
                     trainer_state=self.trainer_state(),
                 )
                 rewards.append(rewards_BF)

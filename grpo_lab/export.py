@@ -177,7 +177,7 @@ def reward_function_code(funcs: list, kind: str = "Reward function") -> tuple[li
     definitions: dict[str, str] = {}
     names = []
     for index, func in enumerate(funcs):
-        label = f"{kind} #{index}" if len(funcs) > 1 or kind == "Reward function" else kind
+        label = kind if kind == "Rollout function" else f"{kind} #{index}"
         if not callable(func) or not isinstance(func, types.FunctionType):
             raise ExportError(
                 f"{label} ({type(func).__name__}) is not a plain function; models and callable objects "
@@ -203,11 +203,14 @@ def export_session(session, path: str | Path) -> Path:
     path = Path(path)
     engine = session.engine
     imports, definitions, names = reward_function_code(engine.reward_funcs)
-    rollout = ""
-    if engine.rollout_func is not None:
-        more_imports, more_definitions, (rollout,) = reward_function_code([engine.rollout_func], "Rollout function")
-        imports = sorted(set(imports) | set(more_imports))
-        definitions += [d for d in more_definitions if d not in definitions]
+    generation = []  # the rollout_func= or tools= argument
+    for funcs, kind, argument in ((engine.rollout_func, "Rollout function", "rollout_func={}"),
+                                  (engine.tools, "Tool", "tools=[{}]")):
+        if funcs is not None:
+            more_imports, more_definitions, more_names = reward_function_code(funcs if kind == "Tool" else [funcs], kind)
+            imports = sorted(set(imports) | set(more_imports))
+            definitions += [d for d in more_definitions if d not in definitions]
+            generation.append(f"        {argument.format(', '.join(more_names))},")
     data_dir = path.with_suffix(".data")
     engine.train_dataset.save_to_disk(str(data_dir / "train"))
     has_eval = engine.eval_dataset is not None
@@ -245,7 +248,7 @@ def export_session(session, path: str | Path) -> Path:
         "        train_dataset=load_from_disk(str(DATA / 'train')),",
         f"        eval_dataset={'load_from_disk(str(DATA / ' + repr('eval') + '))' if has_eval else 'None'},",
         *([peft] if peft else []),
-        *([f"        rollout_func={rollout},"] if rollout else []),
+        *generation,
         "    )",
         "    trainer.train(resume_from_checkpoint=resume_from)",
         "    trainer.save_model()",

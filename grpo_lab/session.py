@@ -13,6 +13,7 @@ after ``update()`` is ``loss()`` again until the batch is used up. Views subscri
 
 from __future__ import annotations
 
+import copy
 import pickle
 import time
 from collections.abc import Callable
@@ -102,11 +103,12 @@ class GRPOSession:
         peft_config=None,
         optimizers=(None, None),
         rollout_func=None,
+        tools=None,
     ):
         self.engine = Engine(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func,
+            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
         )
         self.engine.rollout_owner = self
         self.config = self.engine.config
@@ -148,6 +150,11 @@ class GRPOSession:
     def rollout_func(self):
         """The function that generates the completions in place of the backend (None: the backend does)."""
         return self.engine.rollout_func
+
+    @property
+    def tools(self) -> list | None:
+        """The functions the model may call while it generates (None: no tool calling)."""
+        return self.engine.tools
 
     @property
     def global_step(self) -> int:
@@ -290,7 +297,7 @@ class GRPOSession:
         self._emit("generate", self.rollout)
         return self.rollout
 
-    def sample(self, prompts: list) -> dict[str, list]:
+    def sample(self, prompts: list, max_new_tokens: int | None = None) -> dict[str, list]:
         """One completion per prompt, sampled by the run's generation backend with its sampling
         settings: the building block of a rollout function (``rollout_func``), e.g. for a turn after
         a tool's answer. A prompt is a text, chat messages (rendered with the chat template) or a
@@ -298,7 +305,7 @@ class GRPOSession:
 
         Returns ``{"prompt_ids", "completion_ids", "logprobs", "texts"}``, lists with one entry per
         prompt: token ids without padding (a completion ends with its EOS unless truncated at
-        max_completion_length), the log-probs the tokens were sampled with (vLLM; None with
+        ``max_new_tokens``, by default and at most max_completion_length), the log-probs the tokens were sampled with (vLLM; None with
         transformers) and the completions decoded without special tokens. Draws from the random
         generator as generate() does; no optimizer state changes.
         """
@@ -313,8 +320,16 @@ class GRPOSession:
             raise ValueError("sample() takes prompts of one kind: all token-id lists, or all texts and chat messages.")
         else:
             inputs = render_prompts(list(prompts), self.tokenizer, self.config.chat_template_kwargs)
-        engine = self.engine
-        batch = engine.rollout_backend.generate(inputs, self.config)
+        settings = self.config
+        if max_new_tokens is not None:
+            if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= self.config.max_completion_length:
+                raise ValueError(
+                    f"max_new_tokens must be an int from 1 to max_completion_length ({self.config.max_completion_length}); "
+                    f"got {max_new_tokens!r}."
+                )
+            settings = copy.copy(self.config)
+            settings.max_completion_length = max_new_tokens
+        batch = self.engine.rollout_backend.generate(inputs, settings)
         prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)]
         kept_BT = batch.completion_mask_BT.bool()
         completion_ids = [ids[mask].tolist() for ids, mask in zip(batch.completion_ids_BT, kept_BT, strict=True)]
@@ -497,6 +512,7 @@ class GRPOSession:
             "last_stage": self._last_stage,
             "reward_funcs": _pickled(engine.reward_funcs),
             "rollout_func": _pickled(engine.rollout_func),
+            "tools": _pickled(engine.tools),
         }
 
         def write(directory: Path) -> None:
@@ -537,14 +553,16 @@ class GRPOSession:
                     "a lambda); pass them again: GRPOSession.load(path, reward_funcs=[...])."
                 )
             reward_funcs = pickle.loads(extra["reward_funcs"])
-        if "rollout_func" not in kwargs:
-            saved_func = extra.get("rollout_func", pickle.dumps(None))
-            if saved_func is None:
-                raise ValueError(
-                    f"The rollout function saved in {directory} could not be stored (not importable, e.g. defined "
-                    "in a notebook); pass it again: GRPOSession.load(path, rollout_func=...)."
-                )
-            kwargs["rollout_func"] = pickle.loads(saved_func)
+        for name, what in (("rollout_func", "rollout function"), ("tools", "tools")):
+            if name not in kwargs:
+                saved_func = extra.get(name, pickle.dumps(None))
+                if saved_func is None:
+                    raise ValueError(
+                        f"The {what} saved in {directory} could not be stored (not importable, e.g. defined "
+                        f"in a notebook); pass {'it' if name == 'rollout_func' else 'them'} again: "
+                        f"GRPOSession.load(path, {name}=...)."
+                    )
+                kwargs[name] = pickle.loads(saved_func)
         if train_dataset is None:
             train_dataset = load_from_disk(str(directory / "train_dataset"))
         if eval_dataset is None and (directory / "eval_dataset").exists():

@@ -43,16 +43,18 @@ class GRPOTrainer:
         peft_config=None,
         optimizers=(None, None),
         rollout_func=None,
+        tools=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
             reward_processing_classes=reward_processing_classes, optimizers=optimizers, rollout_func=rollout_func,
+            tools=tools,
         )
         self.session = GRPOSession(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func,
+            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
         )
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)

@@ -153,7 +153,7 @@ def _score_with_model(model, tokenizer, prompts, completions) -> list[float]:
     return model(**encoded).logits[:, 0].float().tolist()
 
 
-def _run_coroutines(coroutines):
+def run_coroutines(coroutines):
     """Await coroutines concurrently, also from inside a running event loop (Jupyter)."""
 
     async def gather():
@@ -183,7 +183,7 @@ def _find_failing_sample(func, kwargs: dict) -> str:
         try:
             result = func(**single)
             if inspect.isawaitable(result):
-                _run_coroutines([result])
+                run_coroutines([result])
         except Exception:
             return _sample_preview(kwargs, index)
     return "no single sample reproduces the error on its own"
@@ -263,7 +263,7 @@ def score_completions(
             ) from error
     if pending:
         try:
-            for index, value in zip(pending, _run_coroutines(list(pending.values())), strict=True):
+            for index, value in zip(pending, run_coroutines(list(pending.values())), strict=True):
                 results[index] = value
         except Exception as error:
             raise RewardFunctionError(

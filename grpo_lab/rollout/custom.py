@@ -13,10 +13,17 @@ the dataset holds it (text or chat messages); ``session`` is the :class:`grpo_la
 - ``env_mask`` (optional): 1 where the model generated the token, 0 where an environment or a tool
   inserted it. A 0 token is context for the tokens after it but is not trained on, and completion
   lengths do not count it;
-- any other key: one value per completion, passed to the reward functions as a keyword argument.
+- ``completions`` (optional): the completions as reward functions receive them, e.g. a conversation
+  of assistant and tool messages (default: the decoded tokens, as one assistant message for chat
+  prompts);
+- any other key: one value per completion, passed to the reward functions as a keyword argument;
+  ``tool_calls`` and ``tool_failures`` (counts) are also logged as ``tools/call_frequency`` (calls
+  per completion) and ``tools/failure_frequency`` (failed calls per call), as TRL logs its tool loop.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +31,17 @@ from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
 from grpo_lab.rollout.hf import left_pad
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+_OWN_KEYS = (*REQUIRED_KEYS, "env_mask", "completions")
+
+
+class CustomBatch(NamedTuple):
+    """What a rollout function returned, checked: the token tensors, the env mask (or None), the
+    extra columns for the reward functions and the completions they receive (or None: decoded)."""
+
+    batch: GeneratedBatch
+    env_mask_BT: torch.Tensor | None
+    columns: dict[str, list]
+    completions: list | None
 
 
 def check_rollout_func(func) -> None:
@@ -76,8 +94,8 @@ def _aligned(output: dict, key: str, completion_ids: list[list[int]], check) -> 
 def call_rollout_func(
     func, prompts: list, session, *, pad_token_id: int, eos_token_ids: set[int], vocab_size: int,
     reserved: set[str], device,
-) -> tuple[GeneratedBatch, torch.Tensor | None, dict[str, list]]:
-    """Call ``func`` and turn what it returns into ``(batch, env_mask_BT or None, extra columns)``.
+) -> CustomBatch:
+    """Call ``func`` and check what it returns.
 
     ``reserved`` are the names a returned extra column may not take (the dataset's columns and the
     keyword arguments every reward function call receives). Every problem raises a ValueError or
@@ -105,7 +123,8 @@ def call_rollout_func(
         env_mask_BT = torch.zeros((count, width), dtype=torch.long)
         for row, flags in enumerate(env_mask):
             env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
-    extra = {key: _per_completion(output, key, count) for key in output if key not in (*REQUIRED_KEYS, "env_mask")}
+    completions = None if output.get("completions") is None else _per_completion(output, "completions", count)
+    extra = {key: _per_completion(output, key, count) for key in output if key not in _OWN_KEYS}
     clashes = sorted(set(extra) & reserved)
     if clashes:
         raise ValueError(
@@ -117,4 +136,4 @@ def call_rollout_func(
         prompt_ids_BP.to(device), prompt_mask_BP.to(device), completion_ids, logprobs,
         pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
     )
-    return batch, None if env_mask_BT is None else env_mask_BT.to(device), extra
+    return CustomBatch(batch, None if env_mask_BT is None else env_mask_BT.to(device), extra, completions)

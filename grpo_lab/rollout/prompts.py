@@ -19,8 +19,9 @@ def is_conversational(prompt: Any) -> bool:
     )
 
 
-def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None) -> list[str]:
-    """Prompt texts ready for tokenization; conversational prompts go through the chat template.
+def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None, tools: list | None = None) -> list[str]:
+    """Prompt texts ready for tokenization; conversational prompts go through the chat template
+    (with ``tools``, the functions the model may call, where given).
 
     A prompt equal to the one before it (the copies of a group) reuses that rendering.
     """
@@ -36,7 +37,8 @@ def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None =
                 )
             texts.append(
                 tokenizer.apply_chat_template(
-                    prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+                    prompt, tokenize=False, add_generation_prompt=True, **({"tools": tools} if tools else {}),
+                    **(chat_template_kwargs or {}),
                 )
             )
         elif isinstance(prompt, str):

@@ -1,0 +1,194 @@
+"""Tool calling during generation (TRL's ``tools=`` and ``max_tool_calling_iterations``).
+
+:class:`ToolCalling` is a rollout function (see :mod:`grpo_lab.rollout.custom`): it samples the
+completions, parses each for tool calls with the tokenizer's ``response_template``
+(``tokenizer.parse_response``), runs the tools, appends their results as the chat template renders
+tool messages, and samples the model's next turn from the whole conversation so far, as token ids
+(never re-tokenized), until no completion calls a tool or ``max_tool_calling_iterations`` rounds
+have run. The tool results are context for the next turn but are not trained on (``env_mask`` 0),
+and a completion, tool results included, stays within max_completion_length: a result that would
+leave no room for an answer is dropped and that completion ends with its call, as in TRL.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from grpo_lab.rewards.runner import run_coroutines
+from grpo_lab.rollout.prompts import is_conversational, render_prompts
+
+
+def _schema(tool) -> dict:
+    from transformers.utils import get_json_schema
+
+    name = getattr(tool, "__name__", repr(tool))
+    try:
+        return get_json_schema(tool)
+    except Exception as error:  # transformers raises its own types for missing docstrings and type hints
+        raise ValueError(
+            f"Tool {name!r} cannot be described to the model: {error}. A tool needs type hints on every "
+            "argument and a Google-style docstring with an Args: section (the chat template renders its "
+            "name, description and parameters from them)."
+        ) from error
+
+
+def check_tools(tools, tokenizer, train_prompt) -> list:
+    """The tools as a list, after checking what the loop needs: named callables that can be described
+    to the model, a tokenizer that parses tool calls and a chat template that renders them, and
+    conversational prompts."""
+    tools = list(tools)
+    names = [getattr(tool, "__name__", None) for tool in tools]
+    if not tools or not all(callable(tool) and name for tool, name in zip(tools, names, strict=True)):
+        raise TypeError("tools must be a non-empty list of named functions (sync or async) the model may call.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"Two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); the model calls them by name.")
+    for tool in tools:
+        _schema(tool)
+    if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
+        raise ValueError(
+            "tools need a tokenizer that parses the model's tool calls: this one has no response_template "
+            "(transformers' response parsing). Set tokenizer.response_template to a template for your model's "
+            "tool-call format and pass the tokenizer as processing_class."
+        )
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": names[0], "arguments": {}}}]}
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, call, {"role": "tool", "name": names[0], "content": "y"}], tools=tools, tokenize=False,
+        )
+    except Exception as error:
+        raise ValueError(
+            f"The tokenizer's chat template cannot render a tool-calling conversation ({type(error).__name__}: {error}). "
+            "tools need a template that renders tools, an assistant message with tool_calls, and tool messages."
+        ) from error
+    if not is_conversational(train_prompt):
+        raise ValueError(
+            "tools need conversational prompts (lists of chat messages): the chat template renders the tools into "
+            "the prompt and the tool results after each call."
+        )
+    return tools
+
+
+class ToolCalling:
+    """The rollout function behind ``tools=``: see the module docstring. ``tools`` are checked by
+    :func:`check_tools`; the number of rounds is read from ``session.config`` at every call."""
+
+    def __init__(self, tools: list, tokenizer):
+        self.tools, self.tokenizer = tools, tokenizer
+        self.by_name = {tool.__name__: tool for tool in tools}
+
+    def __call__(self, prompts: list, session) -> dict:
+        config = session.config
+        texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs, tools=self.tools)
+        first = session.sample(texts)
+        prompt_ids, completion_ids, logprobs = first["prompt_ids"], first["completion_ids"], first["logprobs"]
+        env_mask = [[1] * len(ids) for ids in completion_ids]
+        messages = [[self._parse(ids, prompt)] for ids, prompt in zip(completion_ids, prompt_ids, strict=True)]
+        calls, failures = [0] * len(prompts), [0] * len(prompts)
+        limit = getattr(session.model.config, "max_position_embeddings", None)
+        rounds = config.max_tool_calling_iterations
+        active = [row for row, turns in enumerate(messages) if turns[-1].get("tool_calls")]
+        done = 0
+        while active and (rounds is None or done < rounds):
+            contexts, budgets, results = {}, {}, {}
+            for row in active:
+                results[row] = self._run(messages[row][-1]["tool_calls"], calls, failures, row)
+                context = prompt_ids[row] + completion_ids[row] + self._suffix_ids(results[row])
+                budget = config.max_completion_length - (len(context) - len(prompt_ids[row]))
+                if limit is not None:
+                    budget = min(budget, limit - len(context))
+                if budget > 0:  # else the result is dropped: no room for an answer
+                    contexts[row], budgets[row] = context, budget
+            if not contexts:
+                break
+            rows = list(contexts)
+            most = max(budgets.values())  # one call: the longest context bounds every row's new tokens
+            if limit is not None:
+                most = min(most, limit - max(len(context) for context in contexts.values()))
+                budgets = {row: min(budget, most) for row, budget in budgets.items()}
+            turn = session.sample([contexts[row] for row in rows], max_new_tokens=most)
+            active = []
+            for k, row in enumerate(rows):
+                new = turn["completion_ids"][k][:budgets[row]]
+                inserted = len(contexts[row]) - len(prompt_ids[row]) - len(completion_ids[row])
+                env_mask[row] += [0] * inserted + [1] * len(new)
+                if logprobs is not None:
+                    logprobs[row] += [0.0] * inserted + turn["logprobs"][k][:budgets[row]]
+                completion_ids[row] = contexts[row][len(prompt_ids[row]):] + new
+                messages[row] += results[row]
+                if new:
+                    messages[row].append(self._parse(new, contexts[row]))
+                    if messages[row][-1].get("tool_calls"):
+                        active.append(row)
+            done += 1
+        return {
+            "prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "env_mask": env_mask,
+            "completions": messages, "tool_calls": calls, "tool_failures": failures,
+        }
+
+    def _parse(self, ids: list[int], prefix: list[int]) -> dict:
+        """The assistant message of a turn, its tool calls parsed; plain text where they do not parse
+        (a malformed call is the model's mistake, which the reward may judge)."""
+        try:
+            message = self.tokenizer.parse_response(ids, prefix=prefix, tools=self.tools)
+        except Exception:
+            return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
+        return {"role": "assistant", "content": message.get("content") or "", **({"tool_calls": calls} if calls else {})}
+
+    def _run(self, tool_calls: list[dict], calls: list[int], failures: list[int], row: int) -> list[dict]:
+        """The tool messages answering ``tool_calls``, in order; a call that fails answers with its error."""
+        answers, pending = [], {}
+        for position, call in enumerate(tool_calls):
+            calls[row] += 1
+            function = call.get("function") if call.get("type", "function") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else call.get("name", "unknown")
+            try:
+                if function is None:
+                    raise ValueError(f"Unsupported tool call type: {call.get('type')!r}")
+                if name not in self.by_name:
+                    raise ValueError(f"Tool {name} not found.")
+                arguments = function.get("arguments") or {}
+                if not isinstance(arguments, dict):
+                    raise TypeError(f"arguments must be an object, got {arguments!r}")
+                result = self.by_name[name](**arguments)
+                if inspect.isawaitable(result):
+                    pending[position] = result
+            except Exception as error:
+                failures[row] += 1
+                result = {"error": str(error)}
+            answers.append([name, result])
+        if pending:
+            for position, outcome in zip(pending, run_coroutines([_settled(c) for c in pending.values()]), strict=True):
+                if isinstance(outcome, Exception):
+                    failures[row] += 1
+                    outcome = {"error": str(outcome)}
+                answers[position][1] = outcome
+        return [{"role": "tool", "name": name, "content": str(result)} for name, result in answers]
+
+    def _suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The tokens the chat template puts after an assistant turn that called tools: the tool
+        messages and the next assistant turn's header, taken as the difference of two renderings."""
+        call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": call}]
+        kwargs = dict(tokenize=True, return_dict=False)
+        prefix = list(self.tokenizer.apply_chat_template(before, add_generation_prompt=False, **kwargs))
+        full = list(self.tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, **kwargs))
+        eos = self.tokenizer.eos_token_id
+        if eos in prefix:  # the model's turn ends at its EOS; what the template adds after it is the suffix's
+            prefix = prefix[: len(prefix) - prefix[::-1].index(eos)]
+        if full[: len(prefix)] != prefix:
+            raise ValueError(
+                "The chat template renders an assistant turn differently once tool messages follow it, so the "
+                "tool results cannot be appended to the model's tokens. Use a template that keeps earlier turns as they are."
+            )
+        return full[len(prefix):]
+
+
+async def _settled(awaitable):
+    """``awaitable``'s result, or the exception it raised (returned, so one failing tool does not cancel the others)."""
+    try:
+        return await awaitable
+    except Exception as error:
+        return error

@@ -1,0 +1,215 @@
+"""tools= and max_tool_calling_iterations: the model calls Python functions while it generates.
+
+The shipped model does not call tools, so a fixture teaches it (supervised, a few seconds) one
+tool-calling format: a chat template that renders tools, calls and results, and the tokenizer's
+response_template that parses the calls back."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lab import GRPOSession
+from tests.conftest import SMALL
+
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "[{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}]{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*\[(?P<name>\w+) ", "close": "]", "repeats": True, "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
+    },
+}
+CALLS = []
+
+
+def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    CALLS.append((a, b))
+    return a + b
+
+
+async def add_later(a: int, b: int) -> int:
+    """Adds two integers, asynchronously.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def broken(a: int, b: int) -> int:
+    """Fails.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    raise RuntimeError("down")
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+def answered(completions, **kwargs):
+    """1 where the completion's last message answers after a tool result."""
+    return [float(len(c) == 3 and c[1]["role"] == "tool" and "<answer>" in c[2]["content"]) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tool_model(task, tmp_path_factory):
+    """The shipped model taught to call add and answer after its result; a directory with the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    tokenizer.chat_template, tokenizer.response_template = TEMPLATE, RESPONSE_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    rng = random.Random(0)
+    torch.manual_seed(0)
+
+    def conversation() -> str:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        return tokenizer.apply_chat_template([
+            {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+        ], tools=[add], tokenize=False)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        batch = tokenizer([conversation() for _ in range(16)], return_tensors="pt", padding=True, add_special_tokens=False)
+        model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    directory = tmp_path_factory.mktemp("tool_model")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def _session(task, tmp_path, model, tools, reward_funcs=(answered,), **overrides):
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "max_completion_length": 64, "top_k": 1, **overrides})
+    return GRPOSession(model, list(reward_funcs), args=config, train_dataset=task.train_dataset, tools=tools)
+
+
+def test_tools_run_and_their_results_are_context_but_not_trained(task, tmp_path, tool_model):
+    session = _session(task, tmp_path, tool_model, [add])
+    CALLS.clear()
+    rollout = session.generate()
+    tokenizer = session.tokenizer
+    assert rollout.columns["tool_calls"] == [1] * len(rollout) and len(CALLS) == len(rollout)
+    for row, (a, b) in enumerate(CALLS):
+        assert isinstance(a, int) and isinstance(b, int)  # the arguments are cast by the tool's schema
+        call, result, answer = rollout.completions[row]
+        assert call["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": a, "b": b}}
+        assert result == {"role": "tool", "name": "add", "content": str(a + b)}
+        kept = rollout.completion_mask_BT[row].bool()
+        ids, env = rollout.completion_ids_BT[row][kept], rollout.env_mask_BT[row][kept]
+        inserted = tokenizer.decode(ids[env == 0])
+        assert inserted == f"\n<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n"
+        first_turn_end = int((env == 0).nonzero()[0])
+        assert ids[first_turn_end - 1] == tokenizer.eos_token_id  # the model's call ends its turn
+        assert answer["content"] == tokenizer.decode(ids[first_turn_end + int((env == 0).sum()):], skip_special_tokens=True)
+    assert torch.equal(rollout.completion_lengths_B, rollout.completion_mask_BT.sum(1) - (rollout.env_mask_BT == 0).logical_and(rollout.completion_mask_BT.bool()).sum(1))
+    session.score()
+    metrics = session.advantages().metrics
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
+    session.loss()
+    session.update()
+
+
+def test_failing_and_async_tools(task, tmp_path, tool_model):
+    broken.__name__ = "add"  # what the model calls
+    try:
+        session = _session(task, tmp_path / "broken", tool_model, [broken], max_completion_length=80)
+        rollout = session.generate()
+    finally:
+        broken.__name__ = "broken"
+    assert {m["content"] for c in rollout.completions for m in c if m["role"] == "tool"} == {"{'error': 'down'}"}
+    assert rollout.columns["tool_failures"] == [1] * len(rollout)
+    session.score()
+    assert session.advantages().metrics["tools/failure_frequency"] == 1.0
+
+    add_later.__name__ = "add"
+    try:
+        rollout = _session(task, tmp_path / "async", tool_model, [add_later]).generate()
+    finally:
+        add_later.__name__ = "add_later"
+    arguments = rollout.completions[0][0]["tool_calls"][0]["function"]["arguments"]
+    assert rollout.completions[0][1]["content"] == str(arguments["a"] + arguments["b"])
+
+
+def test_max_tool_calling_iterations(task, tmp_path, tool_model):
+    session = _session(task, tmp_path, tool_model, [add], max_tool_calling_iterations=0)
+    CALLS.clear()
+    rollout = session.generate()
+    assert CALLS == [] and rollout.columns["tool_calls"] == [0] * len(rollout) and rollout.env_mask_BT.min() == 1
+    assert all(len(c) == 1 and c[0]["tool_calls"] for c in rollout.completions)  # parsed, not run
+    session.discard_batch()
+    session.config.max_tool_calling_iterations = 1  # read at every generation
+    assert session.generate().columns["tool_calls"] == [1] * len(rollout)
+    with pytest.raises(ValueError, match="max_tool_calling_iterations must be an int >= 0"):
+        session.config.max_tool_calling_iterations = -1
+        session.discard_batch()
+        session.generate()
+
+
+def test_a_result_that_leaves_no_room_for_an_answer_is_dropped(task, tmp_path, tool_model):
+    rollout = _session(task, tmp_path, tool_model, [add], max_completion_length=36).generate()
+    assert rollout.columns["tool_calls"] == [1] * len(rollout)  # run, then dropped
+    assert rollout.env_mask_BT.min() == 1 and all(len(c) == 1 for c in rollout.completions)
+    assert int(rollout.completion_mask_BT.sum(1).max()) <= 36
+
+
+def test_setups_that_cannot_call_tools_are_refused(task, tmp_path, tool_model):
+    with pytest.raises(ValueError, match="no response_template"):
+        _session(task, tmp_path, task.model, [add])
+    with pytest.raises(ValueError, match=r"Tool 'no_docstring' cannot be described.*Google-style docstring"):
+        _session(task, tmp_path, tool_model, [no_docstring])
+    with pytest.raises(ValueError, match="Give tools or rollout_func, not both"):
+        config = task.config(**{**SMALL, "output_dir": str(tmp_path / "o")})
+        GRPOSession(tool_model, [answered], args=config, train_dataset=task.train_dataset, tools=[add],
+                    rollout_func=lambda prompts, session: {})
+    plain = task.train_dataset.map(lambda row: {"prompt": row["prompt"][0]["content"]})
+    with pytest.raises(ValueError, match="tools need conversational prompts"):
+        GRPOSession(tool_model, [answered], args=task.config(**{**SMALL, "output_dir": str(tmp_path / "p")}),
+                    train_dataset=plain, tools=[add])
+
+
+def test_save_load_and_export_keep_the_tools(task, tmp_path, tool_model):
+    session = _session(task, tmp_path, tool_model, [add], max_steps=1)
+    script = session.export_script(tmp_path / "train.py")
+    session.save(tmp_path / "saved")
+    first = session.step()
+    assert GRPOSession.load(tmp_path / "saved").tools == [add]
+    assert "tools=[add]," in script.read_text()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in first.items() if k != "step_time"}
+    assert row["tools/call_frequency"] == 1.0
