@@ -442,12 +442,7 @@ class Engine:
             prompts = rows.pop("prompt")
             batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
             rows.update(extra)
-            if batch.policy_version is not None and batch.policy_version != self.global_step:
-                raise RuntimeError(
-                    f"The {self.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
-                    f"but the trainer is at step {self.global_step}: the server was restarted (resume the run from "
-                    "its last checkpoint, which pushes the policy again) or another run shares it (give each its own)."
-                )
+            self.check_policy_version(batch)
         except BaseException:
             self.sampler.load_state_dict(sampler_state)
             raise
@@ -478,6 +473,15 @@ class Engine:
         tokens = batch.prompt_mask_BP.sum() + rollout.completion_lengths_B.sum()
         self.num_input_tokens_seen += int(dist.total(self.accelerator, tokens))
         return rollout
+
+    def check_policy_version(self, batch) -> None:
+        """Refuse completions an inference engine generated with another policy than the current one."""
+        if batch.policy_version is not None and batch.policy_version != self.global_step:
+            raise RuntimeError(
+                f"The {self.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
+                f"but the trainer is at step {self.global_step}: the server was restarted (resume the run from "
+                "its last checkpoint, which pushes the policy again) or another run shares it (give each its own)."
+            )
 
     def _generate_batch(self, prompts: list, columns: list[str]) -> CustomBatch:
         """The completions of ``prompts`` (one per completion): from the rollout function or the tool

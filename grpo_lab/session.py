@@ -330,6 +330,7 @@ class GRPOSession:
             settings = copy.copy(self.config)
             settings.max_completion_length = max_new_tokens
         batch = self.engine.rollout_backend.generate(inputs, settings)
+        self.engine.check_policy_version(batch)
         prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)]
         kept_BT = batch.completion_mask_BT.bool()
         completion_ids = [ids[mask].tolist() for ids, mask in zip(batch.completion_ids_BT, kept_BT, strict=True)]

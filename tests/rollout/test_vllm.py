@@ -212,6 +212,42 @@ def test_a_batch_from_another_policy_version_is_refused_and_the_prompts_kept(tas
     assert session.engine.sampler.state_dict() == sampler
 
 
+def two_turns_with_logprobs(prompts, session):
+    """A first answer, an environment's reply (env_mask 0, log-prob 0), a second answer, with vLLM's log-probs."""
+    first = session.sample(prompts)
+    reply = session.tokenizer.encode(" ok ", add_special_tokens=False)
+    second = session.sample([p + c + reply for p, c in zip(first["prompt_ids"], first["completion_ids"])])
+    turns = list(zip(first["completion_ids"], second["completion_ids"], first["logprobs"], second["logprobs"]))
+    return {
+        "prompt_ids": first["prompt_ids"],
+        "completion_ids": [c + reply + d for c, d, _, _ in turns],
+        "logprobs": [p + [0.0] * len(reply) + q for _, _, p, q in turns],
+        "env_mask": [[1] * len(c) + [0] * len(reply) + [1] * len(d) for c, d, _, _ in turns],
+    }
+
+
+def test_a_rollout_function_samples_token_ids_through_the_server(task, server, tmp_path):
+    config = task.config(max_steps=2, use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
+                         output_dir=str(tmp_path))
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora(),
+                          rollout_func=two_turns_with_logprobs)
+    prompts = [task.train_dataset[i]["prompt"] for i in range(4)]
+    torch.manual_seed(0)
+    from_messages = session.sample(prompts)
+    torch.manual_seed(0)
+    assert session.sample(from_messages["prompt_ids"]) == from_messages
+    rollout = session.generate()
+    generated = rollout.generated_mask_BT.bool()
+    gap = data.vllm_logprob_gap(rollout)  # NaN at the environment's tokens, whose log-probs vLLM did not sample
+    assert gap[generated].isfinite().all() and gap[~generated].isnan().all() and (~generated & rollout.completion_mask_BT.bool()).any()
+    assert gap[generated].abs().max() < 0.1  # vLLM's log-probs of the second turn line up with the trainer's
+    session.score(), session.advantages(), session.loss(), session.update()
+    assert session.step()["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.1)
+    session.engine.rollout_backend.sync_weights(session.model, 9)  # as if another run had pushed its policy
+    with pytest.raises(RuntimeError, match="policy of step 9, but the trainer is at step 2"):
+        session.sample(prompts)
+
+
 def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
     config = task.config(use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
                          output_dir=str(tmp_path))
