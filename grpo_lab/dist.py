@@ -154,6 +154,15 @@ def sharding(accelerator: Accelerator) -> str | None:
     return None
 
 
+def generates_in_lockstep(accelerator: Accelerator) -> bool:
+    """Whether every process must run each generation call together: with several processes, FSDP or
+    ZeRO-3 gather the sharded parameters by collectives inside every forward pass (transformers'
+    ``generate`` then runs with ``synced_gpus``), so a process may not skip a call the others make."""
+    kind = sharding(accelerator)
+    zero3 = kind == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3
+    return accelerator.num_processes > 1 and (kind == "fsdp" or zero3)
+
+
 def check_savable(accelerator: Accelerator) -> None:
     """Refuse, before any training, a run whose checkpoints could not be written whole."""
     if sharding(accelerator) == "fsdp" and not accelerator.is_fsdp2:

@@ -197,7 +197,7 @@ class Engine:
                 "(grpo_lab.rollout.tools.ToolCalling, the loop behind tools=, is one)."
             )
         self.rollout_func = rollout_func
-        self.tools = None if tools is None else check_tools(tools, self.tokenizer, train_dataset[0]["prompt"])
+        self.tools = None if tools is None else check_tools(tools, self.tokenizer, train_dataset[0]["prompt"], config.chat_template_kwargs)
         # What generates the completions in place of the backend (and receives rollout_owner, the GRPOSession).
         self.custom_rollout = rollout_func if tools is None else ToolCalling(self.tools, self.tokenizer)
         self.rollout_owner = None
@@ -493,7 +493,7 @@ class Engine:
             self.custom_rollout, prompts, self.rollout_owner, pad_token_id=self.tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids(self.tokenizer, self.unwrapped_model),
             vocab_size=self.unwrapped_model.get_input_embeddings().num_embeddings,
-            reserved={"prompt", *CALL_KEYWORDS, *columns}, device=self.accelerator.device,
+            context=getattr(self.unwrapped_model.config, "max_position_embeddings", None), reserved={"prompt", *CALL_KEYWORDS, *columns}, device=self.accelerator.device,
         )
 
     def reward_columns(self) -> list[str] | None:
@@ -573,7 +573,7 @@ class Engine:
             metrics=generation_metrics(
                 self.accelerator, scores, rewards_BF, stats, num_tokens=self.num_input_tokens_seen,
                 epoch=self.sampler.epoch_progress,
-            ) | sampling_metrics(self.accelerator, scores.rollout.sampling_stats) | tool_metrics(self.accelerator, scores.rollout),
+            ) | sampling_metrics(self.accelerator, scores.rollout.sampling_stats) | tool_metrics(self.accelerator, scores.rollout.columns),
         )
 
     def step_indices(self, batch_step: int) -> list[torch.Tensor]:
@@ -821,7 +821,7 @@ class Engine:
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
         columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
         size = config.per_device_eval_batch_size * repeats
-        rewards, lengths = [], []
+        rewards, lengths, tool_counts = [], [], {}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + self.accelerator.process_index)
             for start in range(0, len(prompts), size):
@@ -829,6 +829,9 @@ class Engine:
                 chunk_columns = {k: v[start:start + size] for k, v in columns.items()}
                 batch, env_mask_BT, extra, completions = self._generate_batch(chunk, list(chunk_columns))
                 chunk_columns.update(extra)
+                if "tool_calls" in extra:
+                    tool_counts.setdefault("tool_calls", []).extend(extra["tool_calls"])
+                    tool_counts.setdefault("tool_failures", []).extend(extra.get("tool_failures", [0] * len(extra["tool_calls"])))
                 if self.custom_rollout is not None:
                     check_reward_signatures(self.reward_funcs, self.reward_names, list(chunk_columns))
                 decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
@@ -849,6 +852,8 @@ class Engine:
         for i, name in enumerate(self.reward_names):
             metrics[f"eval_rewards/{name}/mean"] = float(torch.nanmean(rewards_BF[:, i]))
         metrics["eval_completions/mean_length"] = float(lengths_B.mean())
+        if tool_counts.get("tool_calls"):
+            metrics.update({f"eval_{k}": v for k, v in tool_metrics(self.accelerator, tool_counts).items()})
         return metrics
 
     @torch.no_grad()

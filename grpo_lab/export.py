@@ -216,6 +216,7 @@ def export_session(session, path: str | Path) -> Path:
     has_eval = engine.eval_dataset is not None
     if has_eval:
         engine.eval_dataset.save_to_disk(str(data_dir / "eval"))
+    engine.tokenizer.save_pretrained(str(data_dir / "tokenizer"))  # with what was set on it in the session
     config = "dict(\n" + "".join(f"    {k}={v!r},\n" for k, v in sorted(session.config.diff().items())) + ")"
     peft = ""
     if engine.is_peft:  # the adapter's config travels as adapter_config.json beside the data
@@ -232,12 +233,13 @@ def export_session(session, path: str | Path) -> Path:
         "from datasets import load_from_disk\n",
         "from grpo_lab.config import GRPOConfig",
         "from grpo_lab.export import cli_config",
+        "from grpo_lab.models import load_tokenizer",
         "from grpo_lab.trainer import GRPOTrainer",
         *imports,
         "",
         *["\n" + d.rstrip() + "\n" for d in definitions],
         f"\nMODEL = {model}",
-        f"DATA = Path(__file__).parent / {data_dir.name!r}  # the session's datasets, saved with save_to_disk",
+        f"DATA = Path(__file__).parent / {data_dir.name!r}  # the session's datasets (save_to_disk) and tokenizer",
         f"REWARD_FUNCS = [{', '.join(names)}]",
         f"# The session's config at export time (fields that differ from the defaults).\nCONFIG = {config}\n",
         "",
@@ -245,6 +247,7 @@ def export_session(session, path: str | Path) -> Path:
         "    config, resume_from = cli_config(GRPOConfig(**CONFIG), argv)",
         "    trainer = GRPOTrainer(",
         "        MODEL, REWARD_FUNCS, args=config,",
+        "        processing_class=load_tokenizer(str(DATA / 'tokenizer'), trust_remote_code=config.trust_remote_code),",
         "        train_dataset=load_from_disk(str(DATA / 'train')),",
         f"        eval_dataset={'load_from_disk(str(DATA / ' + repr('eval') + '))' if has_eval else 'None'},",
         *([peft] if peft else []),

@@ -85,14 +85,14 @@ def sampling_metrics(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, f
     return metrics
 
 
-def tool_metrics(accelerator, rollout) -> dict[str, float]:
-    """TRL's tool-loop metrics, where the rollout counted tool calls (the ``tool_calls`` and
-    ``tool_failures`` columns): calls per completion, and failed calls per call (0 without calls),
-    over every process."""
-    if "tool_calls" not in rollout.columns:
+def tool_metrics(accelerator, columns: dict[str, list]) -> dict[str, float]:
+    """TRL's tool-loop metrics, where a rollout counted tool calls (the ``tool_calls`` and
+    ``tool_failures`` columns, one count per completion): calls per completion, and failed calls per
+    call (0 without calls), over every process."""
+    if "tool_calls" not in columns:
         return {}
-    failures = rollout.columns.get("tool_failures", [0] * len(rollout))
-    counts_B2 = torch.tensor([rollout.columns["tool_calls"], failures], dtype=torch.float32).T
+    failures = columns.get("tool_failures", [0] * len(columns["tool_calls"]))
+    counts_B2 = torch.tensor([columns["tool_calls"], failures], dtype=torch.float32).T
     counts_B2 = dist.gather(accelerator, counts_B2.to(accelerator.device)).cpu()
     calls, failed = counts_B2.sum(0).tolist()
     return {"tools/call_frequency": calls / len(counts_B2), "tools/failure_frequency": failed / calls if calls else 0.0}

@@ -548,22 +548,10 @@ class GRPOSession:
         state = load_state(directory)
         extra = state["extra"]
         if reward_funcs is None:
-            if extra["reward_funcs"] is None:
-                raise ValueError(
-                    f"The reward functions saved in {directory} could not be stored (not importable, e.g. "
-                    "a lambda); pass them again: GRPOSession.load(path, reward_funcs=[...])."
-                )
-            reward_funcs = pickle.loads(extra["reward_funcs"])
-        for name, what in (("rollout_func", "rollout function"), ("tools", "tools")):
-            if name not in kwargs:
-                saved_func = extra.get(name, pickle.dumps(None))
-                if saved_func is None:
-                    raise ValueError(
-                        f"The {what} saved in {directory} could not be stored (not importable, e.g. defined "
-                        f"in a notebook); pass {'it' if name == 'rollout_func' else 'them'} again: "
-                        f"GRPOSession.load(path, {name}=...)."
-                    )
-                kwargs[name] = pickle.loads(saved_func)
+            reward_funcs = _unpickled(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
+        if "rollout_func" not in kwargs and "tools" not in kwargs:  # else the caller chose how to generate
+            kwargs["rollout_func"] = _unpickled(extra.get("rollout_func", _NONE), directory, "rollout function", "rollout_func=...")
+            kwargs["tools"] = _unpickled(extra.get("tools", _NONE), directory, "tools", "tools=[...]")
         if train_dataset is None:
             train_dataset = load_from_disk(str(directory / "train_dataset"))
         if eval_dataset is None and (directory / "eval_dataset").exists():
@@ -673,6 +661,23 @@ def _in_effect(name: str, config: dict):
     if name == "shuffle_dataset":
         return config.get("shuffle_dataset") is not False
     return config.get(name)
+
+
+_NONE = pickle.dumps(None)
+"""What a checkpoint written before rollout functions and tools holds for them."""
+
+
+def _unpickled(saved: bytes | None, directory: Path, what: str, argument: str):
+    """Functions saved by ``_pickled``; a ValueError naming the argument that passes them again where
+    they could not be stored, or cannot be found any more (defined in a notebook, renamed, moved)."""
+    problem = "could not be stored (not importable, e.g. a lambda)"
+    if saved is not None:
+        try:
+            return pickle.loads(saved)
+        except (AttributeError, ImportError, pickle.UnpicklingError) as error:
+            problem = f"cannot be found in this process ({error}; e.g. defined in a notebook)"
+    again = "it" if what == "rollout function" else "them"
+    raise ValueError(f"The {what} saved in {directory} {problem}; pass {again} again: GRPOSession.load(path, {argument}).")
 
 
 def _pickled(funcs) -> bytes | None:

@@ -26,6 +26,11 @@ Modes:
     fp32head MODEL OUT                build a session on MODEL (bfloat16 weights) with
                                       cast_lm_head_to_fp32=True and no mixed precision; the main
                                       process prints the error
+    tools MODEL OUT                   2 steps with tools=[add] on MODEL (a model that calls it, see
+                                      test_tools.py) whose result leaves no room for an answer on
+                                      process 1 only, so only process 0 samples a second turn; each
+                                      process writes OUT/tools-RANK.json (its tool calls and
+                                      tool-inserted tokens per step)
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def fsdp_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "optimizer", "fp32head"])
+    parser.add_argument("mode", choices=["train", "optimizer", "fp32head", "tools"])
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--resume")
     parser.add_argument("--lora", action="store_true")
@@ -89,6 +94,9 @@ def main() -> None:
                 print(f"refused: {error}", flush=True)
         PartialState().destroy_process_group()
         return
+    if args.mode == "tools":
+        run_with_tools(*args.paths)
+        return
     (out,) = args.paths
     reference = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     peft_config = None
@@ -121,6 +129,38 @@ def main() -> None:
         with open(f"{out}/result.json", "w") as handle:
             json.dump(result, handle)
     trainer.close()  # as a script should: see GRPOTrainer.close
+
+
+def add(a: int, b: int) -> str:
+    """Adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return str(a + b) if PartialState().process_index == 0 else "the sum is " + "very " * 30 + "long"
+
+
+def run_with_tools(model: str, out: str) -> None:
+    from transformers import AutoTokenizer
+
+    from grpo_lab import GRPOConfig, GRPOTrainer
+    from grpo_lab.tasks import default_task
+
+    task = default_task()
+    config = GRPOConfig(output_dir=out, max_steps=2, save_steps=10, per_device_train_batch_size=8, num_generations=4,
+                        max_completion_length=64, top_k=1, learning_rate=1e-3, seed=0, disable_tqdm=True)
+    tokenizer = AutoTokenizer.from_pretrained(model)  # its chat template renders tools, its response_template parses calls
+    trainer = GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset, processing_class=tokenizer,
+                          tools=[add])
+    steps = []
+    trainer.session.on(lambda stage, rollout: steps.append(
+        [rollout.columns["tool_calls"], int((rollout.env_mask_BT == 0).logical_and(rollout.completion_mask_BT.bool()).sum())]
+    ) if stage == "generate" else None)
+    trainer.train()
+    with open(f"{out}/tools-{trainer.accelerator.process_index}.json", "w") as handle:
+        json.dump({"steps": steps, "row": trainer.session.last_metrics}, handle)
+    trainer.close()
 
 
 if __name__ == "__main__":

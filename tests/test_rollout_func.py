@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -120,9 +121,12 @@ def _returning(**output):
     (dict(prompt_ids=lambda b: b["prompt_ids"][1:]), r"'prompt_ids' with 7 entries; it must hold one entry per prompt"),
     (dict(completion_ids=lambda b: [[10**6]] * 8), r"completion_ids\[0\] = \[1000000\].*in \[0, 286\)"),
     (dict(prompt_ids=lambda b: [[]] * 8), r"prompt_ids\[0\] = \[\]: each entry must be a non-empty list"),
-    (dict(logprobs=lambda b: [[0.0]] * 8), r"logprobs\[0\].*one log-prob \(a float\) per token"),
+    (dict(logprobs=lambda b: [[0.0]] * 8), r"logprobs\[0\].*one log-prob \(a finite float\) per token"),
     (dict(env_mask=lambda b: [[2] * len(c) for c in b["completion_ids"]]), r"env_mask\[0\].*flag \(0 or 1\)"),
     (dict(answer=lambda b: ["1"] * 8), r"returned 'answer', which reward functions already receive"),
+    (dict(logprobs=lambda b: [[float("nan")] * len(c) for c in b["completion_ids"]]), r"logprobs\[0\].*a finite float"),
+    (dict(tool_calls=lambda b: [[{"name": "add"}]] * 8), r"'tool_calls' with \[\{'name': 'add'\}\]: it is a count"),
+    (dict(completion_ids=lambda b: [[5] * 130] * 8), r"130 completion tokens \(entry 0\), more than the model's 128 positions"),
 ])
 def test_bad_output_is_refused_and_the_batch_is_not_lost(task, tmp_path, output, message):
     session = _session(task, tmp_path, _returning(**output))
@@ -130,6 +134,17 @@ def test_bad_output_is_refused_and_the_batch_is_not_lost(task, tmp_path, output,
     with pytest.raises(ValueError, match=message):
         session.generate()
     assert session.engine.sampler.state_dict() == sampler
+
+
+def appends_to_prompts(prompts, session):
+    for prompt in prompts:
+        prompt.append({"role": "assistant", "content": "changed"})
+    return single_turn(prompts, session)
+
+
+def test_the_function_gets_a_copy_of_the_prompts(task, tmp_path):
+    rollout = _session(task, tmp_path, appends_to_prompts).generate()
+    assert all(len(prompt) == 1 for prompt in rollout.prompts)
 
 
 def test_missing_keys_and_non_dicts_are_refused(task, tmp_path):
@@ -164,18 +179,49 @@ def test_save_load_keeps_an_importable_rollout_function(task, tmp_path):
 
     local = _session(task, tmp_path / "local", _returning())
     local.save(tmp_path / "local_saved")
-    with pytest.raises(ValueError, match=r"rollout function saved in .* could not be stored.*rollout_func=\.\.\."):
+    with pytest.raises(ValueError, match=r"rollout function saved in .* could not be stored.*pass it again.*rollout_func=\.\.\."):
         GRPOSession.load(tmp_path / "local_saved")
     assert GRPOSession.load(tmp_path / "local_saved", rollout_func=single_turn).rollout_func is single_turn
 
+    # Defined where a new process will not find it (a notebook's __main__, a module since renamed).
+    scratch = types.ModuleType("scratch_rollouts")
+    exec("def gone(prompts, session):\n    return session.sample(prompts)", scratch.__dict__)
+    sys.modules["scratch_rollouts"] = scratch
+    try:
+        _session(task, tmp_path / "gone", scratch.gone).save(tmp_path / "gone_saved")
+    finally:
+        del sys.modules["scratch_rollouts"]
+    with pytest.raises(ValueError, match=r"cannot be found in this process .*pass it again: GRPOSession.load\(path, rollout_func=\.\.\.\)"):
+        GRPOSession.load(tmp_path / "gone_saved")
 
-def test_trainer_takes_a_rollout_function(task, tmp_path):
+
+def test_a_half_used_batch_with_environment_tokens_resumes_exactly(task, tmp_path):
+    whole = _session(task, tmp_path / "whole", two_turns, reward_funcs=[second_answer_digits], temperature=3.0, num_iterations=2)
+    rows = [whole.step() for _ in range(2)]
+    assert whole.batch_step == 0 and rows[1]["clip_ratio/region_mean"] >= 0
+    first = _session(task, tmp_path / "half", two_turns, reward_funcs=[second_answer_digits], temperature=3.0, num_iterations=2)
+    first.step()
+    assert first.batch_step == 1 and first.rollout.env_mask_BT is not None  # the batch is kept for its second update
+    first.save(tmp_path / "half_saved")
+    resumed = GRPOSession.load(tmp_path / "half_saved")
+    second = resumed.step()
+    assert {k: v for k, v in second.items() if k != "step_time"} == {k: v for k, v in rows[1].items() if k != "step_time"}
+
+
+def test_trainer_takes_a_rollout_function_and_resumes_with_it(task, tmp_path):
     config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 1})
     trainer = GRPOTrainer(task.model, [second_answer_digits], args=config, train_dataset=task.train_dataset,
                           rollout_func=two_turns)
-    trainer.train()
+    last = trainer.train()
     assert trainer.session.rollout_func is two_turns and trainer.session.global_step == 2
     trainer.close()
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "again"), "max_steps": 2, "save_steps": 1})
+    again = GRPOTrainer(task.model, [second_answer_digits], args=config, train_dataset=task.train_dataset,
+                        rollout_func=two_turns)
+    resumed = again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert again.session.rollout_func is two_turns
+    assert {k: v for k, v in resumed.items() if k != "step_time"} == {k: v for k, v in last.items() if k != "step_time"}
+    again.close()
 
 
 def test_export_carries_the_rollout_function(task, tmp_path):

@@ -23,7 +23,7 @@ TEMPLATE = (
     "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
     "[{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}]{% endfor %}"
     "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{{ assistant_prefix | default('') }}{% endif %}"
 )
 RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
@@ -180,8 +180,28 @@ def test_max_tool_calling_iterations(task, tmp_path, tool_model):
 def test_a_result_that_leaves_no_room_for_an_answer_is_dropped(task, tmp_path, tool_model):
     rollout = _session(task, tmp_path, tool_model, [add], max_completion_length=36).generate()
     assert rollout.columns["tool_calls"] == [1] * len(rollout)  # run, then dropped
-    assert rollout.env_mask_BT.min() == 1 and all(len(c) == 1 for c in rollout.completions)
-    assert int(rollout.completion_mask_BT.sum(1).max()) <= 36
+    assert rollout.env_mask_BT.min() == 1 and all(len(c) == 1 and c[0]["tool_calls"] for c in rollout.completions)
+    assert not rollout.is_truncated_B.any()  # each completion is its call, ended by EOS
+
+
+def test_an_answer_after_a_tool_result_is_cut_at_max_completion_length(task, tmp_path, tool_model):
+    session = _session(task, tmp_path, tool_model, [add], max_completion_length=43)
+    rollout = session.generate()
+    lengths = rollout.completion_mask_BT.sum(1)
+    inserted = ((rollout.env_mask_BT == 0) & rollout.completion_mask_BT.bool()).sum(1)
+    assert (inserted > 0).all() and (lengths == 43).all() and rollout.is_truncated_B.all()
+    for row in range(len(rollout)):  # the answer is cut: "<answer>" opened, the closing tag never written
+        assert rollout.completions[row][2]["content"].startswith("<answer>") and "</answer>" not in rollout.completion_texts[row]
+    assert torch.equal(rollout.completion_lengths_B, lengths - inserted)
+
+
+def test_the_turns_after_a_tool_result_take_the_chat_template_kwargs(task, tmp_path, tool_model):
+    session = _session(task, tmp_path, tool_model, [add], chat_template_kwargs={"assistant_prefix": "#"})
+    loop = session.engine.custom_rollout
+    suffix = loop._suffix_ids([{"role": "tool", "name": "add", "content": "5"}], session.config.chat_template_kwargs)
+    assert session.tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n#"
+    with pytest.raises(ValueError, match="chat_template_kwargs has a 'tools' entry"):
+        _session(task, tmp_path, tool_model, [add], chat_template_kwargs={"tools": []})
 
 
 def test_setups_that_cannot_call_tools_are_refused(task, tmp_path, tool_model):
@@ -213,3 +233,19 @@ def test_save_load_and_export_keep_the_tools(task, tmp_path, tool_model):
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in first.items() if k != "step_time"}
     assert row["tools/call_frequency"] == 1.0
+
+
+@pytest.mark.slow
+def test_under_fsdp_a_process_without_a_next_turn_joins_the_others_generation(tool_model, tmp_path):
+    """Process 1's tool results leave no room for an answer, process 0's do: process 1 still takes part
+    in the generation call that samples process 0's next turns (FSDP gathers weights collectively)."""
+    from tests.test_fsdp import ROOT, _fsdp_command
+
+    done = subprocess.run(_fsdp_command("tools", tool_model, tmp_path), cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)  # a missed collective hangs
+    assert done.returncode == 0, done.stderr[-4000:]
+    answered_here, dropped_here = (json.loads((tmp_path / f"tools-{rank}.json").read_text()) for rank in (0, 1))
+    assert [calls for calls, _ in answered_here["steps"]] == [[1] * 8] * 2 == [calls for calls, _ in dropped_here["steps"]]
+    assert all(inserted > 0 for _, inserted in answered_here["steps"])
+    assert all(inserted == 0 for _, inserted in dropped_here["steps"])
+    assert answered_here["row"]["tools/call_frequency"] == 1.0

@@ -8,8 +8,9 @@ the dataset holds it (text or chat messages); ``session`` is the :class:`grpo_la
 
 - ``prompt_ids``: the prompt's token ids (what the completion is conditioned on);
 - ``completion_ids``: every token after the prompt, the model's and any an environment inserted;
-- ``logprobs``: the log-prob each completion token was sampled with, or None for the whole batch
-  (read only by vLLM's importance-sampling correction);
+- ``logprobs``: the log-prob each completion token was sampled with (finite; 0.0 for tokens an
+  environment inserted), or None for the whole batch; read by vLLM's importance-sampling correction
+  and by ``off_policy_mask_threshold``;
 - ``env_mask`` (optional): 1 where the model generated the token, 0 where an environment or a tool
   inserted it. A 0 token is context for the tokens after it but is not trained on, and completion
   lengths do not count it;
@@ -17,12 +18,18 @@ the dataset holds it (text or chat messages); ``session`` is the :class:`grpo_la
   of assistant and tool messages (default: the decoded tokens, as one assistant message for chat
   prompts);
 - any other key: one value per completion, passed to the reward functions as a keyword argument;
-  ``tool_calls`` and ``tool_failures`` (counts) are also logged as ``tools/call_frequency`` (calls
-  per completion) and ``tools/failure_frequency`` (failed calls per call), as TRL logs its tool loop.
+  ``tool_calls`` and ``tool_failures`` (counts, ints >= 0) are also logged as
+  ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency`` (failed calls per
+  call), as TRL logs its tool loop.
+
+Prompt plus completion must fit the model's context (``max_position_embeddings``); a completion may be
+longer than max_completion_length (which ``loss_type="dr_grpo"`` divides by).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from typing import NamedTuple
 
 import torch
@@ -85,7 +92,7 @@ def _aligned(output: dict, key: str, completion_ids: list[list[int]], check) -> 
         if not isinstance(values, (list, tuple)) or len(values) != len(ids) or not all(check(v) for v in values):
             raise ValueError(
                 f"rollout_func returned {key}[{index}] = {values!r:.80}: it must have one "
-                f"{'log-prob (a float)' if key == 'logprobs' else 'flag (0 or 1)'} per token of completion_ids[{index}] "
+                f"{'log-prob (a finite float)' if key == 'logprobs' else 'flag (0 or 1)'} per token of completion_ids[{index}] "
                 f"({len(ids)} tokens)."
             )
     return [list(values) for values in lists]
@@ -93,15 +100,16 @@ def _aligned(output: dict, key: str, completion_ids: list[list[int]], check) -> 
 
 def call_rollout_func(
     func, prompts: list, session, *, pad_token_id: int, eos_token_ids: set[int], vocab_size: int,
-    reserved: set[str], device,
+    context: int | None, reserved: set[str], device,
 ) -> CustomBatch:
     """Call ``func`` and check what it returns.
 
     ``reserved`` are the names a returned extra column may not take (the dataset's columns and the
-    keyword arguments every reward function call receives). Every problem raises a ValueError or
-    TypeError that names the key, the entry and what was expected.
+    keyword arguments every reward function call receives), ``context`` the model's positions (None:
+    unbounded). Every problem raises a ValueError or TypeError that names the key, the entry and what
+    was expected. The function gets a copy of ``prompts``: what it changes there stays its own.
     """
-    output = func(prompts, session)
+    output = func(copy.deepcopy(prompts), session)
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict with the keys {', '.join(REQUIRED_KEYS)}; got {type(output).__name__}.")
     missing = [key for key in REQUIRED_KEYS if key not in output]
@@ -115,7 +123,8 @@ def call_rollout_func(
     completion_ids = _token_lists(output, "completion_ids", count, vocab_size, allow_empty=True)
     logprobs = None
     if output["logprobs"] is not None:
-        logprobs = _aligned(output, "logprobs", completion_ids, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+        logprobs = _aligned(output, "logprobs", completion_ids,
+                            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
     env_mask_BT = None
     if output.get("env_mask") is not None:
         env_mask = _aligned(output, "env_mask", completion_ids, lambda v: v in (0, 1))
@@ -123,8 +132,22 @@ def call_rollout_func(
         env_mask_BT = torch.zeros((count, width), dtype=torch.long)
         for row, flags in enumerate(env_mask):
             env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        if context is not None and len(prompt) + len(completion) > context:
+            raise ValueError(
+                f"rollout_func returned a sequence of {len(prompt)} prompt and {len(completion)} completion tokens "
+                f"(entry {row}), more than the model's {context} positions. Keep conversations within the context."
+            )
     completions = None if output.get("completions") is None else _per_completion(output, "completions", count)
     extra = {key: _per_completion(output, key, count) for key in output if key not in _OWN_KEYS}
+    for key in ("tool_calls", "tool_failures"):
+        bad = [n for n in extra.get(key, []) if not isinstance(n, int) or isinstance(n, bool) or n < 0]
+        if bad:
+            raise ValueError(
+                f"rollout_func returned {key!r} with {bad[0]!r}: "
+                "it is a count per completion (an int >= 0), logged as a tools/ metric. Return the calls themselves "
+                "under another key."
+            )
     clashes = sorted(set(extra) & reserved)
     if clashes:
         raise ValueError(

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
+from grpo_lab import dist
 from grpo_lab.rewards.runner import run_coroutines
 from grpo_lab.rollout.prompts import is_conversational, render_prompts
 
@@ -32,7 +35,7 @@ def _schema(tool) -> dict:
         ) from error
 
 
-def check_tools(tools, tokenizer, train_prompt) -> list:
+def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | None) -> list:
     """The tools as a list, after checking what the loop needs: named callables that can be described
     to the model, a tokenizer that parses tool calls and a chat template that renders them, and
     conversational prompts."""
@@ -50,10 +53,13 @@ def check_tools(tools, tokenizer, train_prompt) -> list:
             "(transformers' response parsing). Set tokenizer.response_template to a template for your model's "
             "tool-call format and pass the tokenizer as processing_class."
         )
+    if "tools" in (chat_template_kwargs or {}):
+        raise ValueError("chat_template_kwargs has a 'tools' entry: pass the functions as tools= instead.")
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": names[0], "arguments": {}}}]}
     try:
         tokenizer.apply_chat_template(
             [{"role": "user", "content": "x"}, call, {"role": "tool", "name": names[0], "content": "y"}], tools=tools, tokenize=False,
+            **(chat_template_kwargs or {}),
         )
     except Exception as error:
         raise ValueError(
@@ -85,40 +91,46 @@ class ToolCalling:
         messages = [[self._parse(ids, prompt)] for ids, prompt in zip(completion_ids, prompt_ids, strict=True)]
         calls, failures = [0] * len(prompts), [0] * len(prompts)
         limit = getattr(session.model.config, "max_position_embeddings", None)
+        accelerator = session.engine.accelerator
+        lockstep = dist.generates_in_lockstep(accelerator)
         rounds = config.max_tool_calling_iterations
         active = [row for row, turns in enumerate(messages) if turns[-1].get("tool_calls")]
         done = 0
-        while active and (rounds is None or done < rounds):
+        while True:
             contexts, budgets, results = {}, {}, {}
-            for row in active:
+            for row in active if rounds is None or done < rounds else []:
                 results[row] = self._run(messages[row][-1]["tool_calls"], calls, failures, row)
-                context = prompt_ids[row] + completion_ids[row] + self._suffix_ids(results[row])
+                context = prompt_ids[row] + completion_ids[row] + self._suffix_ids(results[row], config.chat_template_kwargs)
                 budget = config.max_completion_length - (len(context) - len(prompt_ids[row]))
                 if limit is not None:
                     budget = min(budget, limit - len(context))
                 if budget > 0:  # else the result is dropped: no room for an answer
                     contexts[row], budgets[row] = context, budget
-            if not contexts:
+            groups = _sampling_groups(contexts, budgets, limit)
+            count = len(groups)
+            if lockstep:  # every process makes as many generation calls as the busiest one
+                count = int(dist.gather(accelerator, torch.tensor([count], device=accelerator.device)).max())
+            if count == 0:
                 break
-            rows = list(contexts)
-            most = max(budgets.values())  # one call: the longest context bounds every row's new tokens
-            if limit is not None:
-                most = min(most, limit - max(len(context) for context in contexts.values()))
-                budgets = {row: min(budget, most) for row, budget in budgets.items()}
-            turn = session.sample([contexts[row] for row in rows], max_new_tokens=most)
             active = []
-            for k, row in enumerate(rows):
-                new = turn["completion_ids"][k][:budgets[row]]
-                inserted = len(contexts[row]) - len(prompt_ids[row]) - len(completion_ids[row])
-                env_mask[row] += [0] * inserted + [1] * len(new)
-                if logprobs is not None:
-                    logprobs[row] += [0.0] * inserted + turn["logprobs"][k][:budgets[row]]
-                completion_ids[row] = contexts[row][len(prompt_ids[row]):] + new
-                messages[row] += results[row]
-                if new:
-                    messages[row].append(self._parse(new, contexts[row]))
-                    if messages[row][-1].get("tool_calls"):
-                        active.append(row)
+            for index in range(count):
+                if index >= len(groups):  # a call the other processes make, on one throwaway token
+                    session.sample([prompt_ids[0]], max_new_tokens=1)
+                    continue
+                rows, most = groups[index]
+                turn = session.sample([contexts[row] for row in rows], max_new_tokens=most)
+                for k, row in enumerate(rows):
+                    new = turn["completion_ids"][k][:budgets[row]]
+                    inserted = len(contexts[row]) - len(prompt_ids[row]) - len(completion_ids[row])
+                    env_mask[row] += [0] * inserted + [1] * len(new)
+                    if logprobs is not None:
+                        logprobs[row] += [0.0] * inserted + turn["logprobs"][k][:budgets[row]]
+                    completion_ids[row] = contexts[row][len(prompt_ids[row]):] + new
+                    messages[row] += results[row]
+                    if new:
+                        messages[row].append(self._parse(new, contexts[row]))
+                        if messages[row][-1].get("tool_calls"):
+                            active.append(row)
             done += 1
         return {
             "prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "env_mask": env_mask,
@@ -167,12 +179,12 @@ class ToolCalling:
                 answers[position][1] = outcome
         return [{"role": "tool", "name": name, "content": str(result)} for name, result in answers]
 
-    def _suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+    def _suffix_ids(self, tool_messages: list[dict], chat_template_kwargs: dict | None) -> list[int]:
         """The tokens the chat template puts after an assistant turn that called tools: the tool
         messages and the next assistant turn's header, taken as the difference of two renderings."""
         call = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
         before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": call}]
-        kwargs = dict(tokenize=True, return_dict=False)
+        kwargs = dict(tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
         prefix = list(self.tokenizer.apply_chat_template(before, add_generation_prompt=False, **kwargs))
         full = list(self.tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, **kwargs))
         eos = self.tokenizer.eos_token_id
@@ -184,6 +196,21 @@ class ToolCalling:
                 "tool results cannot be appended to the model's tokens. Use a template that keeps earlier turns as they are."
             )
         return full[len(prefix):]
+
+
+def _sampling_groups(contexts: dict[int, list[int]], budgets: dict[int, int], limit: int | None) -> list[tuple[list[int], int]]:
+    """The generation calls of one round, as ``(rows, max_new_tokens)``: one call for every row while
+    the longest context leaves each row its budget within the model's ``limit``; else one call per
+    budget, so that a long context does not shorten the others' answers."""
+    if not contexts:
+        return []
+    most = max(budgets.values())
+    if limit is None or max(len(context) for context in contexts.values()) + most <= limit:
+        return [(list(contexts), most)]
+    by_budget: dict[int, list[int]] = {}
+    for row, budget in budgets.items():
+        by_budget.setdefault(budget, []).append(row)
+    return [(rows, budget) for budget, rows in sorted(by_budget.items())]
 
 
 async def _settled(awaitable):

@@ -192,8 +192,9 @@ def token_values(session, position: int, quantity: str) -> list[tuple[str, float
     mask_T = rollout.completion_mask_BT[position].bool()
     ids = rollout.completion_ids_BT[position][mask_T].tolist()
     tokens = [session.tokenizer.decode([i]) for i in ids]
-    if quantity == "vllm_logprob_gap":
-        return list(zip(tokens, vllm_logprob_gap(rollout)[position][mask_T.cpu()].tolist()))
+    if quantity == "vllm_logprob_gap":  # NaN where an environment inserted the token
+        gaps = vllm_logprob_gap(rollout)[position][mask_T.cpu()].tolist()
+        return [(token, None if math.isnan(gap) else gap) for token, gap in zip(tokens, gaps, strict=True)]
     result = session.loss_result
     values: list[float | None] = [None] * len(tokens)
     if result is not None:
