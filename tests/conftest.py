@@ -28,6 +28,21 @@ def launch_two(*options: str) -> list[str]:
             "--main_process_port", str(port)]
 
 
+def run_exported_step(script, workdir) -> dict:
+    """Run an exported training script for its one step, with this repository importable (the tests'
+    functions live in ``tests``), and return its metrics row without the step time."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script), "--output_dir", str(workdir / "run")],
+                          capture_output=True, text=True, cwd=workdir, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {k: v for k, v in row.items() if k != "step_time"}
+
+
 SMALL = dict(
     num_generations=4,
     per_device_train_batch_size=8,

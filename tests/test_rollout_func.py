@@ -1,12 +1,8 @@
 """rollout_func: a user's function generates the completions (multi-turn, environments), with
 env_mask tokens kept as context but not trained on; session.sample() as its building block."""
 
-import json
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +10,7 @@ import torch
 from grpo_lab import GRPOSession, GRPOTrainer
 from grpo_lab.export import ExportError
 from grpo_lab.views import data
-from tests.conftest import SMALL
+from tests.conftest import SMALL, run_exported_step
 
 FEEDBACK = " ok "
 
@@ -230,11 +226,6 @@ def test_export_carries_the_rollout_function(task, tmp_path):
     first = session.step()
     text = script.read_text()
     assert "rollout_func=two_turns," in text and "from tests.test_rollout_func import" in text
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    run = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in first.items() if k != "step_time"}
+    assert run_exported_step(script, tmp_path) == {k: v for k, v in first.items() if k != "step_time"}
     with pytest.raises(ExportError, match=r"Rollout function is a lambda.*def my_rollout\(prompts, session\)"):
         _session(task, tmp_path / "l", lambda prompts, session: single_turn(prompts, session)).export_script(tmp_path / "x.py")

@@ -8,14 +8,12 @@ import json
 import os
 import random
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_lab import GRPOSession
-from tests.conftest import SMALL
+from tests.conftest import SMALL, run_exported_step
 
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}<|im_end|>\n{% endif %}"
@@ -226,13 +224,8 @@ def test_save_load_and_export_keep_the_tools(task, tmp_path, tool_model):
     first = session.step()
     assert GRPOSession.load(tmp_path / "saved").tools == [add]
     assert "tools=[add]," in script.read_text()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    run = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in first.items() if k != "step_time"}
-    assert row["tools/call_frequency"] == 1.0
+    row = run_exported_step(script, tmp_path)
+    assert row == {k: v for k, v in first.items() if k != "step_time"} and row["tools/call_frequency"] == 1.0
 
 
 @pytest.mark.slow
