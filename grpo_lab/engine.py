@@ -201,6 +201,7 @@ class Engine:
         # What generates the completions in place of the backend (and receives rollout_owner, the GRPOSession).
         self.custom_rollout = rollout_func if tools is None else ToolCalling(self.tools, self.tokenizer)
         self.rollout_owner = None
+        self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
         self.sampler = PromptSampler(
             dataset_size=len(train_dataset),
@@ -489,12 +490,25 @@ class Engine:
         if self.custom_rollout is None:
             texts = render_prompts(prompts, self.tokenizer, self.config.chat_template_kwargs)
             return CustomBatch(self.rollout_backend.generate(texts, self.config), None, {}, None)
-        return call_rollout_func(
-            self.custom_rollout, prompts, self.rollout_owner, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_ids=eos_token_ids(self.tokenizer, self.unwrapped_model),
-            vocab_size=self.unwrapped_model.get_input_embeddings().num_embeddings,
-            context=getattr(self.unwrapped_model.config, "max_position_embeddings", None), reserved={"prompt", *CALL_KEYWORDS, *columns}, device=self.accelerator.device,
-        )
+        if self._in_rollout:
+            raise RuntimeError(
+                "generate() (or step()) was called from inside the rollout function: sample its completions with "
+                "session.sample(prompts) instead."
+            )
+        self._in_rollout = True
+        try:
+            return call_rollout_func(
+                self.custom_rollout, prompts, self.rollout_owner, pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_ids=eos_token_ids(self.tokenizer, self.unwrapped_model), vocab_size=self.vocab_size(),
+                context=getattr(self.unwrapped_model.config, "max_position_embeddings", None),
+                reserved={"prompt", *CALL_KEYWORDS, *columns}, device=self.accelerator.device,
+            )
+        finally:
+            self._in_rollout = False
+
+    def vocab_size(self) -> int:
+        """Token ids the policy has embeddings for."""
+        return self.unwrapped_model.get_input_embeddings().num_embeddings
 
     def reward_columns(self) -> list[str] | None:
         """The training dataset's columns that reward functions receive as keyword arguments; None with

@@ -14,6 +14,7 @@ after ``update()`` is ``loss()`` again until the batch is used up. Views subscri
 from __future__ import annotations
 
 import copy
+import numbers
 import pickle
 import time
 from collections.abc import Callable
@@ -309,20 +310,32 @@ class GRPOSession:
         transformers) and the completions decoded without special tokens. Draws from the random
         generator as generate() does; no optimizer state changes.
         """
-        from grpo_lab.rollout.prompts import render_prompts
+        from grpo_lab.rollout.custom import as_token_ids, outside_vocabulary
+        from grpo_lab.rollout.prompts import is_conversational, render_prompts
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("sample() takes a non-empty list of prompts (texts, chat messages or token-id lists).")
-        as_ids = [p if isinstance(p, (list, tuple)) and p and all(isinstance(t, int) for t in p) else None for p in prompts]
+        if all(isinstance(p, numbers.Integral) for p in prompts):
+            raise ValueError("sample() takes a list of prompts: wrap one prompt's token ids in a list, sample([ids]).")
+        as_ids = [None if isinstance(p, str) or is_conversational(p) else as_token_ids(p, allow_empty=False) for p in prompts]
+        for index, (prompt, ids) in enumerate(zip(prompts, as_ids, strict=True)):
+            if ids is None and not (isinstance(prompt, str) or is_conversational(prompt)):
+                raise ValueError(
+                    f"sample() takes texts, chat messages or token-id lists (non-empty, ints); prompt {index} is a "
+                    f"{type(prompt).__name__}: {str(prompt)[:80]!r}."
+                )
+            problem = None if ids is None else outside_vocabulary(ids, self.engine.vocab_size())
+            if problem is not None:
+                raise ValueError(f"sample() got prompt {index}, whose {problem}.")
         if all(ids is not None for ids in as_ids):
-            inputs = [list(ids) for ids in as_ids]
+            inputs = as_ids
         elif any(ids is not None for ids in as_ids):
             raise ValueError("sample() takes prompts of one kind: all token-id lists, or all texts and chat messages.")
         else:
             inputs = render_prompts(list(prompts), self.tokenizer, self.config.chat_template_kwargs)
         settings = self.config
         if max_new_tokens is not None:
-            if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= self.config.max_completion_length:
+            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or not 1 <= max_new_tokens <= self.config.max_completion_length:
                 raise ValueError(
                     f"max_new_tokens must be an int from 1 to max_completion_length ({self.config.max_completion_length}); "
                     f"got {max_new_tokens!r}."

@@ -104,6 +104,14 @@ def test_sample_takes_token_ids_as_it_takes_texts(task, tmp_path):
     assert from_ids["logprobs"] is None and all(from_ids["texts"])
     with pytest.raises(ValueError, match="one kind"):
         session.sample([[5, 6], "12+3="])
+    with pytest.raises(ValueError, match=r"wrap one prompt's token ids in a list, sample\(\[ids\]\)"):
+        session.sample(from_ids["prompt_ids"][0])
+    with pytest.raises(ValueError, match=r"prompt 1, whose token id 999 at position 1 is outside the model's vocabulary"):
+        session.sample([[5, 6], [7, 999]])
+    with pytest.raises(ValueError, match=r"prompt 0 is a float: '1.5'"):
+        session.sample([1.5])
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int from 1 to max_completion_length \(8\); got True"):
+        session.sample(["12+3="], max_new_tokens=True)
 
 
 def _returning(**output):
@@ -115,7 +123,9 @@ def _returning(**output):
 
 @pytest.mark.parametrize("output, message", [
     (dict(prompt_ids=lambda b: b["prompt_ids"][1:]), r"'prompt_ids' with 7 entries; it must hold one entry per prompt"),
-    (dict(completion_ids=lambda b: [[10**6]] * 8), r"completion_ids\[0\] = \[1000000\].*in \[0, 286\)"),
+    (dict(completion_ids=lambda b: [c + [10**6] for c in b["completion_ids"]]),
+     r"completion_ids\[0\], whose token id 1000000 at position \d+ is outside the model's vocabulary \[0, 286\)"),
+    (dict(completion_ids=lambda b: torch.ones(8, 6, dtype=torch.long)), r"'completion_ids' as a 2-D tensor: return one list per"),
     (dict(prompt_ids=lambda b: [[]] * 8), r"prompt_ids\[0\] = \[\]: each entry must be a non-empty list"),
     (dict(logprobs=lambda b: [[0.0]] * 8), r"logprobs\[0\].*one log-prob \(a finite float\) per token"),
     (dict(env_mask=lambda b: [[2] * len(c) for c in b["completion_ids"]]), r"env_mask\[0\].*flag \(0 or 1\)"),
@@ -143,6 +153,25 @@ def test_the_function_gets_a_copy_of_the_prompts(task, tmp_path):
     assert all(len(prompt) == 1 for prompt in rollout.prompts)
 
 
+def test_token_ids_as_numpy_or_tensors_are_taken(task, tmp_path):
+    import numpy as np
+
+    converted = _returning(prompt_ids=lambda b: [np.array(p) for p in b["prompt_ids"]],
+                           completion_ids=lambda b: [torch.tensor(c) for c in b["completion_ids"]])
+    rollout = _session(task, tmp_path, converted).generate()
+    assert rollout.completion_lengths_B.min() > 0
+
+
+def test_an_env_mask_that_trains_nothing_is_pointed_out(task, tmp_path):
+    nothing = _returning(env_mask=lambda b: [[0] * len(c) for c in b["completion_ids"]])
+    with pytest.warns(UserWarning, match="marks no token of this batch as the model's"):
+        _session(task, tmp_path, nothing).generate()
+
+
+def calls_generate(prompts, session):
+    return session.generate()
+
+
 def test_missing_keys_and_non_dicts_are_refused(task, tmp_path):
     with pytest.raises(ValueError, match=r"returned no 'logprobs'.*logprobs may be None"):
         _session(task, tmp_path, lambda prompts, session: {"prompt_ids": [], "completion_ids": []}).generate()
@@ -150,6 +179,13 @@ def test_missing_keys_and_non_dicts_are_refused(task, tmp_path):
         _session(task, tmp_path, lambda prompts, session: [1]).generate()
     with pytest.raises(TypeError, match="rollout_func must be a function"):
         _session(task, tmp_path, "two_turns")
+    with pytest.raises(TypeError, match=r"must take two arguments, \(prompts, session\); <lambda>\(prompts\) does not"):
+        _session(task, tmp_path, lambda prompts: {})
+    session = _session(task, tmp_path, calls_generate)
+    sampler = session.engine.sampler.state_dict()
+    with pytest.raises(RuntimeError, match=r"called from inside the rollout function: sample .* session.sample\(prompts\)"):
+        session.generate()
+    assert session.engine.sampler.state_dict() == sampler
 
 
 def test_reward_functions_are_checked_against_the_returned_keys(task, tmp_path):

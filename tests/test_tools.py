@@ -203,8 +203,22 @@ def test_the_turns_after_a_tool_result_take_the_chat_template_kwargs(task, tmp_p
 
 
 def test_setups_that_cannot_call_tools_are_refused(task, tmp_path, tool_model):
+    from transformers import AutoTokenizer
+
     with pytest.raises(ValueError, match="no response_template"):
         _session(task, tmp_path, task.model, [add])
+    with pytest.raises(TypeError, match=r"tools must be a list of functions, e.g. tools=\[add\]"):
+        _session(task, tmp_path, tool_model, add)
+    tokenizer = AutoTokenizer.from_pretrained(task.model)  # the shipped chat template knows no tools
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "t")})
+    with pytest.raises(ValueError, match="chat template ignores tools"):
+        GRPOSession(tool_model, [answered], args=config, train_dataset=task.train_dataset, processing_class=tokenizer,
+                    tools=[add])
+    tokenizer.chat_template = TEMPLATE.replace("{% if message.get('tool_calls') %}", "{% if false %}")
+    with pytest.raises(ValueError, match="drops an assistant message's tool_calls"):
+        GRPOSession(tool_model, [answered], args=config, train_dataset=task.train_dataset, processing_class=tokenizer,
+                    tools=[add])
     with pytest.raises(ValueError, match=r"Tool 'no_docstring' cannot be described.*Google-style docstring"):
         _session(task, tmp_path, tool_model, [no_docstring])
     with pytest.raises(ValueError, match="Give tools or rollout_func, not both"):

@@ -29,11 +29,14 @@ longer than max_completion_length (which ``loss_type="dr_grpo"`` divides by).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
+from grpo_lab import notices
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
 from grpo_lab.rollout.hf import left_pad
 
@@ -52,15 +55,58 @@ class CustomBatch(NamedTuple):
 
 
 def check_rollout_func(func) -> None:
-    if func is not None and not callable(func):
+    if func is None:
+        return
+    if not callable(func):
         raise TypeError(
             f"rollout_func must be a function rollout_func(prompts, session) -> dict; got {type(func).__name__}."
         )
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # builtins and some C callables have no signature to read
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"rollout_func must take two arguments, (prompts, session); {getattr(func, '__name__', 'it')}{signature} does not."
+        ) from None
+
+
+def as_token_ids(ids, *, allow_empty: bool) -> list[int] | None:
+    """``ids`` as a list of Python ints (given as ints, numpy integers, or a 1-D integer tensor or numpy
+    array), or None when it is no such sequence."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+            return None
+        ids = ids.tolist()
+    elif hasattr(ids, "ndim") and hasattr(ids, "tolist"):  # a numpy array
+        if ids.ndim != 1 or getattr(getattr(ids, "dtype", None), "kind", "") not in ("i", "u"):
+            return None
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not (allow_empty or ids):
+        return None
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        return None
+    return [int(t) for t in ids]
+
+
+def outside_vocabulary(ids: list[int], vocab_size: int) -> str | None:
+    """Where ``ids`` holds an id the model has no embedding for, in words, or None."""
+    position = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if position is None:
+        return None
+    return f"token id {ids[position]} at position {position} is outside the model's vocabulary [0, {vocab_size})"
 
 
 def _per_completion(output: dict, key: str, count: int) -> list:
     values = output[key]
     if isinstance(values, torch.Tensor):
+        if values.dim() > 1 and key in (*REQUIRED_KEYS, "env_mask"):
+            raise ValueError(
+                f"rollout_func returned {key!r} as a {values.dim()}-D tensor: return one list per completion, "
+                "without padding (a pad token would count as a completion token)."
+            )
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != count:
         got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else type(values).__name__
@@ -72,18 +118,20 @@ def _per_completion(output: dict, key: str, count: int) -> list:
 
 
 def _token_lists(output: dict, key: str, count: int, vocab_size: int, *, allow_empty: bool) -> list[list[int]]:
-    lists = _per_completion(output, key, count)
-    for index, ids in enumerate(lists):
-        valid = isinstance(ids, (list, tuple)) and (allow_empty or len(ids) > 0) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
-        )
-        if not valid:
-            shown = list(ids)[:8] if isinstance(ids, (list, tuple)) else ids
+    lists = []
+    for index, entry in enumerate(_per_completion(output, key, count)):
+        ids = as_token_ids(entry, allow_empty=allow_empty)
+        if ids is None:
+            shown = list(entry)[:8] if isinstance(entry, (list, tuple)) else entry
             raise ValueError(
                 f"rollout_func returned {key}[{index}] = {shown!r}: each entry must be a "
-                f"{'' if allow_empty else 'non-empty '}list of token ids in [0, {vocab_size}) (the model's vocabulary)."
+                f"{'' if allow_empty else 'non-empty '}list of token ids (ints)."
             )
-    return [list(ids) for ids in lists]
+        problem = outside_vocabulary(ids, vocab_size)
+        if problem is not None:
+            raise ValueError(f"rollout_func returned {key}[{index}], whose {problem}.")
+        lists.append(ids)
+    return lists
 
 
 def _aligned(output: dict, key: str, completion_ids: list[list[int]], check) -> list[list]:
@@ -132,6 +180,8 @@ def call_rollout_func(
         env_mask_BT = torch.zeros((count, width), dtype=torch.long)
         for row, flags in enumerate(env_mask):
             env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
+        if any(completion_ids) and not env_mask_BT.any():
+            notices.warn("rollout_func's env_mask marks no token of this batch as the model's (all 0): the batch trains nothing.")
     for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
         if context is not None and len(prompt) + len(completion) > context:
             raise ValueError(

@@ -106,7 +106,8 @@ def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:
         raise ValueError(
             f"Prompts of {prompt_length} tokens plus max_completion_length={max_new_tokens} exceed the "
             f"model's context of {limit} tokens. Shorten or filter the prompts, or lower "
-            "max_completion_length."
+            "max_completion_length (a rollout function can also shorten its conversations or pass "
+            "sample(max_new_tokens=...))."
         )
 
 

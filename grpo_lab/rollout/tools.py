@@ -39,6 +39,8 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
     """The tools as a list, after checking what the loop needs: named callables that can be described
     to the model, a tokenizer that parses tool calls and a chat template that renders them, and
     conversational prompts."""
+    if callable(tools) or isinstance(tools, (str, bytes, dict)) or not hasattr(tools, "__iter__"):
+        raise TypeError(f"tools must be a list of functions, e.g. tools=[{getattr(tools, '__name__', 'my_tool')}].")
     tools = list(tools)
     names = [getattr(tool, "__name__", None) for tool in tools]
     if not tools or not all(callable(tool) and name for tool, name in zip(tools, names, strict=True)):
@@ -66,6 +68,19 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
             f"The tokenizer's chat template cannot render a tool-calling conversation ({type(error).__name__}: {error}). "
             "tools need a template that renders tools, an assistant message with tool_calls, and tool messages."
         ) from error
+    kwargs = dict(tokenize=False, **(chat_template_kwargs or {}))
+    question = [{"role": "user", "content": "x"}]
+    if tokenizer.apply_chat_template(question, tools=tools, add_generation_prompt=True, **kwargs) == \
+            tokenizer.apply_chat_template(question, add_generation_prompt=True, **kwargs):
+        raise ValueError(
+            "The tokenizer's chat template ignores tools: it renders a prompt with them as without them, so the model "
+            "would never see its tools. Use a template that renders tools (a tool-calling model's own does)."
+        )
+    if names[0] not in tokenizer.apply_chat_template([*question, call], **kwargs):
+        raise ValueError(
+            "The tokenizer's chat template drops an assistant message's tool_calls (the tool's name does not appear), "
+            "so a call the model made would vanish from the conversation. Use a template that renders tool calls."
+        )
     if not is_conversational(train_prompt):
         raise ValueError(
             "tools need conversational prompts (lists of chat messages): the chat template renders the tools into "
