@@ -40,7 +40,6 @@ _CONTINUOUS_BATCHING_SAMPLING = {"do_sample", "temperature", "top_k", "top_p", "
 
 NOT_YET_IMPLEMENTED = {
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
-    "pad_to_multiple_of": "sequences are padded to the longest in the batch",
     "vllm_group_port": "weights reach the vLLM server over HTTP, not through an NCCL process group",
     "log_completions_hub_repo": "nothing is uploaded to the Hub",
 }
@@ -105,7 +104,11 @@ class GRPOConfig:
     shuffle_dataset: bool | None = True
     """Shuffle the training prompts each epoch (seeded by ``data_seed``, else ``seed``)."""
     pad_to_multiple_of: int | str | None = "auto"
-    """Padding granularity of training sequences. Only the default is supported yet."""
+    """Pad prompts (on the left) and completions (on the right) to a multiple of this many tokens, in
+    transformers generation's inputs and in the batch's training tensors: fixed shapes for compilers
+    and accelerators that want them. "auto" is TRL's default, 128 on AWS Neuron, which grpo_lab does
+    not run on, so no padding here (None). Padding is masked: the completions and results are those
+    without it, up to rounding in the last bits."""
     remove_unused_columns: bool = False
     """Kept for TRL compatibility: extra dataset columns are always passed to reward functions."""
 
@@ -443,6 +446,12 @@ class GRPOConfig:
                     raise ValueError(f"{name} is not valid JSON ({error}): give a dict or a JSON object string.") from None
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict (or a JSON object string), got {getattr(self, name)!r}.")
+        multiple = self.pad_to_multiple_of
+        if isinstance(multiple, str) and multiple != "auto":  # TRL's command-line spellings
+            multiple = None if multiple.lower() in ("none", "null") else int(multiple) if multiple.isdigit() else multiple
+            object.__setattr__(self, "pad_to_multiple_of", multiple)
+        if multiple not in ("auto", None) and (not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1):
+            raise ValueError(f"pad_to_multiple_of must be an int >= 1, None or 'auto' (got {multiple!r}).")
         if self.scale_rewards is True:
             object.__setattr__(self, "scale_rewards", "group")
         elif self.scale_rewards is False:
@@ -638,6 +647,10 @@ class GRPOConfig:
                 "steps_per_generation or num_generations."
             )
         return Batching(num_processes=num_processes, generation_batch_size=size, steps_per_generation=steps)
+
+    def pad_multiple(self) -> int | None:
+        """What sequences are padded to a multiple of (``pad_to_multiple_of``), None for the longest."""
+        return None if self.pad_to_multiple_of in ("auto", None) else self.pad_to_multiple_of
 
     def model_kwargs(self) -> dict[str, Any]:
         """What ``from_pretrained`` gets for the policy and reward models: ``model_init_kwargs``, with

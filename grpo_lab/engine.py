@@ -45,7 +45,7 @@ from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics,
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
 from grpo_lab.rewards.runner import CALL_KEYWORDS
 from grpo_lab.rollout import make_backend
-from grpo_lab.rollout.batch import eos_token_ids
+from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func, check_rollout_func
 from grpo_lab.rollout.tools import ToolCalling, check_tools
 from grpo_lab.rollout.hf import check_cache_device
@@ -442,6 +442,7 @@ class Engine:
             rows = self._train_rows(global_rows[local])
             prompts = rows.pop("prompt")
             batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
+            batch, env_mask_BT = padded_to_multiple(batch, env_mask_BT, config.pad_multiple(), pad_token_id=self.tokenizer.pad_token_id)
             rows.update(extra)
             self.check_policy_version(batch)
         except BaseException:

@@ -289,3 +289,11 @@ def test_a_config_file_is_merged_before_validation_and_may_restore_defaults(tmp_
 def test_a_weight_or_scale_that_is_not_a_number_is_refused(name, message):
     with pytest.raises(ValueError, match=f"{name} must be {message} \\(got nan\\)"):
         GRPOConfig(**{name: float("nan")})
+
+
+def test_pad_to_multiple_of_takes_trls_spellings():
+    assert GRPOConfig().pad_multiple() is None and GRPOConfig(pad_to_multiple_of=None).pad_multiple() is None
+    assert GRPOConfig(pad_to_multiple_of="64").pad_multiple() == 64 and GRPOConfig(pad_to_multiple_of="none").pad_to_multiple_of is None
+    for bad in (0, -8, "x", True, 2.5):
+        with pytest.raises(ValueError, match="pad_to_multiple_of must be an int >= 1, None or 'auto'"):
+            GRPOConfig(pad_to_multiple_of=bad)

@@ -375,3 +375,15 @@ def test_the_policy_trains_in_training_mode_so_gradient_checkpointing_recomputes
     # One forward pass over the micro-batch; with checkpointing the backward pass runs the layer (and
     # its MLP) again.
     assert len(layer_calls) - before == (2 if checkpointing else 1)
+
+
+def test_pad_to_multiple_of_pads_the_batch_and_leaves_the_results(make_session):
+    plain = make_session()
+    rows = [plain.step() for _ in range(2)]
+    padded = make_session(pad_to_multiple_of=16)  # after the other: sessions share torch's generator
+    rollout = padded.generate()
+    assert rollout.prompt_ids_BP.shape[1] == 16 and rollout.completion_ids_BT.shape[1] == 16  # 14 and 8 tokens
+    padded.score(), padded.advantages(), padded.loss()
+    for row, again in zip(rows, [padded.update(), padded.step()], strict=True):  # same completions; rounding aside
+        assert {k: v for k, v in again.items() if k != "step_time"} == pytest.approx(
+            {k: v for k, v in row.items() if k != "step_time"}, rel=1e-5, abs=1e-7)

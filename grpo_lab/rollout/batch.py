@@ -25,6 +25,27 @@ class GeneratedBatch:
     policy_version: int | None = None
 
 
+def padded_to_multiple(batch: GeneratedBatch, env_mask_BT: torch.Tensor | None, multiple: int | None, *,
+                       pad_token_id: int) -> tuple[GeneratedBatch, torch.Tensor | None]:
+    """``batch`` (and a rollout function's ``env_mask_BT``) with the prompts padded on the left and the
+    completions on the right to widths that are multiples of ``multiple`` (``pad_to_multiple_of``)."""
+    if not multiple:
+        return batch, env_mask_BT
+
+    def pad(tensor_BL, value, left: bool):
+        if tensor_BL is None:
+            return None
+        extra = -tensor_BL.shape[1] % multiple
+        return torch.nn.functional.pad(tensor_BL, (extra, 0) if left else (0, extra), value=value)
+
+    padded = GeneratedBatch(
+        pad(batch.prompt_ids_BP, pad_token_id, True), pad(batch.prompt_mask_BP, 0, True),
+        pad(batch.completion_ids_BT, pad_token_id, False), pad(batch.completion_mask_BT, 0, False),
+        batch.is_truncated_B, pad(batch.sampling_logprobs_BT, 0.0, False), batch.policy_version,
+    )
+    return padded, pad(env_mask_BT, 0, False)
+
+
 def batch_from_token_lists(
     prompt_ids_BP: torch.Tensor,
     prompt_mask_BP: torch.Tensor,

@@ -64,8 +64,10 @@ def check_cache_device(cache_implementation: str | None, device: torch.device) -
         )
 
 
-def tokenize_prompts(tokenizer, prompts: list[str] | list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(ids, mask)`` of prompts given as texts or as token ids (kept as they are)."""
+def tokenize_prompts(tokenizer, prompts: list[str] | list[list[int]], device, multiple: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(ids, mask)`` of prompts given as texts or as token ids (kept as they are), their
+    width a multiple of ``multiple`` where given."""
     if tokenizer.padding_side != "left":
         raise ValueError(
             f"The tokenizer pads on the {tokenizer.padding_side!r}; generation needs left padding so that "
@@ -74,17 +76,19 @@ def tokenize_prompts(tokenizer, prompts: list[str] | list[list[int]], device) ->
     keys = [prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts]
     distinct = list(dict.fromkeys(keys))  # each prompt once; the copies of a group are rows of it
     if all(isinstance(key, str) for key in distinct):
-        encoded = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+        encoded = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False,
+                            pad_to_multiple_of=multiple)
         ids_UP, mask_UP = encoded["input_ids"], encoded["attention_mask"]
     else:
-        ids_UP, mask_UP = left_pad(distinct, tokenizer.pad_token_id)
+        ids_UP, mask_UP = left_pad(distinct, tokenizer.pad_token_id, multiple)
     row_of = {key: row for row, key in enumerate(distinct)}
     row_B = torch.tensor([row_of[key] for key in keys], dtype=torch.long)
     return ids_UP[row_B].to(device), mask_UP[row_B].to(device)
 
 
-def left_pad(token_lists, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, mask)`` of token-id sequences padded on the left to the longest: ``(len, longest)``."""
+def left_pad(token_lists, pad_token_id: int, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of token-id sequences padded on the left to the longest (rounded up to a
+    multiple of ``multiple`` where given): ``(len, width)``."""
     bad = next((ids for ids in token_lists if not ids or not all(isinstance(t, int) for t in ids)), None)
     if bad is not None:
         raise ValueError(
@@ -92,6 +96,8 @@ def left_pad(token_lists, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor
             "or lists of token ids from the tokenizer."
         )
     size = max(len(ids) for ids in token_lists)
+    if multiple:
+        size = -(-size // multiple) * multiple
     ids_BP = torch.full((len(token_lists), size), pad_token_id, dtype=torch.long)
     mask_BP = torch.zeros((len(token_lists), size), dtype=torch.long)
     for row, ids in enumerate(token_lists):
@@ -147,7 +153,7 @@ def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, pre
 def generate(
     model, tokenizer, prompts: list[str] | list[list[int]], generation_config: GenerationConfig,
     prefix_sharing: PrefixSharing | None = None, *, compact: bool = False,
-    on_fallback: Callable[[Any, str], None] | None = None,
+    on_fallback: Callable[[Any, str], None] | None = None, pad_to_multiple_of: int | None = None,
 ) -> GeneratedBatch:
     """Sample one completion per prompt, a text or token ids (repeat a prompt to get several).
 
@@ -158,8 +164,8 @@ def generate(
     place: ``kv_buffer``).
     """
     device = next(model.parameters()).device
-    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, device)
-    check_context_fits(model, prompt_ids_BP.shape[1], generation_config.max_new_tokens)
+    prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, device, pad_to_multiple_of)
+    check_context_fits(model, int(prompt_mask_BP.sum(1).max()), generation_config.max_new_tokens)
     was_training = model.training
     model.eval()
     try:
@@ -252,7 +258,7 @@ class TransformersBackend:
             return generate(
                 self._model_fn(), self.tokenizer, prompts, settings,
                 self.prefix_sharing if config.share_prompt_prefix else None, compact=config.compact_forward,
-                on_fallback=self._note_model_generate,
+                on_fallback=self._note_model_generate, pad_to_multiple_of=config.pad_multiple(),
             )
 
     def _note_model_generate(self, model, reason: str) -> None:
