@@ -105,10 +105,12 @@ class GRPOConfig:
     """Shuffle the training prompts each epoch (seeded by ``data_seed``, else ``seed``)."""
     pad_to_multiple_of: int | str | None = "auto"
     """Pad prompts (on the left) and completions (on the right) to a multiple of this many tokens, in
-    transformers generation's inputs and in the batch's training tensors: fixed shapes for compilers
-    and accelerators that want them. "auto" is TRL's default, 128 on AWS Neuron, which grpo_lab does
-    not run on, so no padding here (None). Padding is masked: the completions and results are those
-    without it, up to rounding in the last bits."""
+    the inputs of transformers generation (not continuous batching's, which takes prompts unpadded)
+    and in the batch's tensors, as TRL does. It does not fix every shape inside the passes: generation
+    stops when every completion has ended, and the compact passes run the distinct prompts and the kept
+    tokens only (compact_forward, share_prompt_prefix). "auto" is TRL's default, 128 on AWS Neuron,
+    which grpo_lab does not run on, so no padding here (None). Padding is masked: the completions and
+    results are those without it, up to rounding in the last bits."""
     remove_unused_columns: bool = False
     """Kept for TRL compatibility: extra dataset columns are always passed to reward functions."""
 

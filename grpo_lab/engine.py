@@ -199,7 +199,9 @@ class Engine:
         self.rollout_func = rollout_func
         self.tools = None if tools is None else check_tools(tools, self.tokenizer, train_dataset[0]["prompt"], config.chat_template_kwargs)
         # What generates the completions in place of the backend (and receives rollout_owner, the GRPOSession).
-        self.custom_rollout = rollout_func if tools is None else ToolCalling(self.tools, self.tokenizer)
+        self.custom_rollout = rollout_func if tools is None else ToolCalling(
+            self.tools, self.tokenizer, eos_token_ids(self.tokenizer, self.unwrapped_model), config.chat_template_kwargs,
+        )
         self.rollout_owner = None
         self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
@@ -493,8 +495,8 @@ class Engine:
             return CustomBatch(self.rollout_backend.generate(texts, self.config), None, {}, None)
         if self._in_rollout:
             raise RuntimeError(
-                "generate() (or step()) was called from inside the rollout function: sample its completions with "
-                "session.sample(prompts) instead."
+                "generate() (or step(), evaluate()) was called from inside the rollout function: sample its "
+                "completions with session.sample(prompts) instead."
             )
         self._in_rollout = True
         try:

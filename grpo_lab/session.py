@@ -313,6 +313,7 @@ class GRPOSession:
         from grpo_lab.rollout.custom import as_token_ids, outside_vocabulary
         from grpo_lab.rollout.prompts import is_conversational, render_prompts
 
+        self._sync_config()
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("sample() takes a non-empty list of prompts (texts, chat messages or token-id lists).")
         if all(isinstance(p, numbers.Integral) for p in prompts):

@@ -256,3 +256,37 @@ def test_under_fsdp_a_process_without_a_next_turn_joins_the_others_generation(to
     assert all(inserted > 0 for _, inserted in answered_here["steps"])
     assert all(inserted == 0 for _, inserted in dropped_here["steps"])
     assert answered_here["row"]["tools/call_frequency"] == 1.0
+
+
+def test_the_template_checks_follow_the_training_prompts(task, tool_model):
+    """A template that renders tools only into a system message is refused only for prompts without one;
+    one that renders the last assistant turn differently (Qwen3's empty thinking block) still gives the
+    tokens that follow a turn."""
+    from transformers import AutoTokenizer
+
+    from grpo_lab.rollout.tools import ToolCalling, check_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    tokenizer.chat_template = TEMPLATE.replace("{% if tools %}", "{% if tools and messages[0]['role'] == 'system' %}")
+    question = [{"role": "user", "content": "1+2="}]
+    with pytest.raises(ValueError, match="chat template ignores tools: it renders the first training prompt"):
+        check_tools([add], tokenizer, question, None)
+    assert check_tools([add], tokenizer, [{"role": "system", "content": "Be brief."}, *question], None) == [add]
+
+    tokenizer.chat_template = TEMPLATE.replace(
+        "{% else %}{{ message['content'] }}", "{% if loop.last %}<think></think>{% endif %}{% else %}{{ message['content'] }}")
+    loop = ToolCalling([add], tokenizer, {tokenizer.eos_token_id}, None)
+    suffix = loop._suffix_ids([{"role": "tool", "name": "add", "content": "3"}], None)
+    assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_round_samples_in_as_few_calls_as_the_context_allows():
+    from grpo_lab.rollout.tools import _sampling_groups
+
+    contexts = {0: [1] * 90, 1: [1] * 60, 2: [1] * 50, 3: [1] * 30}
+    budgets = {0: 20, 1: 24, 2: 24, 3: 24}
+    assert _sampling_groups(contexts, budgets, None) == [([0, 1, 2, 3], 24)]
+    groups = _sampling_groups(contexts, budgets, 112)  # 90 + 24 would not fit: row 0 alone
+    assert groups == [([0], 20), ([1, 2, 3], 24)]
+    assert all(max(len(contexts[r]) for r in rows) + most <= 112 for rows, most in groups)
+    assert _sampling_groups({}, {}, 128) == []

@@ -101,12 +101,12 @@ def outside_vocabulary(ids: list[int], vocab_size: int) -> str | None:
 
 def _per_completion(output: dict, key: str, count: int) -> list:
     values = output[key]
+    if getattr(values, "ndim", 1) > 1 and key in (*REQUIRED_KEYS, "env_mask"):  # a tensor or a numpy array
+        raise ValueError(
+            f"rollout_func returned {key!r} as a {values.ndim}-D {type(values).__name__}: return one list per "
+            "completion, without padding (a pad token would count as a completion token)."
+        )
     if isinstance(values, torch.Tensor):
-        if values.dim() > 1 and key in (*REQUIRED_KEYS, "env_mask"):
-            raise ValueError(
-                f"rollout_func returned {key!r} as a {values.dim()}-D tensor: return one list per completion, "
-                "without padding (a pad token would count as a completion token)."
-            )
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != count:
         got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else type(values).__name__
@@ -182,6 +182,12 @@ def call_rollout_func(
             env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
         if any(completion_ids) and not env_mask_BT.any():
             notices.warn("rollout_func's env_mask marks no token of this batch as the model's (all 0): the batch trains nothing.")
+    padded = next((row for row, ids in enumerate(completion_ids) if ids and ids[-1] == pad_token_id), None)
+    if padded is not None and pad_token_id not in eos_token_ids:
+        raise ValueError(
+            f"rollout_func returned completion_ids[{padded}] ending with the pad token ({pad_token_id}): return each "
+            "completion without padding (a pad token would count as a completion token)."
+        )
     for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
         if context is not None and len(prompt) + len(completion) > context:
             raise ValueError(

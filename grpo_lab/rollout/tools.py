@@ -68,23 +68,25 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
             f"The tokenizer's chat template cannot render a tool-calling conversation ({type(error).__name__}: {error}). "
             "tools need a template that renders tools, an assistant message with tool_calls, and tool messages."
         ) from error
-    kwargs = dict(tokenize=False, **(chat_template_kwargs or {}))
-    question = [{"role": "user", "content": "x"}]
-    if tokenizer.apply_chat_template(question, tools=tools, add_generation_prompt=True, **kwargs) == \
-            tokenizer.apply_chat_template(question, add_generation_prompt=True, **kwargs):
-        raise ValueError(
-            "The tokenizer's chat template ignores tools: it renders a prompt with them as without them, so the model "
-            "would never see its tools. Use a template that renders tools (a tool-calling model's own does)."
-        )
-    if names[0] not in tokenizer.apply_chat_template([*question, call], **kwargs):
-        raise ValueError(
-            "The tokenizer's chat template drops an assistant message's tool_calls (the tool's name does not appear), "
-            "so a call the model made would vanish from the conversation. Use a template that renders tool calls."
-        )
     if not is_conversational(train_prompt):
         raise ValueError(
             "tools need conversational prompts (lists of chat messages): the chat template renders the tools into "
             "the prompt and the tool results after each call."
+        )
+    kwargs = dict(tokenize=False, **(chat_template_kwargs or {}))
+    if tokenizer.apply_chat_template(train_prompt, tools=tools, add_generation_prompt=True, **kwargs) == \
+            tokenizer.apply_chat_template(train_prompt, add_generation_prompt=True, **kwargs):
+        raise ValueError(
+            "The tokenizer's chat template ignores tools: it renders the first training prompt with them as without "
+            "them, so the model would never see its tools. Use a template that renders tools (a tool-calling model's "
+            "own does)."
+        )
+    question = [{"role": "user", "content": "x"}]
+    if tokenizer.apply_chat_template([*question, call], **kwargs) == \
+            tokenizer.apply_chat_template([*question, {"role": "assistant", "content": ""}], **kwargs):
+        raise ValueError(
+            "The tokenizer's chat template drops an assistant message's tool_calls (it renders one as an empty "
+            "message), so a call the model made would vanish from the conversation. Use a template that renders them."
         )
     return tools
 
@@ -93,9 +95,10 @@ class ToolCalling:
     """The rollout function behind ``tools=``: see the module docstring. ``tools`` are checked by
     :func:`check_tools`; the number of rounds is read from ``session.config`` at every call."""
 
-    def __init__(self, tools: list, tokenizer):
-        self.tools, self.tokenizer = tools, tokenizer
+    def __init__(self, tools: list, tokenizer, eos_token_ids: set[int], chat_template_kwargs: dict | None):
+        self.tools, self.tokenizer, self.eos_token_ids = tools, tokenizer, eos_token_ids
         self.by_name = {tool.__name__: tool for tool in tools}
+        self._suffix_ids([{"role": "tool", "name": tools[0].__name__, "content": "0"}], chat_template_kwargs)  # fails now, not mid-run
 
     def __call__(self, prompts: list, session) -> dict:
         config = session.config
@@ -107,7 +110,7 @@ class ToolCalling:
         calls, failures = [0] * len(prompts), [0] * len(prompts)
         limit = getattr(session.model.config, "max_position_embeddings", None)
         accelerator = session.engine.accelerator
-        lockstep = dist.generates_in_lockstep(accelerator)
+        lockstep = not config.use_vllm and dist.generates_in_lockstep(accelerator)  # vLLM generates outside the shards
         rounds = config.max_tool_calling_iterations
         active = [row for row, turns in enumerate(messages) if turns[-1].get("tool_calls")]
         done = 0
@@ -202,30 +205,35 @@ class ToolCalling:
         kwargs = dict(tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
         prefix = list(self.tokenizer.apply_chat_template(before, add_generation_prompt=False, **kwargs))
         full = list(self.tokenizer.apply_chat_template(before + tool_messages, add_generation_prompt=True, **kwargs))
-        eos = self.tokenizer.eos_token_id
-        if eos in prefix:  # the model's turn ends at its EOS; what the template adds after it is the suffix's
-            prefix = prefix[: len(prefix) - prefix[::-1].index(eos)]
-        if full[: len(prefix)] != prefix:
-            raise ValueError(
-                "The chat template renders an assistant turn differently once tool messages follow it, so the "
-                "tool results cannot be appended to the model's tokens. Use a template that keeps earlier turns as they are."
-            )
-        return full[len(prefix):]
+        ends = [i for i, token in enumerate(prefix) if token in self.eos_token_ids]
+        if ends:  # the model's turn ends at its EOS: what follows the same EOS in the longer rendering is the suffix
+            # (by count, not position: some templates render the turn itself differently once it is not the last,
+            # e.g. Qwen3 drops an empty thinking block)
+            full_ends = [i for i, token in enumerate(full) if token in self.eos_token_ids]
+            if len(full_ends) > len(ends):
+                return full[full_ends[len(ends) - 1] + 1:]
+        elif full[: len(prefix)] == prefix:
+            return full[len(prefix):]
+        raise ValueError(
+            "The chat template's rendering of tool messages after an assistant turn could not be told apart from the "
+            "turn, so the tool results cannot be appended to the model's tokens. Use a template whose turns end with "
+            "an EOS token, or that keeps earlier turns as they are."
+        )
 
 
 def _sampling_groups(contexts: dict[int, list[int]], budgets: dict[int, int], limit: int | None) -> list[tuple[list[int], int]]:
-    """The generation calls of one round, as ``(rows, max_new_tokens)``: one call for every row while
-    the longest context leaves each row its budget within the model's ``limit``; else one call per
-    budget, so that a long context does not shorten the others' answers."""
-    if not contexts:
-        return []
-    most = max(budgets.values())
-    if limit is None or max(len(context) for context in contexts.values()) + most <= limit:
-        return [(list(contexts), most)]
-    by_budget: dict[int, list[int]] = {}
-    for row, budget in budgets.items():
-        by_budget.setdefault(budget, []).append(row)
-    return [(rows, budget) for budget, rows in sorted(by_budget.items())]
+    """The generation calls of one round, as ``(rows, max_new_tokens)``: as few as keep every row's
+    budget within the model's ``limit`` (a call pads its contexts to the longest), so that a long
+    context does not shorten the others' answers; usually one."""
+    groups: list[tuple[list[int], int]] = []
+    longest = 0
+    for row in sorted(contexts, key=lambda r: -len(contexts[r])):  # each group's first row is its longest
+        if groups and (limit is None or longest + max(groups[-1][1], budgets[row]) <= limit):
+            groups[-1] = (groups[-1][0] + [row], max(groups[-1][1], budgets[row]))
+        else:
+            groups.append(([row], budgets[row]))
+            longest = len(contexts[row])
+    return [(sorted(rows), most) for rows, most in groups]
 
 
 async def _settled(awaitable):
