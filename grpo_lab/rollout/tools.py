@@ -7,7 +7,8 @@ tool messages, and samples the model's next turn from the whole conversation so 
 (never re-tokenized), until no completion calls a tool or ``max_tool_calling_iterations`` rounds
 have run. The tool results are context for the next turn but are not trained on (``env_mask`` 0),
 and a completion, tool results included, stays within max_completion_length: a result that would
-leave no room for an answer is dropped and that completion ends with its call, as in TRL.
+leave no room for at least one answer token is dropped and that completion ends with its call (TRL
+drops one that overflows, and keeps one that fills the budget exactly).
 """
 
 from __future__ import annotations
