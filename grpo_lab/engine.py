@@ -466,6 +466,7 @@ class Engine:
             sampling_logprobs_BT=batch.sampling_logprobs_BT,
             policy_version=batch.policy_version,
             env_mask_BT=env_mask_BT,
+            extra_keys=tuple(extra),
         )
         with self.accelerator.autocast():
             if self.needs_old_logprobs():

@@ -40,6 +40,9 @@ class _Table:
         return f"<p><b>{type(self).__name__}</b>: {self.summary()}</p>{table}{more}"
 
 
+_ROLLOUT_COLUMNS = ("group", "prompt", "completion", "length", "truncated")
+
+
 @dataclass(repr=False)
 class Rollout(_Table):
     """Output of ``generate()``: the completions of one generation batch (this process's share)."""
@@ -67,6 +70,9 @@ class Rollout(_Table):
     env_mask_BT: torch.Tensor | None = None
     """From a rollout function: 1 where the model generated the token, 0 where an environment or a
     tool inserted it (context for later tokens, never trained on); None when the model wrote them all."""
+    extra_keys: tuple[str, ...] = ()
+    """The keys of ``columns`` a rollout function returned, which the tables show (a class-level
+    default, so that a batch pickled before this field existed loads)."""
 
     @property
     def generated_mask_BT(self) -> torch.Tensor:
@@ -97,6 +103,7 @@ class Rollout(_Table):
             "completion": list(self.completion_texts),
             "length": self.completion_lengths_B.tolist(),
             "truncated": self.is_truncated_B.tolist(),
+            **{key: list(self.columns[key]) for key in self.extra_keys if key not in _ROLLOUT_COLUMNS},
         }
 
 

@@ -90,7 +90,10 @@ def test_environment_tokens_are_context_but_not_trained(task, tmp_path):
     values = data.token_values(session, 0, "logprob")
     first = rollout.env_mask_BT[0].tolist().index(0)  # the environment's reply
     assert [v is None for _, v in values[first:first + reply]] == [True] * reply and values[0][1] is not None
+    table = session.advantages_result.to_pandas()  # the extra key is a column of the tables and of the log
+    assert table["first_answer"].tolist() == rollout.columns["first_answer"] and "env_mask" not in table
     assert session.update()["completions/mean_length"] == pytest.approx(float(lengths.float().mean()))
+    assert session.completions_log["first_answer"].tolist() == rollout.columns["first_answer"]
 
 
 def test_sample_takes_token_ids_as_it_takes_texts(task, tmp_path):
