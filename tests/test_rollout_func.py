@@ -202,7 +202,7 @@ def test_reward_functions_are_checked_against_the_returned_keys(task, tmp_path):
 def test_evaluate_uses_the_rollout_function(task, tmp_path):
     session = _session(task, tmp_path, two_turns, reward_funcs=[second_answer_digits])
     metrics = session.evaluate(task.eval_dataset.select(range(4)))
-    assert metrics["eval_rewards/second_answer_digits/mean"] >= 0
+    assert metrics["eval_rewards/second_answer_digits/mean"] > 0  # its first_answer= came from the rollout function
 
 
 def test_save_load_keeps_an_importable_rollout_function(task, tmp_path):
@@ -234,7 +234,7 @@ def test_save_load_keeps_an_importable_rollout_function(task, tmp_path):
 def test_a_half_used_batch_with_environment_tokens_resumes_exactly(task, tmp_path):
     whole = _session(task, tmp_path / "whole", two_turns, reward_funcs=[second_answer_digits], temperature=3.0, num_iterations=2)
     rows = [whole.step() for _ in range(2)]
-    assert whole.batch_step == 0 and rows[1]["clip_ratio/region_mean"] >= 0
+    assert whole.batch_step == 0  # both updates used the one batch
     first = _session(task, tmp_path / "half", two_turns, reward_funcs=[second_answer_digits], temperature=3.0, num_iterations=2)
     first.step()
     assert first.batch_step == 1 and first.rollout.env_mask_BT is not None  # the batch is kept for its second update
