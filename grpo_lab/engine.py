@@ -51,7 +51,7 @@ from grpo_lab.rollout.tools import ToolCalling, check_tools
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 from grpo_lab.sampler import PromptSampler
-from grpo_lab.types import Advantages, LossResult, Rollout, Scores
+from grpo_lab.types import Advantages, LossResult, Rollout, Scores, generated_mask
 
 _GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "vespo"}
 
@@ -861,8 +861,7 @@ class Engine:
                     trainer_state=self.trainer_state(),
                 )
                 rewards.append(rewards_BF)
-                generated_BT = batch.completion_mask_BT if env_mask_BT is None else batch.completion_mask_BT * env_mask_BT
-                lengths.append(generated_BT.sum(1).float())
+                lengths.append(generated_mask(batch.completion_mask_BT, env_mask_BT).sum(1).float())
         rewards_BF = dist.gather(self.accelerator, torch.cat(rewards).to(self.accelerator.device)).cpu()
         lengths_B = dist.gather(self.accelerator, torch.cat(lengths).to(self.accelerator.device)).cpu()
         weights = torch.tensor(config.reward_weights) if config.reward_weights else torch.ones(rewards_BF.shape[1])

@@ -43,6 +43,14 @@ class _Table:
 _ROLLOUT_COLUMNS = ("group", "prompt", "completion", "length", "truncated")
 
 
+def generated_mask(completion_mask_BT: torch.Tensor, env_mask_BT: torch.Tensor | None) -> torch.Tensor:
+    """1 for the completion tokens the model generated: ``completion_mask_BT * env_mask_BT`` (a rollout
+    function's env_mask; None when the model wrote every token)."""
+    if env_mask_BT is None:
+        return completion_mask_BT
+    return completion_mask_BT * env_mask_BT.to(completion_mask_BT.device)
+
+
 @dataclass(repr=False)
 class Rollout(_Table):
     """Output of ``generate()``: the completions of one generation batch (this process's share)."""
@@ -77,9 +85,7 @@ class Rollout(_Table):
     @property
     def generated_mask_BT(self) -> torch.Tensor:
         """1 for the completion tokens the model generated: ``completion_mask_BT * env_mask_BT``."""
-        if self.env_mask_BT is None:
-            return self.completion_mask_BT
-        return self.completion_mask_BT * self.env_mask_BT.to(self.completion_mask_BT.device)
+        return generated_mask(self.completion_mask_BT, self.env_mask_BT)
 
     @property
     def completion_lengths_B(self) -> torch.Tensor:
