@@ -13,7 +13,7 @@ memory, the ratios grpo_lab / TRL, and the step-time ratio within each repetitio
 
 Cases: ``tiny`` is the embedded task on the shipped 0.9M-parameter model (8 prompts x 8
 completions, up to 8 tokens); ``large`` is a randomly initialised Llama of about 30M parameters
-with the shipped tokenizer, 2 prompts x 8 completions of 128 tokens, where compute dominates;
+with the shipped tokenizer, 2 prompts x 8 completions of up to 128 tokens, where compute dominates;
 ``long_prompt`` is the larger model on prompts that open with a system message (about 160 prompt
 tokens), 4 prompts x 8 completions of up to 32 tokens: the shape of few-shot or instruction-heavy
 RL, where a group's shared prompt is most of each sequence. The two cases on the larger model add a

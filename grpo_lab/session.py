@@ -490,7 +490,8 @@ class GRPOSession:
 
     def export_script(self, path) -> Path:
         """Write a standalone training script with this session's current config, model reference,
-        datasets (saved beside it) and reward functions' source; see :mod:`grpo_lab.export`."""
+        datasets (saved beside it) and reward functions (their source, or an import where a module
+        defines them); see :mod:`grpo_lab.export`."""
         from grpo_lab.export import export_session
 
         return export_session(self, path)
