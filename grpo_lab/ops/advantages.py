@@ -1,5 +1,9 @@
 """Group-relative advantages (GRPO, arXiv:2402.03300, section 4.1.2).
 
+Departure from TRL: where every reward being normalized is the same (a group's, or one function's
+within a group), the advantages are exactly 0. The float mean of equal values can be off from them
+by a rounding step, which dividing by ``std + 1e-4`` turns into an advantage of about 1e-3 in TRL.
+
 Shapes: B completions, laid out as consecutive groups of G = num_generations completions of the
 same prompt; F reward functions.
 """
@@ -11,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 STD_EPSILON = 1e-4
-"""Added to the standard deviation before dividing, as TRL does, so zero-variance groups give 0."""
+"""Added to the standard deviation before dividing, as TRL does, so that a small spread does not
+blow up (a group with no spread at all gets 0, see the module docstring)."""
 
 
 @dataclass
@@ -37,6 +42,14 @@ def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) 
     return std if keepdim else std.squeeze(dim)
 
 
+def _tied(values: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Whether all non-NaN ``values`` along ``dim`` are equal (True where none is a number)."""
+    nan = torch.isnan(values)
+    highest = values.masked_fill(nan, -torch.inf).amax(dim=dim, keepdim=keepdim)
+    lowest = values.masked_fill(nan, torch.inf).amin(dim=dim, keepdim=keepdim)
+    return (highest == lowest) | (highest < lowest)
+
+
 def compute_advantages(
     rewards_BF: torch.Tensor,
     *,
@@ -55,7 +68,9 @@ def compute_advantages(
         z_if = (r_if - nanmean_g(r_f)) / (nanstd_g(r_f) + 1e-4);  r_i = sum_f w_f z_if;
         A_i = (r_i - mean(r)) / (std(r) + 1e-4)   (batch statistics; scale_rewards is not used).
 
-    Standard deviations are sample (Bessel-corrected) ones, as ``torch.std``.
+    Standard deviations are sample (Bessel-corrected) ones, as ``torch.std``. Where the values
+    being normalized are all equal (a group's r, one function's r_f within a group, GDPO's batch),
+    their deviations are 0 exactly, not the rounding error of their float mean.
 
     Args:
         rewards_BF: (B, F) rewards, B a multiple of num_generations.
@@ -77,28 +92,32 @@ def compute_advantages(
         rewards_B = torch.nansum(rewards_BF * weights_F, dim=1)
         grouped_NG = rewards_B.view(-1, G)
         mean_grouped_B = grouped_NG.mean(dim=1).repeat_interleave(G)
+        tied_B = _tied(grouped_NG, dim=1).repeat_interleave(G)
         if scale_rewards in ("group", "none"):
             std_B = grouped_NG.std(dim=1).repeat_interleave(G)
         elif scale_rewards == "batch":
             std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
         else:
             raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
-        advantages_B = rewards_B - mean_grouped_B
+        advantages_B = (rewards_B - mean_grouped_B).masked_fill(tied_B, 0.0)
         if scale_rewards != "none":
             advantages_B = advantages_B / (std_B + STD_EPSILON)
     elif multi_objective_aggregation == "normalize_then_sum":
         grouped_NGF = rewards_BF.view(-1, G, num_funcs)
         mean_N1F = torch.nanmean(grouped_NGF, dim=1, keepdim=True)
         std_N1F = nanstd(grouped_NGF, dim=1, keepdim=True)
-        normalized_BF = ((grouped_NGF - mean_N1F) / (std_N1F + STD_EPSILON)).view(-1, num_funcs)
+        deviations_NGF = (grouped_NGF - mean_N1F).masked_fill(_tied(grouped_NGF, dim=1, keepdim=True), 0.0)
+        normalized_BF = (deviations_NGF / (std_N1F + STD_EPSILON)).view(-1, num_funcs)
         rewards_B = torch.nansum(normalized_BF * weights_F, dim=1)
         std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
         mean_grouped_B = rewards_B.mean().expand_as(rewards_B)
-        advantages_B = (rewards_B - mean_grouped_B) / (std_B + STD_EPSILON)
+        advantages_B = (rewards_B - mean_grouped_B).masked_fill(_tied(rewards_B, dim=0), 0.0) / (std_B + STD_EPSILON)
     else:
         raise ValueError(
             "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', "
             f"got {multi_objective_aggregation!r}."
         )
     is_std_zero_B = torch.isclose(std_B, torch.zeros_like(std_B))
+    if multi_objective_aggregation == "sum_then_normalize" and scale_rewards != "batch":
+        is_std_zero_B |= tied_B  # a rounding step's spread is no spread
     return AdvantageStats(advantages_B, rewards_B, mean_grouped_B, std_B, is_std_zero_B)

@@ -133,6 +133,37 @@ def test_equal_rewards_give_zero_advantages(mode):
     assert stats.is_std_zero_B.all()
 
 
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+def test_a_group_of_equal_rewards_whose_float_mean_rounds_away_gets_zero_advantages(mode):
+    # every completion scores 1 + 1 - 0.19 + 1 = 2.81; the float32 mean of eight 2.81s is not 2.81,
+    # and (2.81 - mean) / (std + 1e-4), with std ~2.5e-7, would be ~2.4e-3 instead of 0
+    rewards_BF = torch.tensor([[1.0, 1.0, -0.19, 1.0]] * 8 + [[0.0, 1.0, 0.0, 0.0]] * 4 + [[1.0, 1.0, 0.0, 0.0]] * 4)
+    total_B = rewards_BF.sum(1)
+    assert total_B[:8].mean() != total_B[0]  # the rounding this test is about
+    stats = compute_advantages(rewards_BF, num_generations=8, scale_rewards=mode)
+    assert torch.equal(stats.advantages_B[:8], torch.zeros(8))
+    # the second group still gets its advantages: rewards 1 and 2, mean 1.5, group std sqrt(2/7)
+    spread = {"group": math.sqrt(2 / 7) + EPS, "batch": statistics.stdev(total_B.tolist()) + EPS, "none": 1.0}[mode]
+    assert_close(stats.advantages_B[8:], torch.tensor([-0.5] * 4 + [0.5] * 4) / spread)
+    if mode != "batch":
+        assert stats.is_std_zero_B.tolist() == [True] * 8 + [False] * 8
+
+
+def test_normalize_then_sum_gives_zero_to_a_function_whose_rewards_are_equal_in_a_group():
+    # group 0: function 0 gives 2.81 to all 32 completions, function 1 alternates 0, 1;
+    # group 1: the functions alternate 0, 1 and 1, 0, so their normalized rewards cancel
+    alternating = torch.tensor([0.0, 1.0] * 16)
+    rewards_BF = torch.cat([torch.stack([torch.full((32,), 2.81), alternating], 1),
+                            torch.stack([alternating, 1 - alternating], 1)])
+    assert torch.nanmean(rewards_BF.view(2, 32, 2), dim=1)[0, 0] != 2.81  # the float mean rounds away
+    stats = compute_advantages(rewards_BF, num_generations=32, multi_objective_aggregation="normalize_then_sum")
+    # z = (r - 0.5) / (sqrt(8/31) + 1e-4) for an alternating function; function 0 adds exactly 0 in
+    # group 0 (not the rounding error over 1e-4, which would shift group 0 against group 1)
+    z = 0.5 / (math.sqrt(8 / 31) + EPS)
+    summed = torch.cat([alternating * 2 * z - z, torch.zeros(32)])
+    assert_close(stats.advantages_B, (summed - summed.mean()) / (summed.std() + EPS))
+
+
 def _loop_reference(rewards, weights, G, mode):
     """Plain-Python advantages: weighted NaN-skipping sums, then per-group loops."""
     totals = [sum(w * x for w, x in zip(weights, row) if not math.isnan(x)) for row in rewards]
