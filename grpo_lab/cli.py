@@ -13,6 +13,17 @@ import json
 import sys
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _print_table(title: str, rows: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -60,7 +71,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     task = default_task(eval_size=args.eval_size)
     output_dir = Path(args.output_dir)
-    steps = args.steps or task.config_overrides["max_steps"]
+    steps = args.steps if args.steps is not None else task.config_overrides["max_steps"]
     config = task.config(max_steps=steps, output_dir=str(output_dir), seed=args.seed)
     session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                           eval_dataset=task.eval_dataset)
@@ -150,17 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser("demo", help="train the shipped tiny model with GRPO and report held-out accuracy")
-    demo.add_argument("--steps", "--max_steps", dest="steps", type=int, default=None, help="optimizer steps (default: the task's max_steps)")
+    demo.add_argument("--steps", "--max_steps", dest="steps", type=_positive_int, default=None, help="optimizer steps (default: the task's max_steps)")
     demo.add_argument("--output-dir", "--output_dir", dest="output_dir", default="outputs/demo", help="where the model, history and curve go")
-    demo.add_argument("--eval-size", "--eval_size", dest="eval_size", type=int, default=200, help="number of held-out problems")
+    demo.add_argument("--eval-size", "--eval_size", dest="eval_size", type=_positive_int, default=200, help="number of held-out problems")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     demo.set_defaults(handler=cmd_demo)
 
     evaluate = commands.add_parser("eval", help="evaluate a model on the embedded task's held-out split")
     evaluate.add_argument("--model", help="model directory (default: the shipped tiny model)")
-    evaluate.add_argument("--eval-size", "--eval_size", dest="eval_size", type=int, default=200, help="number of held-out problems")
-    evaluate.add_argument("--k", type=int, default=8, help="samples per problem for pass@k")
+    evaluate.add_argument("--eval-size", "--eval_size", dest="eval_size", type=_positive_int, default=200, help="number of held-out problems")
+    evaluate.add_argument("--k", type=_positive_int, default=8, help="samples per problem for pass@k")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     evaluate.set_defaults(handler=cmd_eval)

@@ -732,6 +732,8 @@ class GRPOConfig:
             i += 1
         for name, raw in pairs:
             if name == "config":
+                if not Path(raw).is_file():
+                    raise ValueError(f"--config {raw}: no such file (give a YAML file of GRPOConfig fields).")
                 values.update(_read_yaml(raw))
         for name, raw in pairs:
             if name == "config":
@@ -814,7 +816,10 @@ def _docstrings() -> dict[str, str]:
 def _read_yaml(path) -> dict[str, Any]:
     import yaml
 
-    values = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a mapping of GRPOConfig fields, got {type(values).__name__}.")
     return values

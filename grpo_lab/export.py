@@ -83,16 +83,20 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
         print(f"error: --resume_from {known.resume_from}: no such directory (give a directory written by "
               "session.save() or a checkpoint-N of a trainer)", file=sys.stderr)
         raise SystemExit(2)
-    try:
-        if known.resume_from is not None:
+    if known.resume_from is not None:
+        try:
             check_complete(known.resume_from)
+        except FileNotFoundError as error:
+            print(f"error: --resume_from: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+    try:
         if edits:
             base = dataclasses.replace(base, **edits)
         config = GRPOConfig.from_args(rest, base=base)
         reporter_names(config.report_to)  # a tracker that is not installed, before the model loads
         return config, known.resume_from
     except (FileNotFoundError, ImportError, ValueError, TypeError, NotImplementedError) as error:
-        print(f"error: {'--resume_from: ' if isinstance(error, FileNotFoundError) else ''}{error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

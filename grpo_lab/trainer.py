@@ -87,8 +87,9 @@ class GRPOTrainer:
             if earlier:
                 notices.warn(
                     f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
-                    "metrics.jsonl and replaces checkpoints of the same step. Pass resume_from_checkpoint=True to "
-                    "continue that run, or give a new output_dir.",
+                    "metrics.jsonl and replaces checkpoints of the same step. To continue that run, pass "
+                    "resume_from_checkpoint=True (a script: --resume_from with its newest checkpoint-N); else give a "
+                    "new output_dir.",
                 )
         if resume_from_checkpoint:
             path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
@@ -102,6 +103,8 @@ class GRPOTrainer:
                 raise
         total = self.session.engine.total_steps()
         main = self.accelerator.is_main_process
+        if resume_from_checkpoint:
+            on_main(self.accelerator, "drop metrics.jsonl rows the resumed steps replace", self._drop_logged_steps_after)
         if self.session.global_step >= total:
             if main:
                 notices.warn(
@@ -136,6 +139,25 @@ class GRPOTrainer:
             raise
         on_main(self.accelerator, "close the trackers", closing.close)
         return row
+
+    def _drop_logged_steps_after(self) -> None:
+        """Remove from ``metrics.jsonl`` the rows of steps after the one resumed from: a run stopped
+        after logging steps it had not checkpointed yet. The resumed run logs those steps again,
+        once (a line cut short by the stop goes too)."""
+        path, step = self.output_dir / "metrics.jsonl", self.session.global_step
+        if not path.exists():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _logged_step(line) <= step]
+        if len(kept) == len(lines):
+            return
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
+        notices.warn(
+            f"{path} held {len(lines) - len(kept)} row(s) logged after step {step}, the step this run resumes from; "
+            "they were removed, and the resumed steps are logged in their place."
+        )
 
     def _log(self, row: dict, sinks: list, completions_every: int) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -250,3 +272,11 @@ class GRPOTrainer:
 
         on_main(self.accelerator, f"save the model to {target}", write)
         return target
+
+
+def _logged_step(line: str) -> float:
+    """The step of a ``metrics.jsonl`` line; infinity for one that is not a complete row."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")

@@ -18,6 +18,21 @@ def test_demo_trains_saves_and_reports_with_config_style_option_names(tmp_path, 
     assert (out / "model" / "config.json").exists() and (out / "reward_curve.html").exists()
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["demo", "--max_steps", "0"], "argument --steps/--max_steps: must be at least 1, got 0"),
+    (["eval", "--eval_size", "0"], "argument --eval-size/--eval_size: must be at least 1, got 0"),
+    (["eval", "--eval_size", "-5"], "argument --eval-size/--eval_size: must be at least 1, got -5"),
+    (["eval", "--k", "0"], "argument --k: must be at least 1, got 0"),
+    (["eval", "--k", "two"], "argument --k: expected a whole number, got 'two'"),
+])
+def test_counts_below_one_are_refused_before_any_work(arguments, message, capsys):
+    # --max_steps 0 used to train the default 100 steps, --eval_size -5 to evaluate 987 problems,
+    # and --eval_size 0 or --k 0 to fail with a traceback after the model had loaded
+    with pytest.raises(SystemExit) as stopped:
+        main(arguments)
+    assert stopped.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
 REWARDS = '''
 CALLS = []
 

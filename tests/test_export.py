@@ -372,6 +372,14 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
     with pytest.raises(SystemExit) as stopped:
         cli_config(base, ["--report_to", "clearml"])
     assert stopped.value.code == 2 and capsys.readouterr().err.startswith("error: report_to='clearml' is not supported. Allowed")
+    with pytest.raises(SystemExit) as stopped:  # a missing --config file is named as such, not as --resume_from
+        cli_config(base, ["--config", str(tmp_path / "missing.yaml")])
+    assert capsys.readouterr().err == f"error: --config {tmp_path / 'missing.yaml'}: no such file (give a YAML file of GRPOConfig fields).\n"
+    (tmp_path / "bad.yaml").write_text("learning_rate: [1e-5,\n")
+    with pytest.raises(SystemExit) as stopped:
+        cli_config(base, ["--config", str(tmp_path / "bad.yaml")])
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and error.startswith(f"error: {tmp_path / 'bad.yaml'} is not valid YAML: ") and error.count("\n") == 1
 
 
 def test_the_example_recipe_trains(tmp_path):

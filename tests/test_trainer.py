@@ -332,6 +332,22 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
     pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
 
 
+def test_a_resumed_run_logs_the_steps_after_its_checkpoint_once(task, tmp_path):
+    # the first run logs steps 1 to 3 and checkpoints steps 2 and 3; resuming from checkpoint-2 is
+    # what a run stopped after logging step 3, before checkpointing it, does
+    _trainer(task, tmp_path, max_steps=3, save_steps=2).train()
+    rows = lambda: [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    first = rows()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 4, "loss": 0.')  # a line the stop cut short
+    with pytest.warns(UserWarning, match=r"held 2 row\(s\) logged after step 2, the step this run resumes from"):
+        _trainer(task, tmp_path, max_steps=3, save_steps=2).train(resume_from_checkpoint=tmp_path / "checkpoint-2")
+    again = rows()
+    assert [row["step"] for row in again] == [1, 2, 3]
+    without_time = lambda row: {name: value for name, value in row.items() if name != "step_time"}  # noqa: E731
+    assert [without_time(row) for row in again] == [without_time(row) for row in first]
+
+
 @pytest.mark.parametrize("own_scheduler", [False, True])
 def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_holds(task, tmp_path, own_scheduler):
     """Resumed with a larger max_steps; a scheduler of the caller's own goes on as it is, one built
