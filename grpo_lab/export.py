@@ -29,8 +29,10 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import importlib.machinery
 import inspect
 import io
+import os
 import symtable
 import sys
 import textwrap
@@ -131,6 +133,61 @@ def _is_importable(func) -> bool:
     return func.__module__ != "__main__" and module is not None and getattr(module, func.__qualname__, None) is func
 
 
+def _found_only_locally(module_name: str, script_dir: Path) -> Path | None:
+    """The folder from which ``module_name`` was imported, where the script in ``script_dir`` would
+    not find it: the working directory or the running script's folder (the first entry of
+    ``sys.path``), the module not being importable from any other entry (an installed package).
+    None where the script imports it as this process did."""
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return None
+    depth = module_name.count(".") + (2 if Path(file).name == "__init__.py" else 1)
+    root = Path(file).resolve().parents[depth - 1]
+    local = {Path.cwd().resolve()} | ({Path(sys.path[0]).resolve()} if sys.path and sys.path[0] else set())
+    if root not in local or root == script_dir.resolve():
+        return None
+    elsewhere = [entry for entry in sys.path if entry and Path(entry).resolve() not in local]
+    return None if _importable_from(module_name.partition(".")[0], elsewhere) else root
+
+
+def _importable_from(top: str, path: list[str]) -> bool:
+    """Whether the import system finds ``top`` with ``path`` as ``sys.path`` (the finders that do
+    not read ``sys.path``, such as an editable install's, answer as they are)."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(top, path) if finder is importlib.machinery.PathFinder else find(top, None)
+        except (ImportError, ValueError, TypeError):
+            continue
+        if spec is not None:
+            return True
+    return False
+
+
+def _warn_local_imports(funcs: list, script: Path) -> None:
+    """Warn when the script imports a function from a module that only this process's working
+    directory (or running script's folder) provides, and the script is written elsewhere."""
+    from grpo_lab import notices
+
+    by_module: dict[str, list[str]] = {}
+    for func in funcs:
+        if isinstance(func, types.FunctionType) and _is_importable(func):
+            by_module.setdefault(func.__module__, []).append(func.__name__)
+    for module_name, names in by_module.items():
+        root = _found_only_locally(module_name, script.parent)
+        if root is not None:
+            top = Path(sys.modules[module_name].__file__).resolve().relative_to(root).parts[0]
+            notices.warn(
+                f"The exported script imports {', '.join(names)} from {module_name}, which this process finds in "
+                f"{root} (its working directory or script folder), a folder the script in {script.parent.resolve()} does "
+                f"not search. Copy {top} beside the script, put {root} on PYTHONPATH where it runs "
+                f"(PYTHONPATH={root}{os.pathsep}$PYTHONPATH), or export the script to {root}."
+            )
+
+
 def _function_source(func, label: str) -> str:
     _check_exportable(func, label)
     try:
@@ -215,6 +272,8 @@ def export_session(session, path: str | Path) -> Path:
             imports = sorted(set(imports) | set(more_imports))
             definitions += [d for d in more_definitions if d not in definitions]
             generation.append(f"        {argument.format(', '.join(more_names))},")
+    rollout = [] if engine.rollout_func is None else [engine.rollout_func]
+    _warn_local_imports([*engine.reward_funcs, *rollout, *(engine.tools or [])], path)
     data_dir = path.with_suffix(".data")
     engine.train_dataset.save_to_disk(str(data_dir / "train"))
     has_eval = engine.eval_dataset is not None

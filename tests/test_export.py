@@ -53,6 +53,35 @@ def test_exported_session_script_reproduces_the_first_step_and_takes_overrides(m
     assert _rows(tmp_path / "lr" / "metrics.jsonl")[0]["learning_rate"] == 1e-5
 
 
+def test_a_reward_from_a_module_only_the_working_directory_holds_is_named_when_exported_elsewhere(
+        make_session, task, tmp_path, monkeypatch):
+    import importlib
+    import warnings
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "project_rewards.py").write_text(
+        "def length_reward(completions, **kwargs):\n    return [len(str(c)) / 100 for c in completions]\n"
+    )
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))  # as a notebook kernel or a script started in project/ has it
+    module = importlib.import_module("project_rewards")
+    monkeypatch.setitem(sys.modules, "project_rewards", module)  # forgotten again after the test
+    session = make_session(reward_funcs=[module.length_reward, *task.reward_funcs], max_steps=1)
+    with pytest.warns(UserWarning, match="imports length_reward from project_rewards, which this process finds in ") as caught:
+        script = session.export_script(tmp_path / "runs" / "train.py")
+    assert f"Copy project_rewards.py beside the script, put {project} on PYTHONPATH" in str(caught[0].message)
+    # the advice works: the script fails without it and runs with it
+    failed = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "out")], cwd=tmp_path,
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert failed.returncode != 0 and "No module named 'project_rewards'" in failed.stderr
+    _run([sys.executable, str(script), "--output_dir", str(tmp_path / "out")], cwd=tmp_path, PYTHONPATH=str(project))
+    with warnings.catch_warnings(record=True) as beside:  # written beside the module: no warning
+        warnings.simplefilter("always")
+        session.export_script(project / "train.py")
+    assert not [w for w in beside if "imports length_reward" in str(w.message)]
+
+
 def test_an_exported_lora_session_trains_the_same_adapter(task, tmp_path):
     from peft import LoraConfig
 
