@@ -115,6 +115,8 @@ class GRPOSession:
         self.config = self.engine.config
         self._applied_config = self.config.to_dict()
         self.config_changes: list[dict] = []
+        self._stages_run = 0  # stages completed, so that an edit no stage used can be replaced in config_changes
+        self._unused_changes: dict[str, tuple[dict, int]] = {}  # field -> (its last change, _stages_run then)
         self.rollout: Rollout | None = None
         self.scores: Scores | None = None
         self.advantages_result: Advantages | None = None
@@ -201,6 +203,7 @@ class GRPOSession:
 
     def _emit(self, stage: str, result) -> None:
         self._last_stage = stage
+        self._stages_run += 1
         for listener in list(self._listeners):
             listener(stage, result)
 
@@ -233,20 +236,24 @@ class GRPOSession:
 
     def _sync_config(self) -> None:
         """Validate edits to ``session.config`` and record the step at which each took effect."""
-        if self.config.to_dict() == self._applied_config:
+        edited = self.config.to_dict()
+        if edited == self._applied_config:
             return
-        self.config.validate()  # also normalises (scale_rewards=False -> "none"), so compare afterwards
+        try:
+            self.config.validate()  # also normalises (scale_rewards=False -> "none"), so compare afterwards
+        except ValueError:
+            # An invalid value of a field that cannot change anyway: that is the error to see.
+            fixed = sorted(name for name in _BUILD_TIME_FIELDS if edited.get(name) != self._applied_config.get(name))
+            if fixed:
+                self._undo(fixed)
+                raise ValueError(self._fixed_fields_message(fixed)) from None
+            raise
         current = self.config.to_dict()
         changed = {k: (self._applied_config.get(k), v) for k, v in current.items() if self._applied_config.get(k) != v}
         fixed = sorted(set(changed) & _BUILD_TIME_FIELDS)
         if fixed:
             self._undo(fixed)
-            raise ValueError(
-                f"{', '.join(fixed)} cannot change after the session is built (they load the model, start the "
-                "generation backend, build the optimizer, seed the run, lay out its batches or set the process's "
-                "memory allocator); the edit was undone. "
-                "Build a new GRPOSession with the new value."
-            )
+            raise ValueError(self._fixed_fields_message(fixed))
         if "beta" in changed and self.config.beta > 0 and self.engine.ref_model is None and not self.engine.is_peft:
             self._undo(["beta"])
             raise ValueError(
@@ -275,7 +282,7 @@ class GRPOSession:
                 self._undo(schedule)
                 raise
         for name, (old, new) in changed.items():
-            self.config_changes.append({"step": self.global_step + 1, "field": name, "old": old, "new": new})
+            self._record_change(name, old, new)
             if name == "learning_rate":
                 self.engine.set_learning_rate(new, old)
             if name in ("entropy_coef", "use_adaptive_entropy"):
@@ -283,6 +290,29 @@ class GRPOSession:
         if set(changed) & _ADAMW_FIELDS:
             self.engine.apply_adamw_settings()
         self._applied_config = current
+
+    @staticmethod
+    def _fixed_fields_message(fixed: list[str]) -> str:
+        return (
+            f"{', '.join(fixed)} cannot change after the session is built (they load the model, start the "
+            "generation backend, build the optimizer, seed the run, lay out its batches or set the process's "
+            "memory allocator); the edit was undone. Build a new GRPOSession with the new value."
+        )
+
+    def _record_change(self, name: str, old, new) -> None:
+        """Add an edit to ``config_changes``, or, where no stage has run since the field's last
+        change (the stage that would have used it failed, or none was called), replace that change:
+        the record holds the values stages ran with."""
+        earlier, stages = self._unused_changes.get(name, (None, -1))
+        if earlier is not None and stages == self._stages_run and earlier in self.config_changes:
+            self.config_changes.remove(earlier)
+            old = earlier["old"]
+        if old == new:
+            self._unused_changes.pop(name, None)
+            return
+        change = {"step": self.global_step + 1, "field": name, "old": old, "new": new}
+        self.config_changes.append(change)
+        self._unused_changes[name] = (change, self._stages_run)
 
     def _undo(self, names: list[str]) -> None:
         for name in names:

@@ -243,6 +243,37 @@ def test_fields_read_when_the_session_is_built_refuse_edits_and_undo_them(make_s
     session.step()  # the session goes on with the value it was built with
 
 
+def test_an_invalid_value_of_a_build_time_field_says_it_cannot_change_and_is_undone(make_session):
+    # 10 is also invalid (not a multiple of num_generations, 4): the validation error used to win and
+    # leave the value in place
+    session = make_session()
+    session.step()
+    before = session.config.per_device_train_batch_size
+    session.config.per_device_train_batch_size = 10
+    with pytest.raises(ValueError, match="per_device_train_batch_size cannot change after the session is built"):
+        session.generate()
+    assert session.config.per_device_train_batch_size == before
+    session.step()
+
+
+def test_config_changes_keep_only_the_values_stages_ran_with(make_session):
+    session = make_session(max_steps=4)
+    session.step()
+    session.config.max_completion_length = 500  # longer than the model's context: generate() refuses it
+    with pytest.raises(ValueError, match="max_completion_length=500 exceed"):
+        session.generate()
+    session.config.max_completion_length = 6  # the fix replaces the edit no stage used
+    session.config.temperature = 0.9
+    session.generate()
+    session.config.temperature = 0.8  # generate() sampled at 0.9: both are recorded
+    session.step()
+    assert session.config_changes == [
+        {"step": 2, "field": "max_completion_length", "old": 8, "new": 6},
+        {"step": 2, "field": "temperature", "old": 1.0, "new": 0.9},
+        {"step": 2, "field": "temperature", "old": 0.9, "new": 0.8},
+    ]
+
+
 def test_beta_cannot_be_switched_on_without_a_reference_model(make_session):
     session = make_session()
     session.config.beta = 0.04
