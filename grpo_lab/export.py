@@ -338,15 +338,32 @@ def _is_exported(cell: dict) -> bool:
     return "export" in cell.get("metadata", {}).get("tags", []) or first == "# export"
 
 
-def _session_call(tree: ast.Module) -> tuple[ast.Assign, ast.Call]:
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, (ast.Name, ast.Attribute))
-            and (getattr(node.value.func, "id", None) or getattr(node.value.func, "attr", None)) == "GRPOSession"
-        ):
-            return node, node.value
+def _nearly_exported(cell: dict) -> bool:
+    """A code cell marked for export in another spelling (``#export``, ``# Export``, the tag ``Export``)."""
+    if cell.get("cell_type") != "code" or _is_exported(cell):
+        return False
+    source = "".join(cell.get("source", []))
+    first = source.lstrip().splitlines()[0].strip() if source.strip() else ""
+    tags = cell.get("metadata", {}).get("tags", [])
+    return "export" in [tag.strip().lower() for tag in tags] or "".join(first.split()).lower() == "#export"
+
+
+def _session_call(tree: ast.Module, cell_of) -> tuple[ast.Assign, ast.Call]:
+    """The one ``NAME = GRPOSession(...)`` statement; ``cell_of(line)`` names the cell of a line."""
+    found = [
+        node for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, (ast.Name, ast.Attribute))
+        and (getattr(node.value.func, "id", None) or getattr(node.value.func, "attr", None)) == "GRPOSession"
+    ]
+    if len(found) > 1:
+        raise ExportError(
+            f"The exported cells create {len(found)} sessions ({'; '.join(cell_of(node.lineno) for node in found)}); "
+            "a script trains one. Leave the others out of the export (remove their `export` tag or `# export` line)."
+        )
+    if found:
+        return found[0], found[0].value
     raise ExportError(
         "No exported cell creates the session with `NAME = GRPOSession(...)`. Tag that cell `export` "
         "(or start it with `# export`)."
@@ -572,16 +589,22 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
     notebook = nbformat.read(notebook_path, as_version=4)
     chosen = [(i, cell) for i, cell in enumerate(notebook.cells) if _is_exported(cell)]
     if not chosen:
+        near = [i for i, cell in enumerate(notebook.cells) if _nearly_exported(cell)]
         raise ExportError(
             f"{notebook_path} has no exported cells. Tag the cells that define imports, data, reward "
-            "functions, config and the session with `export`, or start them with `# export`."
+            "functions, config and the session with `export`, or start them with `# export`"
+            + (f" (cells {', '.join(map(str, near))} are marked otherwise: the tag and the comment are "
+               "lower case, with one space after the #)." if near else ".")
         )
     pieces, starts = [], []  # starts: see _cell_line
     next_line = 1
     for index, cell in chosen:
         source = cell.source
         if any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()):
-            raise ExportError(f"Cell {index} is exported but uses IPython magics or shell lines (% or !).")
+            raise ExportError(
+                f"Cell {index} is exported but uses IPython magics or shell lines (% or !), which a script cannot "
+                "run. Move them to a cell that is not exported, or write them as Python (e.g. subprocess.run)."
+            )
         piece = f"# --- cell {index} ---\n{source.strip()}\n"
         starts.append((next_line, index, source[: len(source) - len(source.lstrip())].count("\n")))
         pieces.append(piece)
@@ -590,8 +613,12 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
     try:
         tree = ast.parse(code)
     except SyntaxError as error:
-        raise ExportError(f"The exported cells are not valid Python: {error}") from error
-    assign, call = _session_call(tree)
+        where = ""
+        if error.lineno is not None:
+            index, line = _cell_line(starts, error.lineno)
+            where = f" in cell {index}, line {line}"
+        raise ExportError(f"The exported cells are not valid Python{where}: {error.msg}.") from error
+    assign, call = _session_call(tree, lambda at: "cell {} line {}".format(*_cell_line(starts, at)))
     target = ast.unparse(assign.targets[0])
     config_arg = next((k for k in call.keywords if k.arg == "args"), None)
     if config_arg is None:

@@ -15,6 +15,8 @@ A recipe holds ``GRPOConfig`` fields plus four optional keys:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import sys
 from pathlib import Path
@@ -37,7 +39,8 @@ def import_object(reference: str, search: tuple[Path, ...] = ()):
     except ModuleNotFoundError as error:
         if error.name != module.split(".")[0]:
             raise  # the module was found; something it imports was not
-        where = " (looked in " + ", ".join(str(d) for d in search) + " and on sys.path)" if search else ""
+        folders = list(dict.fromkeys(str(d) for d in search))  # the recipe's folder may be the working directory
+        where = " (looked in " + ", ".join(folders) + " and on sys.path)" if search else ""
         raise ValueError(f"Cannot import {reference!r}: {error}{where}") from error
     if not hasattr(imported, attribute):
         raise ValueError(f"Cannot import {reference!r}: module {module!r} has no attribute {attribute!r}")
@@ -58,13 +61,27 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
     from grpo_lab.tasks import default_task
     from grpo_lab.trainer import GRPOTrainer
 
-    recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
+    try:
+        recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{recipe_path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(recipe, dict):
         raise ValueError(f"{recipe_path} must hold a mapping of keys to values.")
+    fields = {field.name for field in dataclasses.fields(GRPOConfig)}
+    near = {key: difflib.get_close_matches(key, RECIPE_KEYS, n=1, cutoff=0.75) for key in recipe if key not in fields}
+    misspelled = {key: match[0] for key, match in near.items() if match and key not in RECIPE_KEYS}
+    if misspelled:
+        key, meant = next(iter(misspelled.items()))
+        raise ValueError(f"{recipe_path}: unknown key {key!r}; did you mean {meant!r}?")
     task = default_task()
     setup = {key: recipe.pop(key, None) for key in RECIPE_KEYS}
     config = GRPOConfig.from_args(argv or [], base=task.config(**recipe) if setup["model"] is None else GRPOConfig(**recipe))
     search = (Path(recipe_path).resolve().parent, Path.cwd())
+    if isinstance(setup["reward_funcs"], str):
+        raise ValueError(
+            f"{recipe_path}: reward_funcs must be a list of 'module:function' entries, one per line starting "
+            f"with '- ', got the single string {setup['reward_funcs']!r}."
+        )
     funcs = [import_object(r, search) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
     return GRPOTrainer(
         setup["model"] or task.model, funcs, args=config,

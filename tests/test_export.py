@@ -322,6 +322,27 @@ def test_notebook_without_exported_session_is_rejected(tmp_path):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
 
 
+@pytest.mark.parametrize("cells, message", [
+    (["# export\nimport math\nx = (1,\ny = 2"], "not valid Python in cell 0, line 3: '(' was never closed."),
+    (["print(1)", "# export\n\n\nimport math\ndef f(:\n    pass"], "not valid Python in cell 1, line 5: invalid syntax."),
+    (["# export\n!ls"], "Cell 0 is exported but uses IPython magics or shell lines (% or !), which a script cannot "
+                        "run. Move them to a cell that is not exported"),
+    (["# export\nfrom grpo_lab import GRPOSession\na = GRPOSession('m', [], args=None)", "# export\n\nb = GRPOSession('m', [])"],
+     "The exported cells create 2 sessions (cell 0 line 3; cell 1 line 3); a script trains one."),
+    (["#export\nx = 1", "print(x)", "# Export\ny = 2"],
+     "has no exported cells. Tag the cells that define imports, data, reward functions, config and the session with "
+     "`export`, or start them with `# export` (cells 0, 2 are marked otherwise: the tag and the comment are lower "
+     "case, with one space after the #)."),
+])
+def test_notebook_mistakes_are_named_with_their_cell_and_the_fix(tmp_path, cells, message):
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    with pytest.raises(ExportError) as refused:
+        export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
+    assert message in str(refused.value)
+
+
 DDP_OPTIONS = ("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
@@ -417,3 +438,22 @@ def test_the_example_recipe_trains(tmp_path):
     trainer = build_trainer(ROOT / "examples" / "recipe.yaml", ["--max_steps", "1", "--output_dir", str(tmp_path)])
     assert trainer.args.learning_rate == 1e-4 and len(trainer.session.reward_funcs) == 2
     assert trainer.train()["step"] == 1
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("modle: some/model\n", "r.yaml: unknown key 'modle'; did you mean 'model'?"),
+    ("reward_funcs: grpo_lab.tasks.addition:correctness_reward\n",
+     "r.yaml: reward_funcs must be a list of 'module:function' entries, one per line starting with '- ', got the "
+     "single string 'grpo_lab.tasks.addition:correctness_reward'."),
+    ("learning_rate: [1e-4,\n", "r.yaml is not valid YAML: "),
+    ("reward_funcs:\n  - no_such_rewards:f\n", "Cannot import 'no_such_rewards:f': No module named 'no_such_rewards' "
+                                               "(looked in {folder} and on sys.path)"),
+])
+def test_recipe_mistakes_are_named_before_the_model_loads(tmp_path, monkeypatch, recipe, message):
+    from grpo_lab.recipes import build_trainer
+
+    monkeypatch.chdir(tmp_path)  # the recipe's folder is the working directory: it is searched once
+    (tmp_path / "r.yaml").write_text(recipe)
+    with pytest.raises(ValueError) as refused:
+        build_trainer(tmp_path / "r.yaml")
+    assert message.format(folder=tmp_path) in str(refused.value)
