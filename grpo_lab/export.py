@@ -676,7 +676,8 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
         _replace(guarded, node, text, first_line=assign.lineno)
     cells = ", ".join(str(i) for i, _ in chosen)
     script = [
-        HEADER.format(version=__version__, source=f"{notebook_path.name} (cells {cells})", script=path.name),
+        HEADER.format(version=__version__, source=f"{notebook_path.name} (cell{'s' if len(chosen) > 1 else ''} {cells})",
+                      script=path.name),
         "from grpo_lab.export import cli_config as _cli_config_and_resume",
         "from grpo_lab.trainer import GRPOTrainer",
         "",

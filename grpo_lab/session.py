@@ -643,6 +643,13 @@ class GRPOSession:
             session.discard_batch()
         else:
             session.rollout, session.scores, session.advantages_result = on_device(own["pending"], accelerator.device)
+            if session.scores.reward_names != session.engine.reward_names:
+                notices.warn(
+                    f"The saved run stopped inside a generation batch scored by {session.scores.reward_names}; its "
+                    f"remaining {session.engine.steps_per_batch - session.batch_step} optimizer step(s) train on those "
+                    f"scores, and the reward functions given now ({session.engine.reward_names}) score the batches "
+                    "after it; session.discard_batch() drops it instead."
+                )
         return session
 
 

@@ -62,6 +62,22 @@ def test_save_between_stages_keeps_the_pending_results(make_session, tmp_path):
     assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
 
 
+def _constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_loading_a_half_used_batch_with_other_reward_functions_says_which_scored_it(make_session, task, tmp_path):
+    original = make_session(num_iterations=2)
+    original.step()  # the batch feeds one more optimizer step
+    original.save(tmp_path / "half")
+    with pytest.warns(UserWarning, match=r"inside a generation batch scored by \['correctness_reward', 'format_reward'\]; "
+                                         r"its remaining 1 optimizer step\(s\) train on those scores"):
+        loaded = GRPOSession.load(tmp_path / "half", reward_funcs=[*task.reward_funcs, _constant_reward])
+    assert loaded.scores.reward_names == ["correctness_reward", "format_reward"]
+    loaded.step()
+    assert loaded.step()["rewards/_constant_reward/mean"] == 1.0  # the next batch is scored by all three
+
+
 def test_a_checkpoint_with_the_main_process_state_alone_still_loads_and_continues_exactly(make_session, tmp_path):
     """Checkpoints written before every process's state was kept hold one random state and one
     pending batch at the top level; on one process they continue as before."""
