@@ -643,7 +643,7 @@ class GRPOSession:
             session.discard_batch()
         else:
             session.rollout, session.scores, session.advantages_result = on_device(own["pending"], accelerator.device)
-            if session.scores.reward_names != session.engine.reward_names:
+            if session.scores is not None and session.scores.reward_names != session.engine.reward_names:
                 notices.warn(
                     f"The saved run stopped inside a generation batch scored by {session.scores.reward_names}; its "
                     f"remaining {session.engine.steps_per_batch - session.batch_step} optimizer step(s) train on those "
