@@ -699,7 +699,7 @@ class GRPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> GRPOConfig:
-        return cls(**_read_yaml(path))
+        return cls(**read_yaml_mapping(path))
 
     # ------------------------------------------------------------------ command line
     @classmethod
@@ -734,7 +734,7 @@ class GRPOConfig:
             if name == "config":
                 if not Path(raw).is_file():
                     raise ValueError(f"--config {raw}: no such file (give a YAML file of GRPOConfig fields).")
-                values.update(_read_yaml(raw))
+                values.update(read_yaml_mapping(raw))
         for name, raw in pairs:
             if name == "config":
                 continue
@@ -813,7 +813,9 @@ def _docstrings() -> dict[str, str]:
     return docs
 
 
-def _read_yaml(path) -> dict[str, Any]:
+def read_yaml_mapping(path, what: str = "GRPOConfig fields") -> dict[str, Any]:
+    """The mapping a YAML file holds; malformed YAML or another kind of value is a ValueError that
+    names the file (``what``: what the mapping should hold, for that message)."""
     import yaml
 
     try:
@@ -821,7 +823,7 @@ def _read_yaml(path) -> dict[str, Any]:
     except yaml.YAMLError as error:
         raise ValueError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a mapping of GRPOConfig fields, got {type(values).__name__}.")
+        raise ValueError(f"{path} must hold a mapping of {what}, got {type(values).__name__}.")
     return values
 
 

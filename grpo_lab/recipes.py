@@ -21,7 +21,6 @@ import importlib
 import sys
 from pathlib import Path
 
-import yaml
 
 RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset")
 
@@ -57,16 +56,11 @@ def _dataset(reference, task, split: str):
 
 def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
     """A ``GRPOTrainer`` from a recipe file; ``argv`` (``--field value``) overrides config fields."""
-    from grpo_lab.config import GRPOConfig
+    from grpo_lab.config import GRPOConfig, read_yaml_mapping
     from grpo_lab.tasks import default_task
     from grpo_lab.trainer import GRPOTrainer
 
-    try:
-        recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"{recipe_path} is not valid YAML: {' '.join(str(error).split())}") from None
-    if not isinstance(recipe, dict):
-        raise ValueError(f"{recipe_path} must hold a mapping of keys to values.")
+    recipe = read_yaml_mapping(recipe_path, "GRPOConfig fields and recipe keys")
     fields = {field.name for field in dataclasses.fields(GRPOConfig)}
     near = {key: difflib.get_close_matches(key, RECIPE_KEYS, n=1, cutoff=0.75) for key in recipe if key not in fields}
     misspelled = {key: match[0] for key, match in near.items() if match and key not in RECIPE_KEYS}
