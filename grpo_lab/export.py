@@ -330,21 +330,25 @@ def export_session(session, path: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------- notebook export
+def _marks(cell: dict) -> tuple[list[str], str]:
+    """A cell's tags and its first non-blank line (stripped)."""
+    source = "".join(cell.get("source", []))
+    first = source.lstrip().splitlines()[0].strip() if source.strip() else ""
+    return cell.get("metadata", {}).get("tags", []), first
+
+
 def _is_exported(cell: dict) -> bool:
     if cell.get("cell_type") != "code":
         return False
-    source = "".join(cell.get("source", []))
-    first = source.lstrip().splitlines()[0].strip() if source.strip() else ""
-    return "export" in cell.get("metadata", {}).get("tags", []) or first == "# export"
+    tags, first = _marks(cell)
+    return "export" in tags or first == "# export"
 
 
 def _nearly_exported(cell: dict) -> bool:
     """A code cell marked for export in another spelling (``#export``, ``# Export``, the tag ``Export``)."""
     if cell.get("cell_type") != "code" or _is_exported(cell):
         return False
-    source = "".join(cell.get("source", []))
-    first = source.lstrip().splitlines()[0].strip() if source.strip() else ""
-    tags = cell.get("metadata", {}).get("tags", [])
+    tags, first = _marks(cell)
     return "export" in [tag.strip().lower() for tag in tags] or "".join(first.split()).lower() == "#export"
 
 
