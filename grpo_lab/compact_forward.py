@@ -7,7 +7,9 @@ as much as the arithmetic (benchmarks/README.md). Two short functions run the sa
 (embedding, norms, projections, MLPs, rotary embedding, head):
 
 - ``forward``, for generation (``grpo_lab.rollout.decoding``): keys and values are kept in one pair
-  of (B, K, S, D) buffers per layer that each call writes in place.
+  of (B, K, S, D) buffers per layer that each call writes in place. In a decoding step on a CPU,
+  the products of weights of ``WEIGHT_FIRST_MIN_BYTES`` or more are taken weight-first
+  (``_linear``), which MKL runs faster for a few rows.
 - ``shared_prompt_forward``, for the log-prob passes with a shared prompt
   (``grpo_lab.prefix_sharing``): the distinct prompts and the completion tokens in one pass, with
   only the completion positions whose logits are used going through the projections, MLPs and
@@ -15,7 +17,8 @@ as much as the arithmetic (benchmarks/README.md). Two short functions run the sa
   discards, appears only as masked positions inside attention.
 
 Their logits and gradients equal transformers' up to float rounding (tests compare them on the
-shipped float32 model on a CPU; ``forward``'s logits bitwise). Because the modules themselves
+shipped float32 model on a CPU, and on a model with weights taken weight-first; ``forward``'s
+logits bitwise where no product is, as on the shipped model). Because the modules themselves
 run, a PEFT model's LoRA layers apply their adapters.
 
 ``unsupported_reason`` names what keeps a model on transformers' forward: another architecture (a
@@ -34,10 +37,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, repeat_kv
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 
 ARCHITECTURES = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -94,10 +98,45 @@ def _norm(module, hidden):
     """``module(hidden)``: for transformers' RMSNorm classes on float32 tensors and weights, by one
     ``F.rms_norm`` call (the same arithmetic, the same bits on a CPU). In half precision the module
     runs: it rounds before multiplying by the weight, ``F.rms_norm`` after."""
-    if type(module) in _RMS_NORMS and hidden.dtype == module.weight.dtype == torch.float32 and not (
-        module._forward_hooks or module._forward_pre_hooks
-    ):
+    if type(module) in _RMS_NORMS and hidden.dtype == module.weight.dtype == torch.float32 and not _hooked(module):
         return F.rms_norm(hidden, module.weight.shape, module.weight, module.variance_epsilon)
+    return module(hidden)
+
+
+def _hooked(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+WEIGHT_FIRST_MIN_BYTES = 1 << 20
+"""The smallest weight ``_linear`` takes weight-first. A weight of a MiB or more is read from memory
+at every decoding step, and MKL's float32 product of a few rows with it is faster as ``W @ x^T``:
+a 30M model's generation took 3 to 11% less time on a 2-core CPU. A smaller weight stays in cache,
+where the transposed view costs more than it saves: taking every product weight-first made the
+shipped model's generation 8% slower (``benchmarks/bench_weight_first.py``)."""
+
+
+def _linear(module, hidden, *, weight_first: bool):
+    """``module(hidden)``. With ``weight_first``, for a plain ``nn.Linear`` without bias or hooks whose
+    float32 weight holds at least ``WEIGHT_FIRST_MIN_BYTES``, the product is taken as ``(W @ hidden^T)^T`` (a
+    transposed view): the same values up to float rounding."""
+    weight = module.weight if type(module) is nn.Linear else None
+    if (weight_first and weight is not None and weight.dtype == torch.float32 and module.bias is None
+            and not _hooked(module) and weight.numel() * 4 >= WEIGHT_FIRST_MIN_BYTES):
+        rows_RE = hidden.reshape(-1, hidden.shape[-1])
+        return torch.mm(weight, rows_RE.T).T.reshape(*hidden.shape[:-1], -1)
+    return module(hidden)
+
+
+_MLPS = (LlamaMLP, Qwen2MLP, Qwen3MLP)
+
+
+def _mlp(module, hidden, *, weight_first: bool):
+    """``module(hidden)``: for transformers' gated MLP classes, their ``down(act(gate(x)) * up(x))``
+    with each projection taken by ``_linear``."""
+    if weight_first and type(module) in _MLPS and not _hooked(module):
+        gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+        return _linear(down, module.act_fn(_linear(gate, hidden, weight_first=True)) * _linear(
+            up, hidden, weight_first=True), weight_first=True)
     return module(hidden)
 
 
@@ -116,17 +155,22 @@ def _rotate(x, cos, signed_sin):
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _attention(attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: int, start: int, size: int):
+def _attention(
+    attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: int, start: int, size: int, *, weight_first: bool
+):
     """One attention block. The L new positions' keys and values are written from ``start`` into the
     layer's (B, K, S, D) buffers ``cache[index]`` (allocated with room for ``size`` positions on
     first use); each position attends to the buffers up to its own, as ``mask_B1LS`` allows."""
     B, L, _ = hidden_BLE.shape
     shape = (B, L, -1, attention.head_dim)
-    query, key = attention.q_proj(hidden_BLE).view(shape), attention.k_proj(hidden_BLE).view(shape)
+    query, key, value = (
+        _linear(projection, hidden_BLE, weight_first=weight_first).view(shape)
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+    )
     if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
         query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
     query, key = _rotate(query.transpose(1, 2), cos, sin), _rotate(key.transpose(1, 2), cos, sin)
-    value = attention.v_proj(hidden_BLE).view(shape).transpose(1, 2)
+    value = value.transpose(1, 2)
     if cache[index] is None:
         cache[index] = tuple(t.new_empty(B, t.shape[1], size, attention.head_dim) for t in (key, value))
     keys, values = cache[index]
@@ -139,7 +183,7 @@ def _attention(attention, hidden_BLE, cos, sin, mask_B1LS, cache: list, index: i
         query, repeat_kv(keys[:, :, :end], groups), repeat_kv(values[:, :, :end], groups), attn_mask=mask_B1LS,
         scale=attention.scaling,
     )
-    return attention.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+    return _linear(attention.o_proj, out.transpose(1, 2).reshape(B, L, -1), weight_first=weight_first)
 
 
 def attention_mask(valid_BS: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -170,13 +214,15 @@ def forward(model, ids_BL, positions_BL, valid_BS, cache: list, start: int, *, l
     hidden_BLE = inner.embed_tokens(ids_BL)
     cos, sin = _rotary(inner, hidden_BLE, positions_BL, heads_dim=1)
     mask_B1LS = attention_mask(valid_BS, start, start + ids_BL.shape[1])
+    # A decoding step on a CPU: one position per row, products of a few rows (_linear)
+    weight_first = ids_BL.shape[1] == 1 and ids_BL.device.type == "cpu"
     for index, layer in enumerate(inner.layers):  # as many as num_hidden_layers (unsupported_reason)
         hidden_BLE = hidden_BLE + _attention(
             layer.self_attn, _norm(layer.input_layernorm, hidden_BLE), cos, sin, mask_B1LS, cache, index, start,
-            valid_BS.shape[1],
+            valid_BS.shape[1], weight_first=weight_first,
         )
-        hidden_BLE = hidden_BLE + layer.mlp(_norm(layer.post_attention_layernorm, hidden_BLE))
-    return base.lm_head(_norm(inner.norm, hidden_BLE[:, -1] if last_only else hidden_BLE))
+        hidden_BLE = hidden_BLE + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden_BLE), weight_first=weight_first)
+    return _linear(base.lm_head, _norm(inner.norm, hidden_BLE[:, -1] if last_only else hidden_BLE), weight_first=weight_first)
 
 
 def shared_prompt_forward(

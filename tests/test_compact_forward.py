@@ -120,6 +120,53 @@ def test_qwen_models_get_transformers_logits_and_gradients(batch, architecture):
     _assert_gradients_close(compact_grads, transformers_grads, rtol=1e-4)
 
 
+def test_decoding_products_of_large_weights_are_taken_weight_first_and_only_those():
+    """A decoding step on a CPU takes the product of a bias-free float32 weight of
+    WEIGHT_FIRST_MIN_BYTES or more as (W @ x^T)^T, a transposed view, with the module's values up to
+    rounding; anything else calls the module, so that its bias, hooks and dtype apply."""
+    torch.manual_seed(0)
+    big = torch.nn.Linear(512, 512, bias=False)
+    assert big.weight.numel() * 4 >= compact_forward.WEIGHT_FIRST_MIN_BYTES
+    hidden = torch.randn(16, 1, 512)
+    with torch.no_grad():
+        taken = compact_forward._linear(big, hidden, weight_first=True)
+        assert taken.shape == (16, 1, 512) and not taken.is_contiguous()
+        torch.testing.assert_close(taken, big(hidden), rtol=1e-5, atol=1e-6)
+        assert compact_forward._linear(big, hidden, weight_first=False).is_contiguous()
+        small = torch.nn.Linear(512, 128, bias=False)
+        assert small.weight.numel() * 4 < compact_forward.WEIGHT_FIRST_MIN_BYTES
+        assert compact_forward._linear(small, hidden, weight_first=True).is_contiguous()
+        assert compact_forward._linear(torch.nn.Linear(512, 512), hidden, weight_first=True).is_contiguous()  # bias
+        assert compact_forward._linear(big.to(torch.bfloat16), hidden.bfloat16(), weight_first=True).is_contiguous()
+        calls = []
+        hooked = torch.nn.Linear(512, 512, bias=False)
+        hooked.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+        compact_forward._linear(hooked, hidden, weight_first=True)
+        assert calls == [(16, 1, 512)]
+
+
+def test_a_model_with_large_weights_decodes_with_transformers_logits():
+    """Decoding steps of a Llama whose projections reach WEIGHT_FIRST_MIN_BYTES (its head does not)
+    give transformers' logits for the whole sequences, up to float rounding."""
+    model = _small(LlamaConfig, LlamaForCausalLM, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64).eval()
+    sizes = {name: p.numel() * 4 for name, p in model.named_parameters() if p.dim() == 2}
+    assert sizes["model.layers.0.mlp.up_proj.weight"] >= compact_forward.WEIGHT_FIRST_MIN_BYTES > sizes["lm_head.weight"]
+    generator = torch.Generator().manual_seed(1)
+    ids_BS = torch.randint(3, 300, (6, 9), generator=generator)
+    valid_BS = torch.ones(6, 9, dtype=torch.bool)
+    valid_BS[:3, :2] = False  # left padding
+    positions_BS = (valid_BS.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected_BSV = model(input_ids=ids_BS, attention_mask=valid_BS.long()).logits
+        cache = compact_forward.new_cache(model)
+        compact_forward.forward(model, ids_BS[:, :6], positions_BS[:, :6], valid_BS, cache, 0, last_only=True)
+        for step in range(6, 9):
+            logits_BV = compact_forward.forward(model, ids_BS[:, step:step + 1], positions_BS[:, step:step + 1],
+                                                valid_BS, cache, step, last_only=True)
+            torch.testing.assert_close(logits_BV, expected_BSV[:, step], rtol=1e-5, atol=1e-5)
+
+
 def test_a_lora_adapter_applies_in_the_compact_pass(task, batch):
     from peft import LoraConfig, get_peft_model
 
