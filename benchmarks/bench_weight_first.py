@@ -73,7 +73,8 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = prepare_tokenizer(load_tokenizer(task.model))
     prompts, max_new = (8, 8) if args.case == "tiny" else (2, 128)
-    texts = [t for t in render_prompts(task.train_dataset.select(range(prompts))["prompt"], tokenizer) for _ in range(8)]
+    rendered = render_prompts(task.train_dataset.select(range(prompts))["prompt"], tokenizer)
+    texts = [text for text in rendered for _ in range(8)]
     settings = sampling_config(tokenizer, max_new_tokens=max_new)
     default = compact_forward.WEIGHT_FIRST_MIN_BYTES
 
@@ -99,8 +100,9 @@ def main() -> None:
     print(f"case {args.case}: {sum(size >= default for size in weights.values())} of {len(weights)} weight matrices "
           f"at or above WEIGHT_FIRST_MIN_BYTES={default}")
     for setting in SETTINGS:
+        calls = ", ".join(f"{t * 1000:.0f}" for t in times[setting])
         print(f"{setting:8s} median {medians[setting] * 1000:8.1f} ms  vs off {medians[setting] / medians['off']:.2f}x  "
-              f"calls (ms): {', '.join(f'{t * 1000:.0f}' for t in times[setting])}")
+              f"calls (ms): {calls}")
     difference = (logits["default"] - logits["off"]).abs().max().item()
     print(f"largest logit difference, default vs off, at one decoding step: {difference:.3g}")
 

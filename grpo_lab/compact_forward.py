@@ -221,8 +221,10 @@ def forward(model, ids_BL, positions_BL, valid_BS, cache: list, start: int, *, l
             layer.self_attn, _norm(layer.input_layernorm, hidden_BLE), cos, sin, mask_B1LS, cache, index, start,
             valid_BS.shape[1], weight_first=weight_first,
         )
-        hidden_BLE = hidden_BLE + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden_BLE), weight_first=weight_first)
-    return _linear(base.lm_head, _norm(inner.norm, hidden_BLE[:, -1] if last_only else hidden_BLE), weight_first=weight_first)
+        normed_BLE = _norm(layer.post_attention_layernorm, hidden_BLE)
+        hidden_BLE = hidden_BLE + _mlp(layer.mlp, normed_BLE, weight_first=weight_first)
+    last = _norm(inner.norm, hidden_BLE[:, -1] if last_only else hidden_BLE)
+    return _linear(base.lm_head, last, weight_first=weight_first)
 
 
 def shared_prompt_forward(

@@ -13,9 +13,10 @@ stopping criteria. This loop runs the compact forward pass with:
 Under one seed it draws the tokens ``model.generate`` draws (tests check it on the shipped model
 for plain, warped and greedy settings), its logits being transformers' bitwise there. Where
 ``compact_forward`` takes a decoding step's products weight-first (weights of a MiB or more, on a
-CPU), the logits differ by float rounding, and a draw can differ where two tokens tie that closely. ``unsupported_reason`` names what keeps a model or setting
-on ``model.generate``: the model (``compact_forward.unsupported_reason``), or a generation
-setting beyond the warpers above (repetition penalty, beams, stop strings, ...).
+CPU), the logits differ by float rounding, and a draw can differ where two tokens tie that closely.
+``unsupported_reason`` names what keeps a model or setting on ``model.generate``: the model
+(``compact_forward.unsupported_reason``), or a generation setting beyond the warpers above
+(repetition penalty, beams, stop strings, ...).
 
 Shapes: B rows, U distinct prompts, P prompt positions, T completion positions, V vocabulary entries.
 """
