@@ -170,6 +170,10 @@ def _attention(
     if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
         query, key = _norm(attention.q_norm, query), _norm(attention.k_norm, key)
     query, key = _rotate(query.transpose(1, 2), cos, sin), _rotate(key.transpose(1, 2), cos, sin)
+    if weight_first:
+        # A weight-first product leaves the head size strided; the fused CPU attention kernel needs
+        # it contiguous, or attention falls back to the math kernel, which also rescales every key.
+        query = query.contiguous()
     value = value.transpose(1, 2)
     if cache[index] is None:
         cache[index] = tuple(t.new_empty(B, t.shape[1], size, attention.head_dim) for t in (key, value))

@@ -166,6 +166,12 @@ def test_a_model_with_large_weights_decodes_with_transformers_logits():
             logits_BV = compact_forward.forward(model, ids_BS[:, step:step + 1], positions_BS[:, step:step + 1],
                                                 valid_BS, cache, step, last_only=True)
             torch.testing.assert_close(logits_BV, expected_BSV[:, step], rtol=1e-5, atol=1e-5)
+        with torch.profiler.profile() as profile:
+            compact_forward.forward(model, ids_BS[:, 8:], positions_BS[:, 8:], valid_BS, cache, 8, last_only=True)
+    # A weight-first query is made contiguous: otherwise attention falls back to the math kernel
+    kernels = {event.name for event in profile.events() if "scaled_dot_product" in event.name}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels
+    assert "aten::_scaled_dot_product_attention_math" not in kernels
 
 
 def test_a_lora_adapter_applies_in_the_compact_pass(task, batch):
