@@ -37,15 +37,18 @@ def reporter_names(report_to) -> list[str]:
 
 
 @contextmanager
-def open_reporters(names: list[str], config, output_dir: Path):
-    """Yield one reporter per name in ``names`` (from :func:`reporter_names`); on the way out each is
-    closed, told whether the run failed, even if another one fails to open or close."""
+def open_reporters(names: list[str], config, output_dir: Path, first_step: int = 1):
+    """Yield one reporter per name in ``names`` (from :func:`reporter_names`) for a run whose next
+    step is ``first_step``; on the way out each is closed, told whether the run failed, even if
+    another one fails to open or close."""
+    output_dir = Path(output_dir)
     kinds = {
-        "tensorboard": TensorBoardReporter, "wandb": WandbReporter, "trackio": TrackioReporter, "mlflow": MLflowReporter,
-        "comet_ml": CometReporter,
+        "tensorboard": lambda: TensorBoardReporter(config, output_dir, first_step),
+        "wandb": lambda: WandbReporter(config, output_dir), "trackio": lambda: TrackioReporter(config, output_dir),
+        "mlflow": lambda: MLflowReporter(config, output_dir), "comet_ml": lambda: CometReporter(config, output_dir),
     }
     with ExitStack() as stack:
-        yield [stack.enter_context(kinds[name](config, Path(output_dir))) for name in names]
+        yield [stack.enter_context(kinds[name]()) for name in names]
 
 
 class _Reporter:
@@ -62,12 +65,17 @@ class _Reporter:
 
 
 class TensorBoardReporter(_Reporter):
-    """Scalars to ``logging_dir`` (default ``output_dir/runs``), one point per step and metric."""
+    """Scalars to ``logging_dir`` (default ``output_dir/runs``), one point per step and metric.
 
-    def __init__(self, config, output_dir: Path):
+    A run that continues from step ``first_step - 1`` (a resume) has TensorBoard drop the points
+    the directory holds from ``first_step`` on: those of the run it resumes, logged after the
+    checkpoint and logged again now, would otherwise show twice."""
+
+    def __init__(self, config, output_dir: Path, first_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=config.logging_dir or str(output_dir / "runs"))
+        self.writer = SummaryWriter(log_dir=config.logging_dir or str(output_dir / "runs"),
+                                    purge_step=first_step if first_step > 1 else None)
 
     def log(self, row: dict) -> None:
         for key, value in row.items():

@@ -121,7 +121,7 @@ class GRPOTrainer:
         closing, sinks = ExitStack(), []
 
         def open_trackers() -> None:
-            sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir)))
+            sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir, self.session.global_step + 1)))
 
         on_main(self.accelerator, f"open the trackers report_to names ({', '.join(self.reporters)})", open_trackers)
         try:

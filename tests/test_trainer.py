@@ -335,17 +335,24 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
 def test_a_resumed_run_logs_the_steps_after_its_checkpoint_once(task, tmp_path):
     # the first run logs steps 1 to 3 and checkpoints steps 2 and 3; resuming from checkpoint-2 is
     # what a run stopped after logging step 3, before checkpointing it, does
-    _trainer(task, tmp_path, max_steps=3, save_steps=2).train()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _trainer(task, tmp_path, max_steps=3, save_steps=2, report_to="tensorboard").train()
     rows = lambda: [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     first = rows()
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 4, "loss": 0.')  # a line the stop cut short
     with pytest.warns(UserWarning, match=r"held 2 row\(s\) logged after step 2, the step this run resumes from"):
-        _trainer(task, tmp_path, max_steps=3, save_steps=2).train(resume_from_checkpoint=tmp_path / "checkpoint-2")
+        _trainer(task, tmp_path, max_steps=3, save_steps=2, report_to="tensorboard").train(
+            resume_from_checkpoint=tmp_path / "checkpoint-2")
     again = rows()
     assert [row["step"] for row in again] == [1, 2, 3]
     without_time = lambda row: {name: value for name, value in row.items() if name != "step_time"}  # noqa: E731
     assert [without_time(row) for row in again] == [without_time(row) for row in first]
+    assert len(list((tmp_path / "runs").glob("events.out.tfevents.*"))) == 2  # one file per run
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in again]
 
 
 @pytest.mark.parametrize("own_scheduler", [False, True])
