@@ -110,7 +110,8 @@ def _hooked(module) -> bool:
 WEIGHT_FIRST_MIN_BYTES = 1 << 20
 """The smallest weight ``_linear`` takes weight-first. A weight of a MiB or more is read from memory
 at every decoding step, and MKL's float32 product of a few rows with it is faster as ``W @ x^T``:
-a 30M model's generation took 3 to 11% less time on a 2-core CPU. A smaller weight stays in cache,
+a 30M model's generation took 19% less time on a 2-core CPU (3 to 11% while the strided query
+this leaves kept attention on the math kernel, see ``_attention``). A smaller weight stays in cache,
 where the transposed view costs more than it saves: taking every product weight-first made the
 shipped model's generation 8% slower (``benchmarks/bench_weight_first.py``)."""
 
