@@ -121,7 +121,8 @@ class GRPOTrainer:
         closing, sinks = ExitStack(), []
 
         def open_trackers() -> None:
-            sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir, self.session.global_step + 1)))
+            first_step = self.session.global_step + 1
+            sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir, first_step)))
 
         on_main(self.accelerator, f"open the trackers report_to names ({', '.join(self.reporters)})", open_trackers)
         try:
