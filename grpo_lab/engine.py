@@ -685,7 +685,9 @@ class Engine:
                 self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
                 router_aux_loss=aux_weight != 0.0,
             )
-        mask_BT = loss_mask_BT[index_B]
+        device = logprobs_BT.device  # the batch's tensors live on the CPU; the passes on the accelerator
+        on_device = lambda tensor_BT: None if tensor_BT is None else tensor_BT[index_B].to(device)  # noqa: E731
+        mask_BT = on_device(loss_mask_BT)
         entropy_mask_BT = None
         if config.top_entropy_quantile < 1.0:
             entropy_mask_BT = ops.entropy_mask(entropies_BT.detach(), mask_BT, quantile=config.top_entropy_quantile)
@@ -693,8 +695,8 @@ class Engine:
         off_policy_B1 = self._off_policy_mask(rollout, index_B, advantages, logprobs_BT, mask_BT)
         out = ops.policy_loss(
             logprobs_BT,
-            None if rollout.old_logprobs_BT is None else rollout.old_logprobs_BT[index_B],
-            advantages.advantages_B[index_B],
+            on_device(rollout.old_logprobs_BT),
+            on_device(advantages.advantages_B),
             mask_BT,
             loss_type=config.loss_type,
             epsilon_low=config.epsilon,
@@ -707,13 +709,11 @@ class Engine:
             vespo_lambda_pos=config.vespo_lambda_pos,
             vespo_k_neg=config.vespo_k_neg,
             vespo_lambda_neg=config.vespo_lambda_neg,
-            ref_logprobs_BT=None if rollout.ref_logprobs_BT is None else rollout.ref_logprobs_BT[index_B],
+            ref_logprobs_BT=on_device(rollout.ref_logprobs_BT),
             beta=config.beta,
             use_bias_correction_kl=config.use_bias_correction_kl,
             entropy_mask_BT=entropy_mask_BT,
-            importance_sampling_ratio_BT=(
-                None if rollout.importance_weights_BT is None else rollout.importance_weights_BT[index_B]
-            ),
+            importance_sampling_ratio_BT=on_device(rollout.importance_weights_BT),
             max_completion_length=config.max_completion_length,
             num_items_in_batch=normalizer,
             off_policy_mask_B1=off_policy_B1,
@@ -789,7 +789,7 @@ class Engine:
         ratio_BT = torch.cat([p[3].ratio_BT.detach().expand_as(p[1]) for p in parts])
         kl_BT = torch.cat([p[3].kl_BT.detach() for p in parts]) if config.beta > 0 else None
         clip = ops.clip_diagnostics(
-            ratio_BT, advantages.advantages_B[step_index], mask_BT,
+            ratio_BT, advantages.advantages_B[step_index].to(ratio_BT.device), mask_BT,
             epsilon_low=config.epsilon, epsilon_high=epsilon_high, loss_type=config.loss_type,
         )
         metrics = loss_metrics(self.accelerator, clip, entropies_BT, kl_BT, mask_BT, total_loss)
