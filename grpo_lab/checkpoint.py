@@ -14,7 +14,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import tempfile
 from contextlib import ExitStack
@@ -33,7 +35,15 @@ CHECKPOINT_PREFIX = "checkpoint-"
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's random states, in types a checkpoint loads without running code (tensors,
+    ints, floats, tuples): numpy's state array is kept as a tensor."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # this process's device: sampling on a GPU draws from it
     return state
@@ -41,7 +51,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    np.random.set_state((saved["name"], saved["keys"].numpy().astype(np.uint32), saved["position"],
+                         saved["has_gauss"], saved["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -58,23 +70,138 @@ def on_device(obj, device):
     return torch.load(buffer, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
 
 
-def atomic_directory_write(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)``, then move ``tmp_dir`` to ``target`` in one rename."""
+PARTIAL_MARKER = ".grpo_lab_partial"
+"""Written first into every directory a save is building: what a killed save leaves behind is
+recognised by it, and only such directories are ever removed as leftovers."""
+
+
+def _is_save(directory: Path) -> bool:
+    """A directory grpo_lab wrote: a complete save, a save being replaced, or a partial one."""
+    return (directory / "COMPLETE").exists() or (directory / STATE_FILE).exists() or (directory / PARTIAL_MARKER).exists()
+
+
+def check_save_target(target: Path, *, overwrite: bool = False) -> None:
+    """Refuse to save onto a file, or into an existing directory that holds anything but a grpo_lab
+    save (unless ``overwrite``): replacing it would delete what grpo_lab did not write."""
     target = Path(target)
+    if target.is_file() or (target.exists() and not target.is_dir()):
+        raise FileExistsError(
+            f"{target} is a file; a save is a directory. Give a path that does not exist yet (e.g. {target}_save)."
+        )
+    if target.is_dir() and not overwrite and any(target.iterdir()) and not _is_save(target):
+        raise FileExistsError(
+            f"{target} is a directory that holds other files than a grpo_lab save ({_listing(target)}); saving there "
+            "would delete them. Give a new or empty directory, or pass overwrite=True to replace the directory and "
+            "everything in it."
+        )
+    check_writable(target, "save to")
+
+
+def check_writable(directory: Path, action: str) -> None:
+    """Refuse a ``directory`` that is a file, or that cannot be created or written to."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"Cannot {action} {directory}: it is a file. Give a directory path.")
+    existing = next((p for p in [directory, *directory.parents] if p.exists()), None)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"Cannot {action} {directory}: {existing} is not writable. Give a directory you can write to.")
+
+
+def _listing(directory: Path, most: int = 3) -> str:
+    names = sorted(p.name for p in directory.iterdir())
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _previous(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
+
+
+def recover_interrupted_write(target: Path) -> None:
+    """Finish what an interrupted replacement of ``target`` left: the previous save, moved aside to
+    ``.NAME.old`` just before the new one took its place, is put back where the new one never
+    arrived, and removed where it did; leftover partial directories of ``target`` are removed."""
+    target = Path(target)
+    old = _previous(target)
+    if old.is_dir() and (old / "COMPLETE").exists():
+        if not target.exists():
+            os.replace(old, target)
+        elif (target / "COMPLETE").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    if target.parent.is_dir():
+        for leftover in target.parent.glob(f".{glob_escape(target.name)}.*"):
+            if leftover != old and leftover.is_dir() and (leftover / PARTIAL_MARKER).exists():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def remove_partial_writes(parent: Path, prefix: str) -> None:
+    """Remove the partial directories that killed saves of ``parent/<prefix>*`` left behind (each
+    carries :data:`PARTIAL_MARKER`); complete saves are never touched."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    for leftover in parent.glob(f".{glob_escape(prefix)}*"):
+        if leftover.is_dir() and (leftover / PARTIAL_MARKER).exists() and not (leftover / "COMPLETE").exists():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a directory's entries) to disk; some file systems refuse it for
+    directories, which is then skipped."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file under ``directory``, and the directories themselves: a rename that reaches
+    the disk before the data it names would leave an empty checkpoint after a power cut."""
+    for path in [*sorted(directory.rglob("*"), reverse=True), directory]:
+        _fsync(path)
+
+
+def atomic_directory_write(target: Path, write, *, overwrite: bool = False) -> Path:
+    """Call ``write(tmp_dir)``, then move ``tmp_dir`` to ``target`` in one rename.
+
+    ``target`` must be new, empty, or a grpo_lab save (:func:`check_save_target`; ``overwrite``
+    allows any directory). Replacing a save moves the old one aside first; an interruption between
+    the two renames puts it back, here or at the next save or load (:func:`recover_interrupted_write`).
+    """
+    target = Path(target)
+    recover_interrupted_write(target)
+    check_save_target(target, overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    old = _previous(target)
+    moved_aside = False
     try:
+        (tmp / PARTIAL_MARKER).write_text("a save being written; removed once complete\n")
         write(tmp)
         (tmp / "COMPLETE").write_text("ok\n")
+        (tmp / PARTIAL_MARKER).unlink()
+        _fsync_tree(tmp)
         if target.exists():
-            old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(target, old)
+            moved_aside = True
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
+        _fsync(target.parent)
     except BaseException:
+        if moved_aside and not target.exists() and old.exists():
+            os.replace(old, target)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
@@ -189,6 +316,7 @@ def trainer_checkpoints(output_dir: Path) -> list[Path]:
 
 def check_complete(directory: Path) -> Path:
     directory = Path(directory)
+    recover_interrupted_write(directory)
     if not directory.exists():
         raise FileNotFoundError(
             f"{directory} does not exist. Give a directory written by session.save() or a trainer's checkpoint-N."
@@ -207,8 +335,25 @@ def check_complete(directory: Path) -> Path:
 
 def load_state(directory: Path) -> dict:
     """The saved state with every tensor on the CPU (loading moves what it restores to the model's
-    device), so a checkpoint written on N GPUs loads on any device."""
-    return torch.load(check_complete(directory) / STATE_FILE, map_location="cpu", weights_only=False)
+    device), so a checkpoint written on N GPUs loads on any device.
+
+    Read with ``weights_only=True``: tensors, containers and numbers, plus the batch's own result
+    types, so that a file crafted to call a function when unpickled is refused instead of run."""
+    from grpo_lab.types import Advantages, Rollout, Scores
+
+    path = check_complete(directory) / STATE_FILE
+    try:
+        with torch.serialization.safe_globals([Rollout, Scores, Advantages]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        raise ValueError(
+            f"{path} holds objects other than tensors, numbers and grpo_lab's batch results"
+            f"{f' ({found.group(1)})' if found else ''}. "
+            "grpo_lab does not unpickle them, since unpickling can run code: either the file was written by a grpo_lab "
+            "version that pickled its state (load it there, and continue from its model directory here), or it was "
+            "altered."
+        ) from None
 
 
 def per_process_states(state: dict) -> list[dict]:

@@ -16,6 +16,7 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
 import warnings
 import sys
@@ -37,6 +38,25 @@ REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 
 _CONTINUOUS_BATCHING_SAMPLING = {"do_sample", "temperature", "top_k", "top_p", "min_p"}
 """The generation_kwargs transformers' continuous batching engine applies as generate() does."""
+
+_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""The loss types with the clipped surrogate, the only ones that read ``delta`` (as ``ops.CLIP_LOSSES``)."""
+
+_VLLM_SAMPLING_NAMES = {
+    "max_tokens": "max_completion_length (transformers' max_new_tokens is set from it)",
+    "min_tokens": "min_new_tokens",
+    "stop": "eos_token_id (stop token ids; stop strings need use_vllm=True)",
+    "stop_token_ids": "eos_token_id",
+    "n": "num_generations",
+    "presence_penalty": "repetition_penalty",
+    "frequency_penalty": "repetition_penalty",
+    "seed": "seed (the config field)",
+}
+"""vLLM ``SamplingParams`` names a user may bring to transformers generation, and the setting that
+does their job there."""
+
+REWARD_TIMEOUT = 600.0
+"""Default of ``GRPOConfig.reward_timeout``, in seconds."""
 
 NOT_YET_IMPLEMENTED = {
     "ds3_gather_for_generation": "generation under DeepSpeed ZeRO-3 always gathers the weights",
@@ -124,7 +144,7 @@ class GRPOConfig:
     with ``generation_batch_size``. grpo_lab needs it to be a multiple of gradient_accumulation_steps
     (an optimizer step never spans two generation batches)."""
     temperature: float = 1.0
-    """Sampling temperature (> 0). Training log-probs are computed at the same temperature."""
+    """Sampling temperature (> 0 and finite). Training log-probs are computed at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest token set whose probability reaches top_p, in (0, 1]."""
     top_k: int = 0
@@ -132,7 +152,10 @@ class GRPOConfig:
     min_p: float | None = None
     """Drop tokens whose probability is below min_p times that of the most likely token, in [0, 1]."""
     generation_kwargs: dict[str, Any] | str | None = None
-    """Extra ``transformers.GenerationConfig`` settings (a dict, or JSON on the command line)."""
+    """Extra ``transformers.GenerationConfig`` settings (a dict, or JSON on the command line); with
+    use_vllm=True, extra vLLM ``SamplingParams`` settings instead. With use_vllm=False a key that
+    ``GenerationConfig`` does not know (a vLLM name such as ``max_tokens``) is refused: transformers
+    would ignore it."""
     chat_template_kwargs: dict[str, Any] | str | None = None
     """Extra keyword arguments for ``apply_chat_template`` on conversational prompts."""
     repetition_penalty: float = 1.0
@@ -197,10 +220,14 @@ class GRPOConfig:
     unless epsilon_high is set)."""
     delta: float | None = None
     """Two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at delta. Must exceed
-    1 + epsilon_high when set."""
+    1 + epsilon_high when set. Only the clipped-surrogate losses (grpo, bnpo, dr_grpo, dapo, luspo)
+    read it; with cispo, sapo or vespo it is refused (TRL ignores it there)."""
     epsilon_high: float | None = None
     """Upper clipping range (1 + epsilon_high); None uses epsilon. DAPO recommends 0.28. For
-    loss_type="cispo" it is the absolute cap on the ratio (ScaleRL's epsilon_max, e.g. 5.0)."""
+    loss_type="cispo" it is the absolute cap on the ratio (ScaleRL's epsilon_max, e.g. 5.0) and
+    must be set, at least 1: TRL falls back to epsilon there too (a cap of 0.2), which scales down
+    every on-policy token (ratio 1), so grpo_lab refuses None (and values below 1) for cispo instead
+    of following TRL. sapo and vespo do not clip, and refuse it (TRL ignores it there)."""
     sapo_temperature_neg: float = 1.05
     """SAPO gate temperature for tokens with non-positive advantage."""
     sapo_temperature_pos: float = 1.0
@@ -217,7 +244,13 @@ class GRPOConfig:
     """``"token"``: one ratio per token. ``"sequence"``: one ratio per completion, the exp of the mean
     token log-ratio (GSPO)."""
     reward_weights: list[float] | None = None
-    """One weight per reward function; None weights all by 1."""
+    """One weight per reward function (finite numbers); None weights all by 1."""
+    reward_timeout: float | None = REWARD_TIMEOUT
+    """grpo_lab only: seconds an ``async def`` reward function's call may take before scoring fails
+    with a ``RewardFunctionError`` naming the function and its samples; None waits forever. Plain
+    (synchronous) reward functions run in the calling thread, where they cannot be interrupted
+    safely, so the limit does not apply to them (give them their own timeouts, e.g. around a
+    verifier or a request)."""
     multi_objective_aggregation: str = "sum_then_normalize"
     """``"sum_then_normalize"``: weighted sum of rewards, then group normalization.
     ``"normalize_then_sum"``: normalize each reward in its group, sum, then normalize over the batch."""
@@ -318,9 +351,10 @@ class GRPOConfig:
     num_train_epochs: float = 3.0
     """Passes over the training prompts when max_steps is -1."""
     seed: int = 42
-    """Seed of sampling, initialisation and (without data_seed) prompt order."""
+    """Seed of sampling, initialisation and (without data_seed) prompt order: an int in
+    [0, 2**32 - 1]."""
     data_seed: int | None = None
-    """Seed of prompt order only; None uses seed."""
+    """Seed of prompt order only (an int in [0, 2**32 - 1]); None uses seed."""
     lr_scheduler_type: str = "linear"
     """A transformers schedule name: linear, cosine, constant, constant_with_warmup, ..."""
     lr_scheduler_kwargs: dict[str, Any] | str | None = None
@@ -504,9 +538,16 @@ class GRPOConfig:
             _positive("epsilon_high", self.epsilon_high)
         if self.router_aux_loss_coef is not None:
             _non_negative("router_aux_loss_coef", self.router_aux_loss_coef)
-        for name in ("beta", "learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "entropy_coef",
-                     "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
+        for name in ("beta", "learning_rate", "weight_decay", "adam_epsilon", "entropy_coef", "entropy_coef_min",
+                     "entropy_coef_delta", "entropy_target"):
             _non_negative(name, getattr(self, name))
+        for name in ("max_grad_norm", "entropy_coef_max"):  # infinity is a meaningful "no bound" here
+            _non_negative(name, getattr(self, name), finite=False)
+        if self.reward_timeout is not None:
+            _positive("reward_timeout", self.reward_timeout,
+                      fix="Set reward_timeout to a number of seconds, or None to wait without limit.")
+        self._check_seeds()
+        self._check_loss_settings()
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) is above entropy_coef_max ({self.entropy_coef_max}): "
@@ -542,6 +583,17 @@ class GRPOConfig:
             ):
                 raise ValueError(f"reward_weights must be a list of numbers, one per reward function (got {self.reward_weights!r}).")
             object.__setattr__(self, "reward_weights", [float(w) for w in self.reward_weights])
+            if not self.reward_weights:
+                raise ValueError("reward_weights is empty: give one weight per reward function, or None to weight "
+                                 "every function by 1.")
+            bad = [(i, w) for i, w in enumerate(self.reward_weights) if not math.isfinite(w)]
+            if bad:
+                where = ", ".join(f"{w} at index {i}" for i, w in bad)
+                raise ValueError(
+                    f"reward_weights must be finite numbers, got {where} (in {self.reward_weights}): a NaN or "
+                    "infinite weight makes every weighted reward NaN or infinite. Give a finite weight to every "
+                    "reward function (0 leaves a function out)."
+                )
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError(
                 "generation_batch_size and steps_per_generation cannot both be set: each determines the "
@@ -549,6 +601,8 @@ class GRPOConfig:
             )
         if self.cache_implementation is not None:
             _check_cache_implementation(self.cache_implementation, self.use_vllm)
+        if self.generation_kwargs and not self.use_vllm:
+            _check_transformers_generation_kwargs(self.generation_kwargs)
         self._check_continuous_batching()
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 cannot both be True: choose one mixed precision.")
@@ -561,6 +615,47 @@ class GRPOConfig:
                     f"{name}={getattr(self, name)!r} is accepted for compatibility with TRL but not supported by "
                     f"grpo_lab yet: {reason}. Leave it at its default ({_defaults()[name]!r})."
                 )
+
+    def _check_seeds(self) -> None:
+        for name in ("seed", "data_seed"):
+            value = getattr(self, name)
+            if value is None and name == "data_seed":
+                continue
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < 2**32:
+                object.__setattr__(self, name, int(value))
+                continue
+            kind = "" if isinstance(value, numbers.Integral) and not isinstance(value, bool) else f", a {type(value).__name__}"
+            raise ValueError(
+                f"{name} must be an int in [0, 2**32 - 1] (got {value!r}{kind}): random number generators take "
+                f"whole numbers in that range. Set {name}=42 or another whole number"
+                f"{', or None to use seed' if name == 'data_seed' else ''}."
+            )
+
+    def _check_loss_settings(self) -> None:
+        """Refuse settings that the chosen loss_type would ignore or that make it degenerate."""
+        loss = self.loss_type
+        if loss == "cispo" and (self.epsilon_high is None or self.epsilon_high < 1):
+            got = "None, which falls back to epsilon" if self.epsilon_high is None else repr(self.epsilon_high)
+            cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
+            raise ValueError(
+                f"loss_type='cispo' caps the importance ratio at epsilon_high itself (not 1 + epsilon_high), and "
+                f"epsilon_high is {got}: a cap of {cap:g}, below the ratio 1 of every on-policy token, would "
+                f"scale every token's weight down to {cap:g}. Set epsilon_high=5.0 (the value TRL recommends, "
+                "from the ScaleRL paper), or any cap >= 1."
+            )
+        ignored = [name for name, unread in (("delta", loss not in _CLIPPED_LOSSES),
+                                             ("epsilon_high", loss in ("sapo", "vespo")))
+                   if unread and getattr(self, name) is not None]
+        if ignored:
+            how = {"cispo": "caps the ratio at epsilon_high only", "sapo": "replaces clipping with a soft gate "
+                   "(shaped by sapo_temperature_pos and sapo_temperature_neg)", "vespo": "weights sequences with a "
+                   "gamma kernel (shaped by vespo_k_* and vespo_lambda_*)"}[loss]
+            raise ValueError(
+                f"loss_type={loss!r} {how}, so {' and '.join(f'{n}={getattr(self, n)!r}' for n in ignored)} would be "
+                f"ignored (TRL ignores {'it' if len(ignored) == 1 else 'them'} silently). Set "
+                f"{' and '.join(f'{n}=None' for n in ignored)}, or choose a clipped loss ({', '.join(_CLIPPED_LOSSES)}) "
+                f"to use {' and '.join(ignored)}."
+            )
 
     def _check_continuous_batching(self) -> None:
         if self.use_transformers_paged:
@@ -959,14 +1054,44 @@ def _at_least(name: str, value, minimum: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}{hint} (got {value!r}). Set {name}={max(minimum, 1)} or more.")
 
 
-def _positive(name: str, value) -> None:
-    if not _number(value) or not value > 0:  # NaN too
-        raise ValueError(f"{name} must be > 0 (got {value!r}).")
+def _bound_fix(name: str, bound: str) -> str:
+    default = _defaults()[name]
+    example = f", e.g. its default {default!r}" if _number(default) else ", or None"
+    return f"Set {name} to a number {bound}{example}."
 
 
-def _non_negative(name: str, value) -> None:
-    if not _number(value) or not value >= 0:  # NaN too
-        raise ValueError(f"{name} must be >= 0 (got {value!r}).")
+def _positive(name: str, value, *, fix: str | None = None) -> None:
+    if not _number(value) or not value > 0 or not math.isfinite(value):  # NaN too
+        raise ValueError(f"{name} must be > 0 and finite (got {value!r}). {fix or _bound_fix(name, '> 0')}")
+
+
+def _non_negative(name: str, value, *, finite: bool = True) -> None:
+    if not _number(value) or not value >= 0 or (finite and not math.isfinite(value)):  # NaN too
+        bound = ">= 0 and finite" if finite else ">= 0"
+        raise ValueError(f"{name} must be {bound} (got {value!r}). {_bound_fix(name, '>= 0')}")
+
+
+@functools.cache
+def _generation_config_fields() -> frozenset[str]:
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())
+
+
+def _check_transformers_generation_kwargs(generation_kwargs: dict) -> None:
+    """Refuse keys that transformers generation (``GenerationConfig``) would store and never read."""
+    unknown = [key for key in generation_kwargs if key not in _generation_config_fields()]
+    if not unknown:
+        return
+    hints = [f"{key!r}: a vLLM setting; use {_VLLM_SAMPLING_NAMES[key]}" for key in unknown if key in _VLLM_SAMPLING_NAMES]
+    others = [repr(key) for key in unknown if key not in _VLLM_SAMPLING_NAMES]
+    if others:
+        hints.append(f"{', '.join(others)}: not a transformers GenerationConfig setting")
+    raise ValueError(
+        f"generation_kwargs has {', '.join(map(repr, unknown))}, which transformers generation (use_vllm=False) "
+        f"would ignore ({'; '.join(hints)}). Drop {'it' if len(unknown) == 1 else 'them'} or use the "
+        "transformers name (GenerationConfig's fields); vLLM names apply with use_vllm=True."
+    )
 
 
 def _in_unit(name: str, value, low_open: bool = False) -> None:

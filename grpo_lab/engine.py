@@ -32,6 +32,7 @@ from grpo_lab import compact_forward, dist, host_memory, notices, ops
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
+    check_model_reference,
     enable_gradient_checkpointing,
     keep_4bit_layers_differentiable,
     load_causal_lm,
@@ -43,10 +44,11 @@ from grpo_lab.models import (
 from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics, tool_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
-from grpo_lab.rewards.runner import CALL_KEYWORDS
+from grpo_lab.rewards.runner import CALL_KEYWORDS, check_column_names
 from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func, check_rollout_func
+from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens, prompt_token_counts
 from grpo_lab.rollout.tools import ToolCalling, check_tools
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
@@ -122,6 +124,8 @@ class Engine:
         check_dataset(train_dataset, "train_dataset")
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
+        for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            check_column_names(dataset, dataset_name)
         self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
         if not config.use_vllm:
             check_cache_device(config.cache_implementation, self.accelerator.device)
@@ -132,13 +136,43 @@ class Engine:
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
 
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        if isinstance(model, (str, os.PathLike)):
+            name = str(model)
+            # before its tokenizer is read from it: a directory that holds no model fails there without saying why
+            check_model_reference(name, subfolder=config.model_kwargs().get("subfolder"))
+        else:
+            name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        remote_code = config.model_kwargs()["trust_remote_code"]
         if processing_class is None:
             if not name:
                 raise ValueError("processing_class is required when the model has no name to load a tokenizer from.")
-            processing_class = load_tokenizer(name, trust_remote_code=config.model_kwargs()["trust_remote_code"])
+            processing_class = load_tokenizer(name, trust_remote_code=remote_code)
+        elif isinstance(processing_class, (str, os.PathLike)):  # a tokenizer's directory or hub id
+            processing_class = load_tokenizer(str(processing_class), trust_remote_code=remote_code)
         self.tokenizer = prepare_tokenizer(processing_class)
         policy = load_causal_lm(model, config.model_kwargs())
+        embeddings = policy.get_input_embeddings()
+        if embeddings is not None and len(self.tokenizer) > embeddings.num_embeddings:
+            raise ValueError(
+                f"The tokenizer has {len(self.tokenizer)} tokens but the model has embeddings for only "
+                f"{embeddings.num_embeddings}: token ids from {embeddings.num_embeddings} on have none. Give the model's "
+                "own tokenizer (processing_class), or grow the model's embeddings to the tokenizer before building the "
+                "session: model.resize_token_embeddings(len(tokenizer))."
+            )
+        # Every prompt rendered and counted now, so that a bad row is named before any step; a dataset too
+        # large for that is checked a batch at a time, as _train_rows draws it.
+        self._context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
+        self._prompt_tokens = self._prompt_tokens_source = None  # train_dataset's prompt lengths, and that dataset
+        for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None and len(dataset) <= PROMPT_CHECK_ROWS:
+                tokens = dataset_prompt_tokens(dataset, self.tokenizer, config.chat_template_kwargs, dataset_name)
+                check_prompt_room(
+                    tokens, range(len(dataset)), context=self._context, dataset=dataset_name,
+                    max_new_tokens=None if rollout_func is not None or tools is not None else config.max_completion_length,
+                    chat_template_kwargs=config.chat_template_kwargs,
+                )
+                if dataset is train_dataset:
+                    self._prompt_tokens, self._prompt_tokens_source = tokens, dataset
         router_aux_loss_weight(policy, config.router_aux_loss_coef)  # refused here for a model without router logits
         keep_4bit_layers_differentiable(policy)
         self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
@@ -520,10 +554,26 @@ class Engine:
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
         """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
-        dataset has (indexing a format-free view by a list is about 6x faster than select().to_dict())."""
+        dataset has (indexing a format-free view by a list is about 6x faster than select().to_dict()).
+        Refuses, naming the row, a prompt that cannot be rendered or does not fit the model's context
+        with the current ``max_completion_length``."""
         if self._rows_source is not self.train_dataset:
             self._rows_source, self._rows_view = self.train_dataset, self.train_dataset.with_format(None)
-        return self._rows_view[indices]
+        rows = self._rows_view[indices]
+        # The drawn prompts must fit the context with the current max_completion_length; raised here,
+        # generate() puts the sampler back, and the error names the rows (generation's would not).
+        drawn = list(dict.fromkeys(indices))
+        if self._prompt_tokens_source is self.train_dataset:  # counted when the session was built
+            tokens = [self._prompt_tokens[index] for index in drawn]
+        else:  # a dataset too large to count at build, or one swapped in since
+            first = {index: position for position, index in reversed(list(enumerate(indices)))}
+            tokens = prompt_token_counts([rows["prompt"][first[index]] for index in drawn], self.tokenizer,
+                                         self.config.chat_template_kwargs, rows=drawn)
+        check_prompt_room(
+            tokens, drawn, context=self._context, chat_template_kwargs=self.config.chat_template_kwargs,
+            max_new_tokens=None if self.custom_rollout is not None else self.config.max_completion_length,
+        )
+        return rows
 
     def _importance_weights(self, rollout: Rollout) -> None:
         """The vLLM importance-sampling weights pi_old / pi_sampler of the batch and their stats."""
@@ -559,7 +609,7 @@ class Engine:
         rewards_BF, logs = score_completions(
             self.reward_funcs, self.reward_processing_classes, self.reward_names,
             prompts=rollout.prompts, completions=rollout.completions, completion_ids=completion_ids,
-            columns=rollout.columns, trainer_state=self.trainer_state(),
+            columns=rollout.columns, trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
         )
         return Scores(rollout, rewards_BF, list(self.reward_names), logs.extras, logs.metrics)
 
@@ -855,7 +905,7 @@ class Engine:
                     self.reward_funcs, self.reward_processing_classes, self.reward_names, prompts=chunk,
                     completions=wrap_completions(chunk, decoded) if completions is None else completions,
                     completion_ids=ids, columns=chunk_columns,
-                    trainer_state=self.trainer_state(),
+                    trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
                 )
                 rewards.append(rewards_BF)
                 lengths.append(generated_mask(batch.completion_mask_BT, env_mask_BT).sum(1).float())

@@ -7,6 +7,7 @@ and fall back to the EOS token for padding when they have no pad token (as TRL d
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -26,11 +27,13 @@ their outputs: ``cache`` in releases that renamed it (5.24 has; the old name is 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
-def check_model_reference(name: str) -> None:
-    """Raise a clear error, before any hub lookup, for a model that cannot be found.
+def check_model_reference(name: str, *, model: bool = True, subfolder: str | None = None) -> None:
+    """Raise a clear error, before any hub lookup, for a model that cannot be found or read.
 
     A name that is not an existing path must look like a hub id (``org/name``), and the hub must be
-    reachable (``HF_HUB_OFFLINE`` unset).
+    reachable (``HF_HUB_OFFLINE`` unset). With ``model`` (not for a tokenizer, whose directory needs
+    no config.json), a local directory (or its ``subfolder``) must hold a config.json (or a PEFT
+    adapter's adapter_config.json) and no truncated .safetensors file.
     """
     path = Path(name).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (path / "model" / "config.json").exists():
@@ -39,6 +42,8 @@ def check_model_reference(name: str) -> None:
             f"{path / 'model'}. Pass that directory, or continue the run with resume_from_checkpoint / --resume_from."
         )
     if path.exists():
+        if model and path.is_dir():
+            check_model_files(path / subfolder if subfolder else path)
         return
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}
     if offline or not _HUB_ID.fullmatch(name):
@@ -49,9 +54,54 @@ def check_model_reference(name: str) -> None:
         )
 
 
+def check_model_files(directory: Path) -> None:
+    """Refuse a local model directory that ``from_pretrained`` would fail on without saying why: one
+    without config.json (nor adapter_config.json), or with a .safetensors file cut short."""
+    if not (directory / "config.json").is_file() and not (directory / "adapter_config.json").is_file():
+        held = sorted(entry.name for entry in directory.iterdir()) if directory.is_dir() else []
+        listing = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
+        raise FileNotFoundError(
+            f"{directory} holds no config.json (it holds {listing}), so it is not a model directory: "
+            "from_pretrained reads the model's architecture from config.json. Copy the model's config.json into "
+            "it, or give the directory that save_pretrained wrote (or a hub model id)."
+        )
+    for file in sorted(directory.glob("*.safetensors")):
+        problem = safetensors_damage(file)
+        if problem is not None:
+            raise OSError(
+                f"The weights file {file} is damaged: {problem}. It was most likely cut short by an interrupted "
+                "download, copy or save. Download it again, or save the model again with save_pretrained."
+            )
+
+
+def safetensors_damage(file: Path) -> str | None:
+    """What is wrong with a .safetensors file's framing (read from its header alone), or None: a file
+    shorter than its header, a header that is not JSON, or tensors that end past the end of the file."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"it holds {size} bytes, too few for a safetensors header"
+        header_size = int.from_bytes(head, "little")
+        if 8 + header_size > size:
+            return f"its header claims {header_size} bytes but the file holds {size}"
+        try:
+            header = json.loads(handle.read(header_size))
+        except ValueError:
+            return "its header is not valid JSON"
+    if not isinstance(header, dict):
+        return "its header is not valid JSON"
+    ends = [entry["data_offsets"][1] for key, entry in header.items()
+            if key != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", ())) == 2]
+    expected = 8 + header_size + max(ends, default=0)
+    if expected > size:
+        return f"its tensors need {expected} bytes but the file holds only {size}"
+    return None
+
+
 def load_tokenizer(name_or_path: str, **kwargs):
     """The tokenizer for ``name_or_path``, padding on the left, with a pad token."""
-    check_model_reference(name_or_path)
+    check_model_reference(name_or_path, model=False)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     return prepare_tokenizer(tokenizer)
 
@@ -83,7 +133,7 @@ def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedMo
             f"model must be a path, a hub id, a PreTrainedModel or a PeftModel, got {type(model).__name__}."
         )
     name = str(model)
-    check_model_reference(name)
+    check_model_reference(name, subfolder=(model_init_kwargs or {}).get("subfolder"))
     return AutoModelForCausalLM.from_pretrained(name, **(model_init_kwargs or {}))
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from grpo_lab import notices
 from grpo_lab.checkpoint import (
     MODEL_DIR,
     atomic_directory_write,
+    check_save_target,
     load_saved_weights,
     load_state,
     on_device,
@@ -34,12 +34,14 @@ from grpo_lab.checkpoint import (
     restore_engine,
     rng_state,
     save_engine,
+    set_rng_state,
 )
 from grpo_lab.config import GRPOConfig
 from grpo_lab.dist import (
     check_savable, full_model_state, full_optimizer_state, full_state, gather_to_main, launched_processes, on_main,
 )
 from grpo_lab.engine import Engine
+from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
@@ -324,7 +326,15 @@ class GRPOSession:
         self._require("generate")
         self._sync_config()
         self._step_started = time.perf_counter()
-        self.rollout = self.engine.generate()
+        engine = self.engine
+        before = rng_state(), engine.sampler.state_dict(), engine.num_input_tokens_seen
+        try:
+            self.rollout = engine.generate()
+        except BaseException:  # an interrupt or error anywhere in it: the next generate() draws the same batch
+            set_rng_state(before[0])
+            engine.sampler.load_state_dict(before[1])
+            engine.num_input_tokens_seen = before[2]
+            raise
         self._emit("generate", self.rollout)
         return self.rollout
 
@@ -414,6 +424,10 @@ class GRPOSession:
         """Optimizer step; returns the step's metrics (also appended to ``history``)."""
         self._require("update")
         self._sync_config()
+        with deferred_interrupts():  # the optimizer, scheduler, counters and history move together
+            return self._update()
+
+    def _update(self) -> dict[str, float]:
         update = self.engine.update()
         if update["update_skipped"]:
             notices.warn(
@@ -460,15 +474,16 @@ class GRPOSession:
         """Run ``n`` optimizer steps; Ctrl-C (or Stop) ends cleanly between stages, nothing lost."""
         from grpo_lab.progress import progress_bar
 
-        rows = []
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"run(n) takes a whole number of optimizer steps >= 0, got {n!r}; e.g. session.run(3).")
+        first = len(self._history)
         with progress_bar(n, enabled=progress) as bar:
             try:
                 for _ in range(n):
-                    rows.append(self.step())
-                    bar.advance(rows[-1])
-            except KeyboardInterrupt:
-                bar.note(f"stopped after {len(rows)} step(s); next stage: {self.next_stage}()")
-        return pd.DataFrame(rows)
+                    bar.advance(self.step())
+            except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
+                bar.note(f"stopped after {len(self._history) - first} step(s); next stage: {self.next_stage}()")
+        return pd.DataFrame(self._history[first:])
 
     def evaluate(self, dataset=None) -> dict[str, float]:
         """Reward metrics of ``num_generations_eval`` completions per prompt of the eval set."""
@@ -527,10 +542,14 @@ class GRPOSession:
         return export_session(self, path)
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path) -> Path:
+    def save(self, path, *, overwrite: bool = False) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
         history, config and any half-finished stage results to ``path``, atomically. Config edits
         made since the last stage are validated first, as the next stage would.
+
+        ``path`` must be new, empty, or an earlier save, which is replaced (the old one stays until
+        the new one is complete). A file, or a directory holding anything else, is refused, unless
+        ``overwrite=True``, which replaces that directory and everything in it.
 
         Under ``accelerate launch`` every process calls it (as ``GRPOTrainer`` does): each one's
         random state and share of a half-finished batch are gathered, and the main process writes.
@@ -542,6 +561,7 @@ class GRPOSession:
         engine = self.engine
         accelerator = engine.accelerator
         check_savable(accelerator)
+        check_save_target(Path(path), overwrite=overwrite)
         pending = on_device((self.rollout, self.scores, self.advantages_result), "cpu")
         per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
         gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
@@ -556,9 +576,9 @@ class GRPOSession:
             "applied_config": self._applied_config,
             "batch_step": self.batch_step,
             "last_stage": self._last_stage,
-            "reward_funcs": _pickled(engine.reward_funcs),
-            "rollout_func": _pickled(engine.rollout_func),
-            "tools": _pickled(engine.tools),
+            "reward_funcs": _referenced(engine.reward_funcs),
+            "rollout_func": _referenced(engine.rollout_func),
+            "tools": _referenced(engine.tools),
         }
 
         def write(directory: Path) -> None:
@@ -575,17 +595,22 @@ class GRPOSession:
                 if shown:
                     enable_progress_bar()
 
-        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write))
+        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write, overwrite=overwrite))
         return Path(path)
 
     @classmethod
-    def load(cls, path, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None, **kwargs) -> GRPOSession:
+    def load(cls, path, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None,
+             trust_remote_code: bool = False, **kwargs) -> GRPOSession:
         """Rebuild a saved session; it continues exactly as the original would have.
 
         Datasets, (importable) reward functions and the config (``args``) come from the checkpoint
         unless given; other keyword arguments go to the constructor. ``model``: a model built like the
         saved one (a PEFT model for a saved adapter) to load the saved weights into, in place of a new
         one, e.g. the model whose parameters an optimizer passed in ``optimizers=`` holds.
+
+        Loading runs no code from the checkpoint: its state is read without unpickling anything but
+        tensors and numbers, functions are imported by module and name, and a saved
+        ``trust_remote_code`` is ignored unless ``trust_remote_code=True`` is passed here (or in ``args``).
         """
         from datasets import load_from_disk
 
@@ -593,16 +618,18 @@ class GRPOSession:
         state = load_state(directory)
         extra = state["extra"]
         if reward_funcs is None:
-            reward_funcs = _unpickled(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
+            reward_funcs = _unreferenced(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
         if "rollout_func" not in kwargs and "tools" not in kwargs:  # else the caller chose how to generate
-            kwargs["rollout_func"] = _unpickled(extra.get("rollout_func", _NONE), directory, "rollout function", "rollout_func=...")
-            kwargs["tools"] = _unpickled(extra.get("tools", _NONE), directory, "tools", "tools=[...]")
+            kwargs["rollout_func"] = _unreferenced(extra["rollout_func"], directory, "rollout function", "rollout_func=...")
+            kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
         if train_dataset is None:
             train_dataset = load_from_disk(str(directory / "train_dataset"))
         if eval_dataset is None and (directory / "eval_dataset").exists():
             eval_dataset = load_from_disk(str(directory / "eval_dataset"))
         if kwargs.get("args") is None:
             kwargs["args"] = GRPOConfig.from_yaml(directory / "config.yaml")
+            if not trust_remote_code:
+                kwargs["args"] = _without_remote_code(kwargs["args"], directory)
         own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
         saved = per_process_states(state)
         half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
@@ -651,6 +678,21 @@ class GRPOSession:
                     "after it; session.discard_batch() drops it instead."
                 )
         return session
+
+
+def _without_remote_code(config: GRPOConfig, directory: Path) -> GRPOConfig:
+    """The checkpoint's config with ``trust_remote_code`` off: a file in the checkpoint must not be
+    able to make loading run the model code the checkpoint ships; only the caller's own ``args`` can."""
+    init_kwargs = dict(config.model_init_kwargs or {})
+    if config.trust_remote_code or init_kwargs.pop("trust_remote_code", False):
+        notices.warn(
+            f"{directory / 'config.yaml'} sets trust_remote_code, which a checkpoint cannot turn on: it is loaded "
+            "without running the model code it ships. If you trust that code, load it with "
+            "GRPOSession.load(path, trust_remote_code=True)."
+        )
+        config.trust_remote_code = False
+        config.model_init_kwargs = init_kwargs or None
+    return config
 
 
 def _rebuilt_fields(
@@ -715,27 +757,56 @@ def _in_effect(name: str, config: dict):
     return config.get(name)
 
 
-_NONE = pickle.dumps(None)
-"""What a checkpoint written before rollout functions and tools holds for them."""
-
-
-def _unpickled(saved: bytes | None, directory: Path, what: str, argument: str):
-    """Functions saved by ``_pickled``; a ValueError naming the argument that passes them again where
-    they could not be stored, or cannot be found any more (defined in a notebook, renamed, moved)."""
-    problem = "could not be stored (not importable, e.g. a lambda)"
+def _unreferenced(saved, directory: Path, what: str, argument: str):
+    """Functions saved by ``_referenced``, imported by name; a ValueError naming the argument that
+    passes them again where they could not be stored, or cannot be found any more (defined in a
+    notebook, renamed, moved)."""
+    problem = "could not be stored (not importable by module and name, e.g. a lambda or a notebook's function)"
+    if not (isinstance(saved, dict) and isinstance(saved.get("functions"), list)):
+        saved = None  # nothing this version wrote: never unpickled
+    if saved is not None and saved["none"]:
+        return None
     if saved is not None:
         try:
-            return pickle.loads(saved)
-        except (AttributeError, ImportError, pickle.UnpicklingError) as error:
+            found = [_import_reference(reference) for reference in saved["functions"]]
+            return found if saved["is_list"] else found[0]
+        except (AttributeError, ImportError, ValueError) as error:
             problem = f"cannot be found in this process ({error}; e.g. defined in a notebook)"
     again = "it" if what == "rollout function" else "them"
     raise ValueError(f"The {what} saved in {directory} {problem}; pass {again} again: GRPOSession.load(path, {argument}).")
 
 
-def _pickled(funcs) -> bytes | None:
-    """Reward functions (or a rollout function) pickled by reference when importable, else None
-    (they must be passed again)."""
-    try:
-        return pickle.dumps(funcs)
-    except (pickle.PicklingError, AttributeError, TypeError):
-        return None
+def _import_reference(reference: str):
+    import importlib
+
+    module_name, _, qualname = reference.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"{reference!r} is not a 'module:name' reference")
+    found = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    if not callable(found):
+        raise ValueError(f"{reference} is not callable")
+    return found
+
+
+def _referenced(funcs) -> dict | None:
+    """Reward functions, tools (or a rollout function; or a reward model's name) as ``module:name``
+    references that load imports, never pickles; None where one is not importable under its name
+    (it must then be passed again). None for no functions at all: {"functions": [], ...}."""
+    if funcs is None:
+        return {"functions": [], "is_list": False, "none": True}
+    is_list = isinstance(funcs, (list, tuple))
+    references = []
+    for func in funcs if is_list else [funcs]:
+        module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+        if not module or not qualname or "<" in qualname:
+            return None
+        reference = f"{module}:{qualname}"
+        try:
+            if _import_reference(reference) is not func:
+                return None
+        except (AttributeError, ImportError, ValueError):
+            return None
+        references.append(reference)
+    return {"functions": references, "is_list": is_list, "none": False}

@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from grpo_lab import host_memory, notices
-from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
+from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, check_writable, remove_partial_writes, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
 from grpo_lab.progress import progress_bar
@@ -46,6 +46,8 @@ class GRPOTrainer:
         tools=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
+        if args is not None:
+            check_writable(Path(args.output_dir), "write the run's output to")
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
             reward_processing_classes=reward_processing_classes, optimizers=optimizers, rollout_func=rollout_func,
@@ -195,6 +197,8 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         """Write ``<output_dir>/checkpoint-<step>`` atomically; keep at most ``save_total_limit``."""
         path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.session.global_step}"
+        on_main(self.accelerator, "remove what killed checkpoint writes left",
+                lambda: remove_partial_writes(self.output_dir, CHECKPOINT_PREFIX))
         self.session.save(path)  # every process: each one's random state goes into the checkpoint
         on_main(self.accelerator, "remove checkpoints beyond save_total_limit", self._rotate_checkpoints)
         return path

@@ -140,6 +140,71 @@ def test_bad_values_raise_at_construction_with_the_fix(kwargs, error, fragments)
         assert fragment in str(raised.value)
 
 
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragments"),
+    [
+        ({"temperature": INF}, ["temperature must be > 0 and finite (got inf)", "Set temperature to a number > 0, e.g. its default 1.0"]),
+        ({"temperature": NAN}, ["temperature must be > 0 and finite (got nan)", "Set temperature"]),
+        ({"temperature": -0.5}, ["temperature must be > 0", "(got -0.5)", "Set temperature"]),
+        ({"learning_rate": INF}, ["learning_rate must be >= 0 and finite (got inf)", "Set learning_rate to a number >= 0"]),
+        ({"learning_rate": NAN}, ["learning_rate must be >= 0 and finite (got nan)", "Set learning_rate"]),
+        ({"learning_rate": -1e-5}, ["learning_rate must be >= 0", "(got -1e-05)", "e.g. its default 1e-06"]),
+        ({"reward_weights": [1.0, NAN]}, ["reward_weights must be finite numbers, got nan at index 1",
+                                          "Give a finite weight to every reward function"]),
+        ({"reward_weights": [INF, 1.0]}, ["got inf at index 0"]),
+        ({"reward_weights": []}, ["reward_weights is empty", "or None to weight every function by 1"]),
+        ({"loss_type": "cispo"}, ["loss_type='cispo' caps the importance ratio at epsilon_high itself",
+                                  "epsilon_high is None, which falls back to epsilon: a cap of 0.2",
+                                  "Set epsilon_high=5.0"]),
+        ({"loss_type": "cispo", "epsilon_high": 0.28}, ["epsilon_high is 0.28", "Set epsilon_high=5.0", "any cap >= 1"]),
+        ({"loss_type": "sapo", "epsilon_high": 0.28}, ["loss_type='sapo' replaces clipping with a soft gate",
+                                                       "epsilon_high=0.28 would be ignored", "Set epsilon_high=None"]),
+        ({"loss_type": "sapo", "delta": 4.0}, ["delta=4.0 would be ignored", "Set delta=None", "choose a clipped loss"]),
+        ({"loss_type": "cispo", "epsilon_high": 5.0, "delta": 6.0}, ["loss_type='cispo' caps the ratio at epsilon_high only",
+                                                                     "delta=6.0 would be ignored", "Set delta=None"]),
+        ({"generation_kwargs": {"max_tokens": 2}}, ["generation_kwargs has 'max_tokens'", "use_vllm=False",
+                                                    "use max_completion_length", "max_new_tokens"]),
+        ({"generation_kwargs": {"presence_penalty": 0.5, "top_a": 1}}, ["'presence_penalty': a vLLM setting; use repetition_penalty",
+                                                                        "'top_a': not a transformers GenerationConfig setting", "Drop them"]),
+        ({"seed": "abc"}, ["seed must be an int", "got 'abc', a str", "Set seed=42"]),
+        ({"seed": 1.5}, ["seed must be an int", "got 1.5, a float"]),
+        ({"seed": -1}, ["seed must be an int in [0, 2**32 - 1] (got -1)"]),
+        ({"data_seed": "7x"}, ["data_seed must be an int", "or None to use seed"]),
+        ({"reward_timeout": 0}, ["reward_timeout must be > 0", "or None to wait without limit"]),
+        ({"reward_timeout": INF}, ["reward_timeout must be > 0 and finite (got inf)", "None to wait without limit"]),
+    ],
+    ids=["temperature-inf", "temperature-nan", "temperature-negative", "lr-inf", "lr-nan", "lr-negative",
+         "weights-nan", "weights-inf", "weights-empty", "cispo-no-epsilon-high", "cispo-cap-below-1", "sapo-epsilon-high",
+         "sapo-delta", "cispo-delta", "vllm-max-tokens", "unknown-generation-keys", "seed-str", "seed-float",
+         "seed-negative", "data-seed-str", "timeout-zero", "timeout-inf"],
+)
+def test_values_that_would_go_wrong_later_are_refused_naming_the_value_and_the_fix(kwargs, fragments):
+    with pytest.raises(ValueError) as raised:
+        GRPOConfig(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(raised.value), (fragment, str(raised.value))
+
+
+def test_the_settings_those_checks_leave_alone_still_work():
+    assert GRPOConfig(loss_type="cispo", epsilon_high=5.0).epsilon_high == 5.0
+    assert GRPOConfig(loss_type="sapo", sapo_temperature_neg=2.0).loss_type == "sapo"
+    assert GRPOConfig(loss_type="grpo", delta=4.0).delta == 4.0
+    assert GRPOConfig(max_grad_norm=float("inf")).max_grad_norm == float("inf")  # infinity: no clipping bound
+    assert GRPOConfig(reward_weights=[1.0, 0.0, -0.5]).reward_weights == [1.0, 0.0, -0.5]
+    config = GRPOConfig(seed=3.0, data_seed=7)  # a whole float (YAML, the command line) is read as an int
+    assert (config.seed, config.data_seed) == (3, 7) and type(config.seed) is int
+    # vLLM names are vLLM's business under use_vllm=True; transformers names pass with use_vllm=False.
+    assert GRPOConfig(use_vllm=True, generation_kwargs={"max_tokens": 2}).generation_kwargs == {"max_tokens": 2}
+    GRPOConfig(generation_kwargs={"min_new_tokens": 2, "no_repeat_ngram_size": 3, "suppress_tokens": [1]})
+    assert GRPOConfig().reward_timeout == 600.0 and GRPOConfig(reward_timeout=None).reward_timeout is None
+    assert "grpo_lab only" in GRPOConfig.field_help("reward_timeout")
+    assert "async def" in GRPOConfig.field_help("reward_timeout")
+    assert "refuses None" in GRPOConfig.field_help("epsilon_high")
+
+
 def test_positional_arguments_are_refused():
     with pytest.raises(TypeError, match="keyword arguments only"):
         GRPOConfig("outputs")
@@ -201,7 +266,7 @@ def test_command_line_overrides_only_the_given_fields(tmp_path):
     base = GRPOConfig(learning_rate=1e-4, num_generations=4, per_device_train_batch_size=8)
     config = GRPOConfig.from_args(
         ["--learning_rate", "1e-5", "--scale_rewards=false", "--reward_weights", "1,0.5", "--bf16",
-         "--generation_kwargs", '{"top_a": 1}', "--epsilon_high", "none", "--max-steps", "3"],
+         "--generation_kwargs", '{"typical_p": 0.9}', "--epsilon_high", "none", "--max-steps", "3"],
         base=base,
     )
     assert config.learning_rate == 1e-5
@@ -209,7 +274,7 @@ def test_command_line_overrides_only_the_given_fields(tmp_path):
     assert config.scale_rewards == "none"
     assert config.reward_weights == [1.0, 0.5]
     assert config.bf16 is True
-    assert config.generation_kwargs == {"top_a": 1}
+    assert config.generation_kwargs == {"typical_p": 0.9}
     assert config.epsilon_high is None
     assert config.max_steps == 3
     path = tmp_path / "c.yaml"
@@ -287,7 +352,7 @@ def test_a_config_file_is_merged_before_validation_and_may_restore_defaults(tmp_
 @pytest.mark.parametrize("name, message", [("beta", ">= 0"), ("router_aux_loss_coef", ">= 0"), ("entropy_coef", ">= 0"),
                                            ("temperature", "> 0"), ("epsilon", "> 0")])
 def test_a_weight_or_scale_that_is_not_a_number_is_refused(name, message):
-    with pytest.raises(ValueError, match=f"{name} must be {message} \\(got nan\\)"):
+    with pytest.raises(ValueError, match=f"{name} must be {message} and finite \\(got nan\\)\\. Set {name} to a number"):
         GRPOConfig(**{name: float("nan")})
 
 

@@ -54,7 +54,12 @@ session.step()
 model = session.engine.unwrapped_model
 print("trained:", type(model).__name__, type(model).calls > 0)
 session.save(out + "/saved")
-loaded = GRPOSession.load(out + "/saved")
+calls = type(model).calls
+try:
+    GRPOSession.load(out + "/saved")  # the saved config's trust_remote_code is not the caller's
+except ValueError as error:
+    print("reload refused:", "trust_remote_code=True" in str(error), type(model).calls == calls)
+loaded = GRPOSession.load(out + "/saved", trust_remote_code=True)
 print("reloaded:", type(loaded.engine.unwrapped_model).__name__, loaded.step()["step"])
 '''
 
@@ -80,6 +85,7 @@ def test_a_checkpoint_with_its_own_model_code_is_refused_unless_trusted_then_tra
                           capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Do you wish to run the custom code?" not in done.stdout  # refused outright, not asked on a terminal
-    assert re.findall(r"(refused|trained|reloaded): (.*)", done.stdout) == [
-        ("refused", "True"), ("trained", "CountingForCausalLM True"), ("reloaded", "CountingForCausalLM 2"),
+    assert re.findall(r"(refused|trained|reload refused|reloaded): (.*)", done.stdout) == [
+        ("refused", "True"), ("trained", "CountingForCausalLM True"), ("reload refused", "True True"),
+        ("reloaded", "CountingForCausalLM 2"),
     ]

@@ -184,12 +184,11 @@ def test_tokenizer_without_pad_token_or_with_right_padding(task, tmp_path):
 
 def test_prompts_longer_than_the_context(make_session, task):
     long = Dataset.from_dict({"prompt": ["1+" * 80 + "1="] * 8 + ["1+1="] * 8, "answer": ["81"] * 8 + ["2"] * 8})
-    session = make_session(train_dataset=long, shuffle_dataset=False)
-    with pytest.raises(ValueError, match=r"exceed the model's context of 128 tokens.*max_completion_length"):
-        session.generate()
-    assert session.next_stage == "generate" and session.engine.sampler.position == 0  # nothing consumed
-    session.engine.train_dataset = long.select(range(8, 16))
-    _steps_fine(session)
+    with pytest.raises(ValueError, match=r"train_dataset row 0: the prompt is 162 tokens long \(rendered\), longer than the "
+                                         r"model's context of 128 positions\. 7 more rows cannot be used either \(1, 2, 3, 4, 5, \.\.\.\)"
+                                         r".*filter\(lambda row, index: index not in \{0, 1, 2, 3, 4, 5, 6, 7\}"):
+        make_session(train_dataset=long, shuffle_dataset=False)  # refused when built, before any step
+    _steps_fine(make_session(train_dataset=long.select(range(8, 16))))
 
 
 def test_non_finite_loss_skips_the_update_and_keeps_weights(make_session):
@@ -372,3 +371,163 @@ def test_stepping_past_max_steps_warns_once_that_the_schedule_has_ended(make_ses
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Step .* is past the end")
         session.step()  # said once
+
+
+# ------------------------------------------------------------------ dataset rows, chat content, model files
+
+def _rows(task, count=64):
+    """The first ``count`` training rows, as dicts (chat prompts: one user message each)."""
+    return task.train_dataset.select(range(count)).to_list()
+
+
+def _as_text(rows):
+    return [dict(row, prompt=row["prompt"][0]["content"]) for row in rows]
+
+
+def _long_prompt(tokens: int):
+    """A chat prompt of ``tokens`` tokens once rendered (the shipped tokenizer spells digits and signs
+    one token each; the template adds 8 around one user message)."""
+    return [{"role": "user", "content": "1" * (tokens - 8)}]
+
+
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        (None, r"the prompt is None \(a missing value\)"),
+        ("", r"the prompt is an empty string"),
+        (_long_prompt(202), r"the prompt is 202 tokens long \(rendered\), longer than the model's context of 128 positions"),
+    ],
+    ids=["none", "empty", "longer_than_the_context"],
+)
+def test_a_bad_prompt_row_is_refused_at_build_naming_the_row_and_the_fix(task, make_session, bad, problem):
+    rows = _rows(task) if isinstance(bad, list) else _as_text(_rows(task))
+    rows[20]["prompt"] = bad
+    broken = Dataset.from_list(rows)
+    fix = r"train_dataset = train_dataset\.filter\(lambda row, index: index not in \{20\}, with_indices=True\)"
+    with pytest.raises(ValueError, match=rf"train_dataset row 20: {problem}\. .*{fix}"):
+        make_session(train_dataset=broken)
+    _steps_fine(make_session(train_dataset=broken.filter(lambda row, index: index not in {20}, with_indices=True)))
+
+
+def test_a_prompt_that_no_longer_fits_after_max_completion_length_grew_is_named_and_the_batch_kept(task, make_session):
+    rows = _rows(task)
+    rows[2]["prompt"] = _long_prompt(110)  # fits with 8 completion tokens, not with 30
+    session = make_session(train_dataset=Dataset.from_list(rows), shuffle_dataset=False)
+    session.step()  # rows 0 and 1
+    session.config.max_completion_length = 30
+    drawn = session.engine.sampler.state_dict()
+    with pytest.raises(ValueError, match=r"train_dataset row 2: the prompt is 110 tokens long \(rendered\), and with "
+                                         r"max_completion_length=30 it exceeds the model's context of 128 positions\. "
+                                         r".*Or lower max_completion_length to 18 or less\."):
+        session.generate()
+    assert session.engine.sampler.state_dict() == drawn and session.global_step == 1
+    session.config.max_completion_length = 8
+    assert session.generate().prompts[0] == rows[2]["prompt"]  # rows 2 and 3, the batch that was refused
+    session.step()
+    assert session.global_step == 2
+
+
+def test_a_dataset_too_large_to_check_at_build_is_checked_as_each_batch_is_drawn(task, make_session, monkeypatch):
+    monkeypatch.setattr("grpo_lab.engine.PROMPT_CHECK_ROWS", 16)  # the shipped task's 64 rows count as large
+    rows = _as_text(_rows(task))
+    rows[2]["prompt"] = ""
+    session = make_session(train_dataset=Dataset.from_list(rows), shuffle_dataset=False)  # not rendered at build
+    session.step()  # rows 0 and 1
+    drawn = session.engine.sampler.state_dict()
+    with pytest.raises(ValueError, match=r"train_dataset row 2: the prompt is an empty string\. .*filter"):
+        session.generate()
+    assert session.engine.sampler.state_dict() == drawn
+    rows[2]["prompt"] = "2+2="  # repaired in place: the same rows, so the run goes on where it stopped
+    session.engine.train_dataset = Dataset.from_list(rows)
+    assert session.generate().prompts[0] == "2+2="
+    session.step()
+    assert session.global_step == 2
+
+
+def test_chat_content_given_as_text_parts_is_rendered_as_its_text(task, make_session):
+    from grpo_lab.rollout.prompts import render_prompts
+
+    rows = _rows(task)
+    parts = [dict(row, prompt=[{"role": "user", "content": [{"type": "text", "text": row["prompt"][0]["content"]}]}])
+             for row in rows]
+    session = make_session(train_dataset=Dataset.from_list(parts))
+    # the shipped template prints message['content'] as it is: the parts' text, not the list's repr
+    assert render_prompts([parts[0]["prompt"]], session.tokenizer) == render_prompts([rows[0]["prompt"]], session.tokenizer)
+    two = [{"role": "user", "content": [{"type": "text", "text": "1+1"}, {"type": "text", "text": "="}]}]
+    assert render_prompts([two], session.tokenizer) == render_prompts([[{"role": "user", "content": "1+1\n="}]], session.tokenizer)
+    rollout = session.generate()
+    text = rollout.prompts[0][0]["content"][0]["text"]  # e.g. "40+93="
+    assert session.tokenizer.decode(rollout.prompt_ids_BP[0], skip_special_tokens=True) == f"user\n{text}\nassistant\n"
+    _steps_fine(session)
+
+
+@pytest.mark.parametrize(
+    ("message", "problem"),
+    [
+        ({"role": "user", "content": [{"type": "image", "image": "cat.png"}]},
+         r"the prompt has a content part of type 'image' in message 0 \(user\): only text parts .*Drop the other parts"),
+        ({"role": "user", "content": None}, r"the prompt has a user message \(message 0\) with no content \(None\)"),
+    ],
+    ids=["image_part", "no_content"],
+)
+def test_chat_content_that_cannot_be_rendered_is_refused_naming_the_row(task, make_session, message, problem):
+    rows = [dict(row, prompt=[{"role": "user", "content": [{"type": "text", "text": row["prompt"][0]["content"]}]}])
+            for row in _rows(task)]
+    rows[20]["prompt"] = [message]
+    broken = Dataset.from_list(rows)
+    with pytest.raises(ValueError, match=rf"train_dataset row 20: {problem}.*filter\(lambda row, index: index not in \{{20\}}"):
+        make_session(train_dataset=broken)
+
+
+@pytest.mark.parametrize("column", ["completions", "trainer_state", "prompts"])
+def test_a_column_named_like_a_reward_function_keyword_is_refused_at_build(task, make_session, column):
+    clashing = task.train_dataset.select(range(64)).add_column(column, ["x"] * 64)
+    with pytest.raises(ValueError, match=rf"train_dataset has a column named '{column}', a name reward functions already "
+                                         rf"receive .*train_dataset\.rename_column\('{column}', '{column}_column'\)"):
+        make_session(train_dataset=clashing)
+    _steps_fine(make_session(train_dataset=clashing.rename_column(column, f"{column}_column")))
+
+
+def test_processing_class_given_as_a_path_is_loaded(task, make_session):
+    session = make_session(processing_class=task.model)
+    assert session.tokenizer.padding_side == "left" and len(session.tokenizer) == 286
+    _steps_fine(session)
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_has_embeddings_is_refused(task, make_session):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(20)])
+    with pytest.raises(ValueError, match=r"The tokenizer has 306 tokens but the model has embeddings for only 286.*"
+                                         r"model\.resize_token_embeddings\(len\(tokenizer\)\)"):
+        make_session(processing_class=tokenizer)
+
+
+def test_a_model_directory_without_config_json_is_named(task, make_session, tmp_path):
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(task.model, copy)
+    (copy / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{copy} holds no config\.json \(it holds .*model\.safetensors.*\), so it "
+                                                r"is not a model directory.*Copy the model's config\.json into it"):
+        make_session(model=str(copy))
+    shutil.copy(f"{task.model}/config.json", copy)
+    _steps_fine(make_session(model=str(copy)))
+
+
+def test_a_truncated_safetensors_file_is_named_with_the_cause(task, make_session, tmp_path):
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(task.model, copy)
+    weights = copy / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(OSError, match=rf"The weights file {weights} is damaged: its tensors need {len(whole)} bytes but the "
+                                      rf"file holds only {len(whole) // 2}\. .*cut short.*Download it again, or save the model again"):
+        make_session(model=str(copy))
+    weights.write_bytes(whole[:100])  # the header itself cut
+    with pytest.raises(OSError, match=r"model\.safetensors is damaged: its header claims \d+ bytes but the file holds 100"):
+        make_session(model=str(copy))

@@ -300,7 +300,7 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
 
     def crashes_on_third_step(completions, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if 3 <= calls["n"] < 100:  # a failure that a retry of the call meets again
             raise RuntimeError("simulated crash")
         return [0.0] * len(completions)
 

@@ -63,7 +63,7 @@ def _assert_same_step(skipping: dict, running: dict) -> None:
 
 # A reused batch (num_iterations=2) has importance ratios other than 1 in its second step.
 @pytest.mark.parametrize("options", [
-    dict(), dict(loss_type="grpo", num_iterations=2, delta=1.5), dict(loss_type="cispo", num_iterations=2),
+    dict(), dict(loss_type="grpo", num_iterations=2, delta=1.5), dict(loss_type="cispo", num_iterations=2, epsilon_high=5.0),
     dict(loss_type="sapo", num_iterations=2), dict(loss_type="vespo", num_iterations=2),
     dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence"),
     dict(num_iterations=2, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5),

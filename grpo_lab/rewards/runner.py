@@ -8,8 +8,15 @@ it does not apply (stored as NaN and excluded from that function's statistics). 
 functions are awaited concurrently. A ``PreTrainedModel`` entry is a sequence-classification reward
 model scored on prompt + completion text with its own tokenizer.
 
-Departure from TRL: NaN or infinite rewards, wrong lengths and non-numbers raise at once with the
-offending function and sample named, instead of surfacing later as a NaN loss.
+Departures from TRL:
+
+1) NaN or infinite rewards, wrong lengths and non-numbers raise at once with the offending function
+   and sample named, instead of surfacing later as a NaN loss.
+2) Each call gets its own copies of the prompts, completions and columns (lists and dicts), so a
+   function that edits them in place changes neither the other functions' inputs nor the rollout.
+3) A call that raises is made once more on the whole batch; a second failure raises, naming the
+   function and the first sample that fails on its own.
+4) Each call of an ``async def`` function must finish within ``reward_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from grpo_lab import notices
+from grpo_lab.config import REWARD_TIMEOUT
 from grpo_lab.rollout.prompts import is_conversational
 
 
@@ -80,6 +88,19 @@ def check_reward_signature(func, name: str, columns: list[str]) -> None:
         f"{', '.join(passed)}: take the ones you need and end the signature with **kwargs, e.g. "
         f"def {name}(completions, **kwargs)."
     )
+
+
+def check_column_names(dataset, dataset_name: str) -> None:
+    """Refuse a dataset column named like a keyword argument reward functions already receive: the
+    column could never reach them."""
+    clashing = [column for column in getattr(dataset, "column_names", None) or () if column in CALL_KEYWORDS]
+    if clashing:
+        renames = "".join(f".rename_column({c!r}, '{c}_column')" for c in clashing)
+        raise ValueError(
+            f"{dataset_name} has a column named {', '.join(map(repr, clashing))}, a name reward functions "
+            f"already receive as a keyword argument ({', '.join(CALL_KEYWORDS)}), so the column cannot reach "
+            f"them. Rename it, e.g. {dataset_name} = {dataset_name}{renames}, and read it under that name."
+        )
 
 
 def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None, columns=()):
@@ -176,17 +197,90 @@ def _sample_preview(kwargs: dict, index: int) -> str:
     return f"sample {index}: prompt={str(prompt)[:200]!r}, completion={str(completion)[:200]!r}"
 
 
-def _find_failing_sample(func, kwargs: dict) -> str:
-    """Re-run ``func`` one sample at a time to show which input makes it raise."""
+def _fresh(value):
+    """A copy of the lists, dicts and tuples in ``value`` (chat messages are lists of dicts), so that a
+    reward function that edits its inputs in place changes nobody else's; strings, numbers and other
+    objects (images) are shared."""
+    if type(value) is list:
+        return [_fresh(v) for v in value]
+    if type(value) is dict:
+        return {k: _fresh(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_fresh(v) for v in value)
+    return value
+
+
+@dataclass
+class _Outcome:
+    """How one call of a reward function ended: its value, the exception it raised, or a timeout."""
+
+    value: object = None
+    error: Exception | None = None
+    timed_out: bool = False
+
+
+async def _settle(awaitable, timeout: float | None) -> _Outcome:
+    async def guarded() -> _Outcome:  # the function's own exceptions, TimeoutError included, are its errors
+        try:
+            return _Outcome(value=await awaitable)
+        except Exception as error:
+            return _Outcome(error=error)
+
+    try:
+        return await asyncio.wait_for(guarded(), timeout)
+    except TimeoutError:
+        return _Outcome(timed_out=True)
+
+
+def _call_all(calls: dict, timeout: float | None) -> dict[int, _Outcome]:
+    """Run ``calls`` (index -> a function of no arguments): plain ones in turn, then the awaitables they
+    return concurrently, each within ``timeout`` seconds."""
+    outcomes: dict[int, _Outcome] = {}
+    pending: dict[int, object] = {}
+    for index, call in calls.items():
+        try:
+            value = call()
+        except Exception as error:
+            outcomes[index] = _Outcome(error=error)
+            continue
+        if inspect.isawaitable(value):
+            pending[index] = value
+        else:
+            outcomes[index] = _Outcome(value=value)
+    if pending:
+        settled = run_coroutines([_settle(awaitable, timeout) for awaitable in pending.values()])
+        outcomes.update(zip(pending, settled, strict=True))
+    return dict(sorted(outcomes.items()))
+
+
+def _caller(func, tokenizer, kwargs: dict, extras: dict):
+    """A call of ``func`` on its own copies of ``kwargs`` (each call gets new ones)."""
+    if isinstance(func, PreTrainedModel):
+        return lambda: _score_with_model(func, tokenizer, _fresh(kwargs["prompts"]), _fresh(kwargs["completions"]))
+    return lambda: func(**_fresh(kwargs), **extras)
+
+
+def _find_failing_sample(func, tokenizer, kwargs: dict, extras: dict, timeout: float | None) -> str:
+    """Re-run ``func`` one sample at a time to show which input makes it raise (or hang)."""
     for index in range(len(kwargs["completions"])):
         single = {k: (v[index:index + 1] if isinstance(v, list) else v) for k, v in kwargs.items()}
-        try:
-            result = func(**single)
-            if inspect.isawaitable(result):
-                run_coroutines([result])
-        except Exception:
+        (outcome,) = _call_all({0: _caller(func, tokenizer, single, extras)}, timeout).values()
+        if outcome.error is not None or outcome.timed_out:
             return _sample_preview(kwargs, index)
     return "no single sample reproduces the error on its own"
+
+
+_KEPT = ("in a session a training batch's completions are kept: set session.reward_funcs again and call "
+         "session.score().")
+
+
+def _timeout_error(name: str, kwargs: dict, timeout: float) -> RewardFunctionError:
+    last = len(kwargs["completions"]) - 1
+    return RewardFunctionError(
+        f"Reward function {name!r} did not finish within reward_timeout={timeout:g} s scoring samples 0-{last} "
+        f"(first: {_sample_preview(kwargs, 0)}). Fix the function (e.g. a request without a timeout of its own, "
+        f"or blocking code inside async def), or raise reward_timeout (None waits without limit); {_KEPT}"
+    )
 
 
 def _validate(name: str, values, kwargs: dict) -> list[float]:
@@ -231,46 +325,66 @@ def score_completions(
     completion_ids: list[list[int]],
     columns: dict[str, list],
     trainer_state=None,
+    reward_timeout: float | None = REWARD_TIMEOUT,
 ) -> tuple[torch.Tensor, RewardLogs]:
-    """Rewards of shape (B, F), NaN where a function returned None, and what the functions logged."""
-    logs = RewardLogs()
+    """Rewards of shape (B, F), NaN where a function returned None, and what the functions logged.
 
-    def log_extra(column: str, values: list) -> None:
-        logs.extras[column] = list(values)
-
-    def log_metric(metric: str, value: float) -> None:
-        logs.metrics.setdefault(metric, []).append(float(value))
-
+    Each call gets its own copies of the inputs. A call that raises is made once more, on the whole
+    batch (a transient failure, such as a dropped connection, costs one call); a second failure
+    raises ``RewardFunctionError`` naming the function and the first sample that fails on its own.
+    ``reward_timeout`` (seconds, None for no limit) bounds each call of an ``async def`` function;
+    plain functions run in this thread, where they cannot be interrupted, and are not bounded.
+    """
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    call_kwargs = dict(kwargs, trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
-    results: dict[int, object] = {}
-    pending: dict[int, object] = {}
-    for index, (func, tokenizer, name) in enumerate(zip(funcs, processing_classes, names, strict=True)):
-        try:
-            if isinstance(func, PreTrainedModel):
-                results[index] = _score_with_model(func, tokenizer, prompts, completions)
-                continue
-            outcome = func(**call_kwargs)
-            if inspect.isawaitable(outcome):
-                pending[index] = outcome
-            else:
-                results[index] = outcome
-        except Exception as error:
-            raise RewardFunctionError(
-                f"Reward function {name!r} raised {type(error).__name__}: {error}. Offending input: "
-                f"{_find_failing_sample(func, call_kwargs)}. Fix the function; in a session a training "
-                "batch's completions are kept: set session.reward_funcs again and call session.score()."
-            ) from error
-    if pending:
-        try:
-            for index, value in zip(pending, run_coroutines(list(pending.values())), strict=True):
-                results[index] = value
-        except Exception as error:
-            raise RewardFunctionError(
-                f"An async reward function raised {type(error).__name__}: {error}. Fix the function; in a "
-                "session a training batch's completions are kept: set session.reward_funcs again and call session.score()."
-            ) from error
-    columns_F = [_validate(names[i], results[i], kwargs) for i in range(len(funcs))]
+    logs_F = [RewardLogs() for _ in funcs]
+
+    def extras(logs: RewardLogs) -> dict:
+        def log_extra(column: str, values: list) -> None:
+            logs.extras[column] = list(values)
+
+        def log_metric(metric: str, value: float) -> None:
+            logs.metrics.setdefault(metric, []).append(float(value))
+
+        return dict(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
+
+    def attempt(indices) -> dict[int, _Outcome]:
+        for index in indices:
+            logs_F[index] = RewardLogs()  # a failed call's logs are dropped with it
+        return _call_all({i: _caller(funcs[i], processing_classes[i], kwargs, extras(logs_F[i])) for i in indices},
+                         reward_timeout)
+
+    outcomes = attempt(range(len(funcs)))
+    for index, outcome in outcomes.items():
+        if outcome.timed_out:
+            raise _timeout_error(names[index], kwargs, reward_timeout)
+    failed = {i: outcome.error for i, outcome in outcomes.items() if outcome.error is not None}
+    if failed:
+        retried = attempt(failed)
+        for index, outcome in retried.items():
+            name, first = names[index], failed[index]
+            if outcome.timed_out:
+                raise _timeout_error(name, kwargs, reward_timeout)
+            if outcome.error is not None:
+                error = outcome.error
+                sample = _find_failing_sample(funcs[index], processing_classes[index], kwargs, extras(RewardLogs()),
+                                              reward_timeout)
+                raise RewardFunctionError(
+                    f"Reward function {name!r} raised {type(error).__name__}: {error}. It raised twice on the whole "
+                    f"batch (first {type(first).__name__}: {first}). Offending input: {sample}. Fix the function; "
+                    f"{_KEPT}"
+                ) from error
+            notices.warn(
+                f"Reward function {name!r} raised {type(first).__name__}: {first}, and succeeded when called again "
+                "on the same completions; the second call's rewards are used. If it fails often, make it retry "
+                "(or fail) on its own."
+            )
+            outcomes[index] = outcome
+    logs = RewardLogs()
+    for part in logs_F:
+        logs.extras.update(part.extras)
+        for metric, values in part.metrics.items():
+            logs.metrics.setdefault(metric, []).extend(values)
+    columns_F = [_validate(names[i], outcomes[i].value, kwargs) for i in range(len(funcs))]
     rewards_BF = torch.tensor(columns_F, dtype=torch.float32).T.contiguous()
     all_none = torch.isnan(rewards_BF).all(dim=1)
     if all_none.any():

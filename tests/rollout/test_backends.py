@@ -66,7 +66,8 @@ def test_seeds_follow_torch_and_differ_per_request():
 
 def test_sampling_settings_use_vllms_names_and_conventions():
     config = GRPOConfig(max_completion_length=7, temperature=0.7, top_p=0.9, top_k=0, min_p=None,
-                        repetition_penalty=1.1, vllm_structured_outputs_regex="a+", generation_kwargs={"stop": ["x"]})
+                        repetition_penalty=1.1, vllm_structured_outputs_regex="a+", generation_kwargs={"stop": ["x"]},
+                        use_vllm=True)
     assert sampling_settings(config) == {
         "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
         "repetition_penalty": 1.1, "regex": "a+", "generation_kwargs": {"stop": ["x"]},
@@ -74,12 +75,13 @@ def test_sampling_settings_use_vllms_names_and_conventions():
 
 
 def test_generation_kwargs_override_the_sampling_fields_but_not_the_trainers_own():
-    settings = sampling_settings(GRPOConfig(max_completion_length=7, generation_kwargs={"max_tokens": 5, "min_tokens": 2}))
+    settings = sampling_settings(GRPOConfig(max_completion_length=7, generation_kwargs={"max_tokens": 5, "min_tokens": 2},
+                                             use_vllm=True))
     kwargs = sampling_kwargs(settings)
     assert kwargs["max_tokens"] == 5 and kwargs["min_tokens"] == 2 and "generation_kwargs" not in kwargs
     for name in ("n", "logprobs", "seed"):
         with pytest.raises(ValueError, match=f"may not set '{name}'"):
-            sampling_kwargs(sampling_settings(GRPOConfig(generation_kwargs={name: 1})))
+            sampling_kwargs(sampling_settings(GRPOConfig(generation_kwargs={name: 1}, use_vllm=True)))
 
 
 @pytest.mark.parametrize(("rank", "allowed"), [(1, 1), (2, 8), (8, 8), (9, 16), (300, 320)])

@@ -1,0 +1,174 @@
+"""Saves never delete what grpo_lab did not write, survive interruption, and load without running code."""
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from grpo_lab import GRPOSession
+from grpo_lab.checkpoint import PARTIAL_MARKER, STATE_FILE, atomic_directory_write
+
+PAYLOAD_RAN = []
+
+
+def payload(marker: str) -> None:
+    """What a crafted checkpoint asks the unpickler to call."""
+    PAYLOAD_RAN.append(marker)
+    with open(marker, "w") as handle:
+        handle.write("ran")
+
+
+class Exploit:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return payload, (self.marker,)
+
+
+def test_a_directory_holding_other_files_or_a_file_is_never_saved_over(make_session, tmp_path):
+    session = make_session()
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match=r"thesis is a directory that holds other files.*thesis.tex.*overwrite=True"):
+        session.save(folder)
+    assert (folder / "thesis.tex").read_text() == "years of work"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"notes.txt is a file; a save is a directory"):
+        session.save(notes)
+    assert notes.read_text() == "keep me"
+    session.step()  # still usable
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (session.save(empty) / "COMPLETE").exists()
+    session.save(empty)  # its own earlier save is replaced
+    session.save(folder, overwrite=True)
+    assert not (folder / "thesis.tex").exists() and GRPOSession.load(folder).global_step == 1
+
+
+def test_a_save_to_a_folder_that_cannot_be_written_is_refused_first(make_session, tmp_path):
+    if os.geteuid() == 0:  # root writes anywhere: a file in the way is what stops root
+        blocker = tmp_path / "blocker"
+        blocker.write_text("")
+        with pytest.raises(FileExistsError, match="blocker is a file"):
+            make_session().save(blocker)
+        return
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    with pytest.raises(PermissionError, match=r"locked is not writable"):
+        make_session().save(locked / "run")
+
+
+def test_an_overwrite_interrupted_between_its_renames_keeps_the_old_save(make_session, tmp_path, monkeypatch):
+    session = make_session()
+    target = session.save(tmp_path / "run")
+    session.step()
+    real_replace, calls = os.replace, []
+
+    def interrupted_second_rename(source, destination):
+        calls.append(destination)
+        if len(calls) == 2:  # the old save is aside, the new one not yet in place
+            raise KeyboardInterrupt
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", interrupted_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        session.save(target)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert GRPOSession.load(target).global_step == 0  # put back at once
+    assert not list(tmp_path.glob(".run.*"))
+
+
+def test_a_save_killed_between_its_renames_is_found_by_the_next_load_or_save(make_session, tmp_path):
+    session = make_session()
+    target = session.save(tmp_path / "run")
+    os.replace(target, tmp_path / ".run.old")  # what a kill -9 between the renames leaves on disk
+    assert GRPOSession.load(target).global_step == 0
+    os.replace(target, tmp_path / ".run.old")
+    session.step()
+    session.save(target)
+    assert GRPOSession.load(target).global_step == 1 and not (tmp_path / ".run.old").exists()
+
+
+def test_leftovers_of_killed_writes_are_removed_and_nothing_else(make_session, tmp_path):
+    session = make_session()
+    leftover = tmp_path / ".run.k3j2"
+    leftover.mkdir()
+    (leftover / PARTIAL_MARKER).write_text("")
+    (leftover / "model").mkdir()
+    users = tmp_path / ".run.mine"
+    users.mkdir()
+    session.save(tmp_path / "run")
+    assert not leftover.exists() and users.exists()
+
+
+def test_a_trainer_removes_what_killed_checkpoint_writes_left(task, tmp_path):
+    from grpo_lab import GRPOTrainer
+    from tests.conftest import SMALL
+
+    output = tmp_path / "out"
+    leftover = output / ".checkpoint-3.x1y2"
+    leftover.mkdir(parents=True)
+    (leftover / PARTIAL_MARKER).write_text("")
+    trainer = GRPOTrainer(task.model, task.reward_funcs, args=task.config(**{**SMALL, "output_dir": str(output), "max_steps": 1}),
+                          train_dataset=task.train_dataset)
+    trainer.train()
+    assert not leftover.exists() and (output / "checkpoint-1" / "COMPLETE").exists()
+
+
+def test_a_trainer_refuses_an_output_dir_that_is_a_file_before_training(task, tmp_path):
+    from grpo_lab import GRPOTrainer
+    from tests.conftest import SMALL
+
+    taken = tmp_path / "out"
+    taken.write_text("")
+    with pytest.raises(FileExistsError, match=r"Cannot write the run's output to .*out: it is a file"):
+        GRPOTrainer(task.model, task.reward_funcs, args=task.config(**{**SMALL, "output_dir": str(taken)}),
+                    train_dataset=task.train_dataset)
+
+
+def test_a_pickled_payload_in_a_checkpoint_never_runs(make_session, tmp_path):
+    target = make_session().save(tmp_path / "run")
+    marker = tmp_path / "payload_ran"
+    torch.save({"extra": Exploit(str(marker))}, target / STATE_FILE)
+    with pytest.raises(ValueError, match=r"holds objects other than tensors.*payload.*does not unpickle"):
+        GRPOSession.load(target)
+    assert not marker.exists() and not PAYLOAD_RAN
+
+
+def test_saved_functions_are_references_and_pickled_bytes_are_never_loaded(make_session, tmp_path):
+    session = make_session()
+    target = session.save(tmp_path / "run")
+    state = torch.load(target / STATE_FILE, weights_only=True, map_location="cpu")
+    assert state["extra"]["reward_funcs"]["functions"] == [
+        "grpo_lab.tasks.addition:correctness_reward", "grpo_lab.tasks.addition:format_reward",
+    ]
+    marker = tmp_path / "payload_ran"
+    state["extra"]["reward_funcs"] = pickle.dumps(Exploit(str(marker)))  # an older format's slot, now a payload
+    torch.save(state, target / STATE_FILE)
+    with pytest.raises(ValueError, match=r"reward functions saved in .* could not be stored.*reward_funcs=\[\.\.\.\]"):
+        GRPOSession.load(target)
+    assert not marker.exists()
+    assert GRPOSession.load(target, reward_funcs=session.engine.reward_funcs).global_step == 0
+
+
+def test_a_checkpoint_config_cannot_turn_on_remote_code(make_session, tmp_path):
+    target = make_session().save(tmp_path / "run")
+    config = (target / "config.yaml").read_text()
+    assert "trust_remote_code: false" in config
+    (target / "config.yaml").write_text(config.replace("trust_remote_code: false", "trust_remote_code: true"))
+    with pytest.warns(UserWarning, match=r"sets trust_remote_code, which a checkpoint cannot turn on.*trust_remote_code=True"):
+        loaded = GRPOSession.load(target)
+    assert loaded.config.trust_remote_code is False
+    assert GRPOSession.load(target, trust_remote_code=True).config.trust_remote_code is True
+
+
+def test_atomic_writes_leave_no_partial_marker_in_a_complete_save(tmp_path):
+    written = atomic_directory_write(tmp_path / "x", lambda directory: (directory / "data").write_text("1"))
+    assert sorted(p.name for p in written.iterdir()) == ["COMPLETE", "data"]
+    shutil.rmtree(written)
