@@ -16,7 +16,7 @@ the reason):
   log-probs of one batch through both paths equal to float32 rounding.
 - ``speed_paths_default``: the same in the default precision (bf16 on a GPU that has it): log-probs
   of one batch through both paths within bf16 tolerance, then each path's step time and peak memory.
-- ``lora``: a LoRA session's steps, time and peak memory.
+- ``lora``: a LoRA session's steps, time and peak memory, with the speed paths on and off.
 - ``trainer``: ``GRPOTrainer.train()`` for a few steps, a checkpoint, ``save_model()``.
 - ``trl``: TRL's GRPOTrainer on the same model and settings (step time, peak memory, tokens/s),
   where ``trl`` imports.
@@ -287,15 +287,20 @@ class Checks:
         return result
 
     def lora(self) -> dict:
+        """A LoRA session's steps with the speed paths on and off."""
         from peft import LoraConfig
 
-        self.memory.reset()
-        session = self.session("lora", learning_rate=1e-4,
-                               peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
-        times = timed_steps(session, self.steps, self.device)
-        result = step_summary(times, self.tokens_per_step(session), self.memory.peak_mib())
-        result["ok"] = bool(session.history["grad_norm"].gt(0).all())
-        session.close()
+        result = {"ok": True}
+        for name, overrides in (("fast", {}), ("plain", {"compact_forward": False, "share_prompt_prefix": False})):
+            self.memory.reset()
+            adapter = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+            session = self.session(f"lora_{name}", learning_rate=1e-4, peft_config=adapter, **overrides)
+            times = timed_steps(session, self.steps, self.device)
+            result[name] = step_summary(times, self.tokens_per_step(session), self.memory.peak_mib())
+            result["ok"] &= bool(session.history["grad_norm"].gt(0).all())
+            session.close()
+            del session
+        result["fast_vs_plain_step_time"] = round(result["fast"]["median_step_s"] / result["plain"]["median_step_s"], 3)
         return result
 
     def trainer(self) -> dict:

@@ -139,9 +139,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import warnings
+
     from grpo_lab.export import export_notebook
 
-    path = export_notebook(args.notebook, args.output)
+    with warnings.catch_warnings(record=True) as caught:  # the export's warnings are said as the command's lines
+        warnings.simplefilter("always", UserWarning)
+        path = export_notebook(args.notebook, args.output)
+    for warning in caught:
+        if issubclass(warning.category, UserWarning):
+            print(f"grpo-lab export: warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     print(f"wrote {path}")
     return 0
 

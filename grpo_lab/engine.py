@@ -44,7 +44,7 @@ from grpo_lab.models import (
 from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics, tool_metrics
 from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
-from grpo_lab.rewards.runner import CALL_KEYWORDS, check_column_names
+from grpo_lab.rewards.runner import CALL_KEYWORDS, check_column_names, check_reward_weights
 from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func, check_rollout_func
@@ -126,6 +126,7 @@ class Engine:
             check_dataset(eval_dataset, "eval_dataset")
         for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             check_column_names(dataset, dataset_name)
+        check_reward_weights(config.reward_weights, reward_funcs)
         self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
         if not config.use_vllm:
             check_cache_device(config.cache_implementation, self.accelerator.device)

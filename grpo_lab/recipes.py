@@ -76,6 +76,21 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
             f"{recipe_path}: reward_funcs must be a list of 'module:function' entries, one per line starting "
             f"with '- ', got the single string {setup['reward_funcs']!r}."
         )
+    if setup["reward_funcs"] is not None and not isinstance(setup["reward_funcs"], list):
+        raise ValueError(
+            f"{recipe_path}: reward_funcs must be a list of 'module:function' entries, one per line starting "
+            f"with '- ', got a {type(setup['reward_funcs']).__name__}: {setup['reward_funcs']!r}."
+        )
+    for index, reference in enumerate(setup["reward_funcs"] or []):
+        if not isinstance(reference, str):
+            hint = ""
+            if isinstance(reference, dict) and len(reference) == 1:
+                [(module, function)] = reference.items()
+                hint = f" (YAML reads '- {module}: {function}' as a mapping: write '- {module}:{function}', without the space)"
+            raise ValueError(
+                f"{recipe_path}: reward_funcs entry #{index} ({reference!r}) is a {type(reference).__name__}, not a "
+                f"string; give each entry as 'module:function' text, e.g. '- my_rewards:length_reward'{hint}."
+            )
     funcs = [import_object(r, search) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
     return GRPOTrainer(
         setup["model"] or task.model, funcs, args=config,

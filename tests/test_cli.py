@@ -37,9 +37,9 @@ REWARDS = '''
 CALLS = []
 
 
-def fails_on_second_call(completions, **kwargs):
+def fails_from_second_call(completions, **kwargs):
     CALLS.append(1)
-    if len(CALLS) == 2:
+    if len(CALLS) >= 2:  # and again when the call is retried
         raise ValueError("bad completion in a reward function")
     return [0.0] * len(completions)
 '''
@@ -55,7 +55,7 @@ def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_
     recipes.mkdir()
     (recipes / "my_rewards.py").write_text(REWARDS)
     (recipes / "r.yaml").write_text(
-        "reward_funcs:\n  - grpo_lab.tasks.addition:correctness_reward\n  - my_rewards:fails_on_second_call\n"
+        "reward_funcs:\n  - grpo_lab.tasks.addition:correctness_reward\n  - my_rewards:fails_from_second_call\n"
         f"max_steps: 3\nper_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 8\n"
         f"output_dir: {tmp_path / 'out'}\n"
     )
@@ -73,3 +73,61 @@ def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_
                            cwd=tmp_path, env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
     assert usage.stderr.splitlines()[-1].startswith(f"grpo-lab train: error: {tmp_path / 'out'} is not a complete")
+
+
+def _without_root_write_override():
+    """In the child of a process run as root: give up the capability that lets root write into
+    folders whose permissions say read-only (CAP_DAC_OVERRIDE), as any other user is refused."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_DAC_OVERRIDE: gone from the program it runs
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+def test_export_into_a_folder_that_cannot_be_written_is_one_line_naming_it_and_the_fix(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells.append(nbformat.v4.new_code_cell(
+        "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()\n"
+        "session = GRPOSession(task.model, task.reward_funcs, args=task.config(), train_dataset=task.train_dataset)"))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    (tmp_path / "readonly").mkdir()
+    (tmp_path / "readonly").chmod(0o555)
+    try:
+        for output in ("readonly/train.py", "readonly/scripts/train.py"):
+            done = subprocess.run(
+                [sys.executable, "-m", "grpo_lab.cli", "export", "n.ipynb", "-o", output], cwd=tmp_path,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                preexec_fn=_without_root_write_override if os.geteuid() == 0 else None,
+            )
+            assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+            written = output if output.count("/") == 1 else "readonly/scripts"  # the folder the export would create
+            assert done.stderr == (
+                f"grpo-lab export: error: Cannot write {written} (permission denied): give -o a path in a folder you can "
+                f"write to (grpo-lab export n.ipynb -o DIR/train.py), or make {tmp_path / 'readonly'} writable.\n"
+            )
+        assert os.listdir(tmp_path / "readonly") == []
+    finally:
+        (tmp_path / "readonly").chmod(0o755)
+
+
+@pytest.mark.parametrize("entries, message", [
+    ("  - 3\n", "reward_funcs entry #0 (3) is a int, not a string; give each entry as 'module:function' text, "
+                "e.g. '- my_rewards:length_reward'."),
+    ("  - grpo_lab.tasks.addition:correctness_reward\n  - my_rewards: length_reward\n",
+     "reward_funcs entry #1 ({'my_rewards': 'length_reward'}) is a dict, not a string; give each entry as "
+     "'module:function' text, e.g. '- my_rewards:length_reward' (YAML reads '- my_rewards: length_reward' as a "
+     "mapping: write '- my_rewards:length_reward', without the space)."),
+    ("  my_rewards: length_reward\n", "reward_funcs must be a list of 'module:function' entries, one per line "
+                                      "starting with '- ', got a dict: {'my_rewards': 'length_reward'}."),
+])
+def test_train_names_a_reward_entry_that_is_not_a_string_with_its_type_and_the_fix(tmp_path, capsys, entries, message):
+    (tmp_path / "r.yaml").write_text(f"reward_funcs:\n{entries}")
+    assert main(["train", str(tmp_path / "r.yaml")]) == 2
+    assert capsys.readouterr().err == f"grpo-lab train: error: {tmp_path / 'r.yaml'}: {message}\n"

@@ -13,7 +13,7 @@ import yaml
 
 from grpo_lab.config import GRPOConfig
 from grpo_lab.export import ExportError, cli_config, export_notebook, reward_function_code
-from tests.conftest import launch_two
+from tests.conftest import launch_two, run_exported_step
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 OFFSET = 0.25
@@ -457,3 +457,135 @@ def test_recipe_mistakes_are_named_before_the_model_loads(tmp_path, monkeypatch,
     with pytest.raises(ValueError) as refused:
         build_trainer(tmp_path / "r.yaml")
     assert message.format(folder=tmp_path) in str(refused.value)
+
+
+# Credentials of the forms the export recognises, made up for the tests.
+OPENAI_KEY = "sk-test-0123456789abcdefghijklmn"
+HF_TOKEN = "hf_0123456789abcdefghijklmnopq"
+TOKENIZER_KEY = "sk-tokenizer-0123456789abcdefghij"
+
+KEYED_REWARD = f'''
+OPENAI_API_KEY = "{OPENAI_KEY}"  # as a notebook cell defines it
+
+
+def judged_reward(completions, **kwargs):
+    """Stands in for a reward that calls an API with the key: the score depends on the key."""
+    return [len(OPENAI_API_KEY) / 100 + len(str(c)) / 50 for c in completions]
+'''
+
+
+def _files_under(*paths):
+    """Every file at or below ``paths``."""
+    return [p for path in paths for p in ([path] if path.is_file() else sorted(path.rglob("*"))) if p.is_file()]
+
+
+def test_session_export_writes_no_secret_and_its_script_reads_them_from_the_environment(
+        make_session, task, tmp_path, monkeypatch):
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    (tmp_path / "cell.py").write_text(KEYED_REWARD)
+    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
+    cell = importlib.util.module_from_spec(spec)  # not in sys.modules: the script gets the function's source
+    spec.loader.exec_module(cell)
+    tokenizer = AutoTokenizer.from_pretrained(task.model, api_key=TOKENIZER_KEY)  # saved among its init arguments
+    session = make_session(reward_funcs=[cell.judged_reward, *task.reward_funcs], processing_class=tokenizer,
+                           max_steps=1, model_init_kwargs={"token": HF_TOKEN})
+    with pytest.warns(UserWarning, match="train.py holds no secrets") as caught:
+        script = session.export_script(tmp_path / "export" / "train.py")
+    message = str(next(w.message for w in caught if "holds no secrets" in str(w.message)))
+    assert "OPENAI_API_KEY (a global that judged_reward uses): from $OPENAI_API_KEY" in message
+    assert "config model_init_kwargs['token']: from $HF_TOKEN" in message
+    assert "api_key in tokenizer/tokenizer_config.json: left out" in message
+    assert "Set HF_TOKEN, OPENAI_API_KEY in the environment where the script runs." in message
+    written = _files_under(tmp_path / "export")
+    assert script in written and any(p.name == "tokenizer_config.json" for p in written)
+    for secret in (OPENAI_KEY, HF_TOKEN, TOKENIZER_KEY, "0123456789abcdefghij"):
+        assert secret not in message
+        assert not [p for p in written if secret.encode() in p.read_bytes()], secret
+    text = script.read_text()
+    assert 'OPENAI_API_KEY = os.environ["OPENAI_API_KEY"]' in text and "import os\n" in text
+    assert "model_init_kwargs={'token': os.environ.get(\"HF_TOKEN\")}," in text
+    first = session.step()
+    # without the variables the script stops at once, naming the one it reads
+    failed = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "none")], cwd=tmp_path,
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    assert failed.returncode != 0 and "KeyError: 'OPENAI_API_KEY'" in failed.stderr
+    monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    assert run_exported_step(script, tmp_path) == {k: v for k, v in first.items() if k != "step_time"}
+
+
+@pytest.mark.parametrize("value, name, secret", [
+    ("sk-proj-abcdefghijklmnop0123", None, True),  # by form, whatever its name
+    ("Bearer hf_abcdefghijklmnopqrstuvwx", "header_value", True),
+    ("AKIAABCDEFGHIJKLMNOP", None, True),
+    ("https://user:pass1234@example.com/v1", "vllm_server_base_url", True),
+    ("hunter22", "password", True),  # by name
+    ("x9Yk2mQ7pLw4", "WANDB_API_KEY", True),
+    ("0123456789abcdef0123", "my_service_key", True),  # a "key" with a random-looking value
+    ("answer", "ANSWER_KEY", False),  # a column, not a credential
+    ("<pad>", "pad_token", False),
+    ("</answer>", "STOP_TOKEN", False),
+    ("HF_TOKEN", "TOKEN_ENV", False),
+    ("bfloat16", "dtype", False),
+    ("####", "ANSWER_TOKEN", False),  # GSM8K's answer marker
+    ("disk-usage-report-2024-final", None, False),  # "sk-" inside a word
+])
+def test_credentials_are_recognised_by_name_and_by_form(value, name, secret):
+    from grpo_lab.credentials import secret_in
+
+    assert (secret_in(value, name) is not None) is secret
+
+
+def test_reward_function_code_reads_credentials_in_a_copied_function_from_the_environment(tmp_path):
+    import importlib.util
+
+    (tmp_path / "cell.py").write_text(
+        "HEADERS = {'Authorization': 'Bearer sk-abcdefghijklmnop0123', 'Accept': 'json'}\n\n\n"
+        "def call_judge(completions, api_key='sk-zyxwvutsrqponmlk9876', **kwargs):\n"
+        "    return [float(len(HEADERS) + len(api_key)) for _ in completions]\n"
+    )
+    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
+    cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cell)
+    with pytest.warns(UserWarning, match=r"api_key \(function call_judge, line 1\): from \$OPENAI_API_KEY") as caught:
+        imports, definitions, _ = reward_function_code([cell.call_judge])
+    assert "HEADERS['Authorization'] (a global that call_judge uses): from $OPENAI_API_KEY_2" in str(caught[0].message)
+    code = "\n".join([*imports, *definitions])
+    assert "sk-" not in code and "import os" in imports
+    assert "HEADERS = {'Authorization': ('Bearer ' + os.environ[\"OPENAI_API_KEY_2\"]), 'Accept': 'json'}" in code
+    names = {}
+    os.environ.update(OPENAI_API_KEY="sk-abcdefghijklmnop0123", OPENAI_API_KEY_2="sk-zyxwvutsrqponmlk9876")
+    try:
+        exec(code, names)
+    finally:
+        del os.environ["OPENAI_API_KEY"], os.environ["OPENAI_API_KEY_2"]
+    assert names["call_judge"](["a"]) == cell.call_judge(["a"])
+
+
+def test_notebook_export_writes_no_secret_and_its_script_runs_with_them_in_the_environment(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    for source in [
+        "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()\n"
+        f"OPENAI_API_KEY = \"{OPENAI_KEY}\"",
+        "# export\ndef judged_reward(completions, **kwargs):\n    return [len(OPENAI_API_KEY) / 100 for c in completions]",
+        "# export\nconfig = task.config(max_steps=1, per_device_train_batch_size=8, num_generations=4,\n"
+        f"                     max_completion_length=8, model_init_kwargs={{\"token\": \"{HF_TOKEN}\"}})",
+        "# export\nsession = GRPOSession(task.model, [judged_reward], args=config, train_dataset=task.train_dataset)",
+    ]:
+        notebook.cells.append(nbformat.v4.new_code_cell(source))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    exported = _run([sys.executable, "-m", "grpo_lab.cli", "export", "n.ipynb", "-o", "train.py"], cwd=tmp_path)
+    assert "OPENAI_API_KEY (cell 0, line 5): from $OPENAI_API_KEY" in exported.stderr
+    assert "token (cell 2, line 3): from $HF_TOKEN" in exported.stderr
+    assert exported.stderr.startswith("grpo-lab export: warning: train.py holds no secrets")
+    text = (tmp_path / "train.py").read_text()
+    for secret in (OPENAI_KEY, HF_TOKEN):
+        assert secret not in exported.stderr and secret not in text
+    assert text.startswith("# AUTOGENERATED") and "\nimport os  # secrets are read from the environment\n" in text
+    assert 'OPENAI_API_KEY = os.environ["OPENAI_API_KEY"]' in text
+    _run([sys.executable, "train.py", "--output_dir", "out"], cwd=tmp_path, OPENAI_API_KEY=OPENAI_KEY, HF_TOKEN=HF_TOKEN)
+    (row,) = _rows(tmp_path / "out" / "metrics.jsonl")
+    assert row["rewards/judged_reward/mean"] == pytest.approx(len(OPENAI_KEY) / 100)

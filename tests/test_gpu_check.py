@@ -20,9 +20,10 @@ def test_the_device_check_runs_every_check_on_a_cpu(tmp_path):
     assert checks["environment"]["default_precision"] == "fp32" and checks["environment"]["model_parameters"] > 0
     assert checks["speed_paths_fp32"]["sampled_tokens_equal"] is True
     assert checks["speed_paths_fp32"]["logprob_max_abs_diff"] < 1e-3
-    for path in ("fast", "plain"):
-        timed = checks["speed_paths_default"][path]
-        assert len(timed["step_times_s"]) == 2 and timed["peak_memory_mib"] > 0
+    for check in ("speed_paths_default", "lora"):
+        for path in ("fast", "plain"):
+            timed = checks[check][path]
+            assert len(timed["step_times_s"]) == 2 and timed["peak_memory_mib"] > 0
     assert checks["trainer"]["checkpoints"] == ["checkpoint-2"] and checks["trainer"]["save_model"] is True
     assert checks["trl"]["status"] == "ok" or checks["trl"]["skipped"] == "trl does not import here"
     assert checks["vllm_colocate"]["status"] == "skipped"

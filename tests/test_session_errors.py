@@ -531,3 +531,10 @@ def test_a_truncated_safetensors_file_is_named_with_the_cause(task, make_session
     weights.write_bytes(whole[:100])  # the header itself cut
     with pytest.raises(OSError, match=r"model\.safetensors is damaged: its header claims \d+ bytes but the file holds 100"):
         make_session(model=str(copy))
+
+
+def test_reward_weights_of_the_wrong_length_are_refused_when_the_session_is_built(task, make_session):
+    with pytest.raises(ValueError, match=r"reward_weights has 3 entries .* but there are 2 reward functions\. Give one weight"):
+        make_session(reward_weights=[1.0, 0.5, 2.0])
+    session = make_session(reward_weights=[1.0, 0.5])
+    _steps_fine(session)

@@ -103,6 +103,16 @@ def check_column_names(dataset, dataset_name: str) -> None:
         )
 
 
+def check_reward_weights(reward_weights: list[float] | None, reward_funcs) -> None:
+    """Refuse ``reward_weights`` without one weight per reward function, before anything is generated."""
+    count = len(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else 1
+    if reward_weights is not None and len(reward_weights) != count:
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} entries ({reward_weights}) but there are {count} reward "
+            "functions. Give one weight per function, in the order of reward_funcs, or None to weight them all by 1."
+        )
+
+
 def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None, columns=()):
     """Normalise ``reward_funcs`` to a list; load reward models given by path; pair tokenizers; check
     that each function takes the keyword arguments its calls pass (``columns``: the dataset's
