@@ -17,6 +17,8 @@ the reason):
 - ``speed_paths_default``: the same in the default precision (bf16 on a GPU that has it): log-probs
   of one batch through both paths within bf16 tolerance, then each path's step time and peak memory.
 - ``lora``: a LoRA session's steps, time and peak memory, with the speed paths on and off.
+- ``loss_options``: two steps each through the loss path's other branches (a KL reference, a reused
+  batch, the off-policy and entropy masks, cispo with an entropy bonus).
 - ``trainer``: ``GRPOTrainer.train()`` for a few steps, a checkpoint, ``save_model()``.
 - ``trl``: TRL's GRPOTrainer on the same model and settings (step time, peak memory, tokens/s),
   where ``trl`` imports.
@@ -36,6 +38,7 @@ import argparse
 import gc
 import importlib
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -303,6 +306,25 @@ class Checks:
         result["fast_vs_plain_step_time"] = round(result["fast"]["median_step_s"] / result["plain"]["median_step_s"], 3)
         return result
 
+    def loss_options(self) -> dict:
+        """The loss path's other branches on this device: a reference model (beta), a reused batch
+        (importance ratios), the off-policy mask, the entropy mask and an entropy bonus, cispo."""
+        result = {"ok": True}
+        for name, overrides in (
+            ("kl_reused_batch_masks", dict(beta=0.04, num_iterations=2, off_policy_mask_threshold=0.5,
+                                           top_entropy_quantile=0.5, mask_truncated_completions=True)),
+            ("cispo_entropy_bonus", dict(loss_type="cispo", epsilon_high=5.0, num_iterations=2, entropy_coef=0.01)),
+        ):
+            session = self.session(f"options_{name}", **overrides)
+            session.run(2, progress=False)
+            last = session.history.iloc[-1]
+            finite = bool(session.history[["loss", "grad_norm"]].apply(lambda column: column.map(math.isfinite)).all().all())
+            result[name] = {"loss": float(last["loss"]), "kl": float(last["kl"]) if "kl" in last else None, "finite": finite}
+            result["ok"] &= result[name]["finite"]
+            session.close()
+            del session
+        return result
+
     def trainer(self) -> dict:
         from grpo_lab import GRPOTrainer
 
@@ -369,7 +391,7 @@ class Checks:
         return {**result, "ok": True}
 
 
-ORDER = ("environment", "speed_paths_fp32", "speed_paths_default", "lora", "trainer", "trl", "vllm_colocate")
+ORDER = ("environment", "speed_paths_fp32", "speed_paths_default", "lora", "loss_options", "trainer", "trl", "vllm_colocate")
 
 
 def markdown(report: dict) -> str:

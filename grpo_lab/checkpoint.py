@@ -70,45 +70,101 @@ def on_device(obj, device):
     return torch.load(buffer, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
 
 
+def plain_values(value, *, unknown=str):
+    """``value`` in the types a checkpoint loads without unpickling code: numpy scalars become Python
+    numbers, numpy arrays tensors (or lists), containers are rebuilt, and any other object goes
+    through ``unknown`` (``str`` for logs; pass ``lambda v: v`` to keep it)."""
+    if isinstance(value, dict):
+        return {key: plain_values(item, unknown=unknown) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        items = [plain_values(item, unknown=unknown) for item in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy()) if value.dtype.kind in "biuf" else plain_values(value.tolist(), unknown=unknown)
+    if value is None or isinstance(value, (str, bool, int, float, bytes, torch.Tensor)):
+        return value
+    return unknown(value)
+
+
+def safe_batch(pending: tuple):
+    """The half-used batch ``(rollout, scores, advantages)`` as a checkpoint stores it: its columns and
+    logged extras made plain (:func:`plain_values`), or None, with the reason, where it still holds
+    objects that :func:`load_state` would refuse (e.g. a dataset column of images)."""
+    rollout, scores, _ = pending
+    keep = lambda value: value  # noqa: E731
+    if rollout is not None:
+        rollout.columns = plain_values(rollout.columns, unknown=keep)
+    if scores is not None:
+        scores.extras, scores.metrics = plain_values(scores.extras, unknown=keep), plain_values(scores.metrics, unknown=keep)
+    buffer = io.BytesIO()
+    torch.save(pending, buffer)
+    buffer.seek(0)
+    try:
+        with _batch_types():
+            torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        return None, found.group(1) if found else "an object of another type"
+    return pending, None
+
+
+def _batch_types():
+    from grpo_lab.types import Advantages, Rollout, Scores
+
+    return torch.serialization.safe_globals([Rollout, Scores, Advantages])
+
+
 PARTIAL_MARKER = ".grpo_lab_partial"
 """Written first into every directory a save is building: what a killed save leaves behind is
 recognised by it, and only such directories are ever removed as leftovers."""
 
 
-def _is_save(directory: Path) -> bool:
-    """A directory grpo_lab wrote: a complete save, a save being replaced, or a partial one."""
-    return (directory / "COMPLETE").exists() or (directory / STATE_FILE).exists() or (directory / PARTIAL_MARKER).exists()
+SAVE_ENTRIES = frozenset({"COMPLETE", STATE_FILE, MODEL_DIR, "config.yaml", "summary.json", "train_dataset",
+                          "eval_dataset", PARTIAL_MARKER})
+"""What a save directory holds: replacing a directory that holds anything else would delete it."""
 
 
 def check_save_target(target: Path, *, overwrite: bool = False) -> None:
     """Refuse to save onto a file, or into an existing directory that holds anything but a grpo_lab
-    save (unless ``overwrite``): replacing it would delete what grpo_lab did not write."""
+    save's own files (unless ``overwrite``): replacing it would delete what grpo_lab did not write."""
     target = Path(target)
     if target.is_file() or (target.exists() and not target.is_dir()):
         raise FileExistsError(
             f"{target} is a file; a save is a directory. Give a path that does not exist yet (e.g. {target}_save)."
         )
-    if target.is_dir() and not overwrite and any(target.iterdir()) and not _is_save(target):
+    foreign = sorted(p.name for p in target.iterdir() if p.name not in SAVE_ENTRIES) if target.is_dir() else []
+    if foreign and not overwrite:
+        held = "a grpo_lab save and other files" if (target / "COMPLETE").exists() else "other files than a grpo_lab save"
         raise FileExistsError(
-            f"{target} is a directory that holds other files than a grpo_lab save ({_listing(target)}); saving there "
-            "would delete them. Give a new or empty directory, or pass overwrite=True to replace the directory and "
-            "everything in it."
+            f"{target} is a directory that holds {held} ({_listing(foreign)}); saving there would delete them. Give a "
+            "new or empty directory, move them out, or pass overwrite=True to replace the directory and everything in it."
         )
-    check_writable(target, "save to")
+    blocked = _unwritable(target.parent)  # where the new save is built, then renamed into place
+    if blocked is not None:
+        raise PermissionError(f"Cannot save to {target}: {blocked} is not writable. Give a directory you can write to.")
 
 
 def check_writable(directory: Path, action: str) -> None:
-    """Refuse a ``directory`` that is a file, or that cannot be created or written to."""
+    """Refuse a ``directory`` that is a file, or that cannot be created or written to; the message
+    reads "Cannot <action> <directory>: ..."."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"Cannot {action} {directory}: it is a file. Give a directory path.")
+    blocked = _unwritable(directory)
+    if blocked is not None:
+        raise PermissionError(f"Cannot {action} {directory}: {blocked} is not writable. Give a directory you can write to.")
+
+
+def _unwritable(directory: Path) -> Path | None:
+    """The folder that keeps ``directory`` from being created or written to, if any: the nearest
+    existing one of it and its parents, where it lacks write permission."""
     existing = next((p for p in [directory, *directory.parents] if p.exists()), None)
-    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"Cannot {action} {directory}: {existing} is not writable. Give a directory you can write to.")
+    return existing if existing is not None and not os.access(existing, os.W_OK | os.X_OK) else None
 
 
-def _listing(directory: Path, most: int = 3) -> str:
-    names = sorted(p.name for p in directory.iterdir())
+def _listing(names: list[str], most: int = 3) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
@@ -314,9 +370,16 @@ def trainer_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
 
+def first_process() -> bool:
+    """Whether this is the launch's first process (``RANK`` 0, or no launcher), known before any
+    accelerator exists: the one process that writes checkpoints, and so the one that repairs them."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def check_complete(directory: Path) -> Path:
     directory = Path(directory)
-    recover_interrupted_write(directory)
+    if first_process():  # one process repairs; others racing on the same renames would fail
+        recover_interrupted_write(directory)
     if not directory.exists():
         raise FileNotFoundError(
             f"{directory} does not exist. Give a directory written by session.save() or a trainer's checkpoint-N."
@@ -339,48 +402,42 @@ def load_state(directory: Path) -> dict:
 
     Read with ``weights_only=True``: tensors, containers and numbers, plus the batch's own result
     types, so that a file crafted to call a function when unpickled is refused instead of run."""
-    from grpo_lab.types import Advantages, Rollout, Scores
-
     path = check_complete(directory) / STATE_FILE
     try:
-        with torch.serialization.safe_globals([Rollout, Scores, Advantages]):
+        with _batch_types():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))
         raise ValueError(
             f"{path} holds objects other than tensors, numbers and grpo_lab's batch results"
             f"{f' ({found.group(1)})' if found else ''}. "
-            "grpo_lab does not unpickle them, since unpickling can run code: either the file was written by a grpo_lab "
-            "version that pickled its state (load it there, and continue from its model directory here), or it was "
-            "altered."
+            "grpo_lab does not unpickle them, since unpickling can run code. Either the file was written by a grpo_lab "
+            "version that pickled its state, or it was altered. To go on from such a checkpoint you trust, start a new "
+            f"run from its weights, GRPOSession('{Path(directory) / MODEL_DIR}', ...), which starts the optimizer, "
+            "schedule and step count afresh; or load it with the grpo_lab version that wrote it."
         ) from None
 
 
 def per_process_states(state: dict) -> list[dict]:
     """The checkpoint's per-process entries in rank order: each process's random state ("rng") and
-    its share of a half-finished batch ("pending"). A checkpoint written before these were kept per
-    process holds the main process's alone."""
-    return state.get("per_process") or [{"rng": state["rng"], "pending": state["extra"]["pending"]}]
+    its share of a half-finished batch ("pending")."""
+    return state["per_process"]
 
 
 def own_process_state(state: dict, process_index: int, num_processes: int) -> dict:
     """This process's entry of :func:`per_process_states`.
 
-    A checkpoint written by another number of processes (or, on several processes, one that kept
-    the main process's state alone) cannot continue exactly: the half-finished batch is dropped
-    (``pending`` None) and a process without a saved state gets ``rng`` None (it is seeded afresh).
+    A checkpoint written by another number of processes cannot continue exactly: the half-finished
+    batch is dropped (``pending`` None) and a process without a saved state gets ``rng`` None (it is
+    seeded afresh).
     """
     saved = per_process_states(state)
     if len(saved) == num_processes:
         return saved[process_index]
     if process_index == 0:
-        written = (
-            f"written by {len(saved)} process(es)" if "per_process" in state
-            else "written before grpo_lab kept every process's random state"
-        )
         dropped = ", and its half-finished generation batch is dropped" if saved[0]["pending"][0] is not None else ""
         notices.warn(
-            f"The checkpoint was {written} and is resumed on {num_processes}: the run continues, but not exactly as "
+            f"The checkpoint was written by {len(saved)} process(es) and is resumed on {num_processes}: the run continues, but not exactly as "
             f"an uninterrupted run would (random states and the sharding of prompts differ){dropped}.",
         )
     return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None}
@@ -390,16 +447,15 @@ def restore_engine(engine, state: dict, rng: dict | None) -> None:
     """Load ``state`` into ``engine``, with ``rng`` this process's random state (None: seed it afresh
     from ``config.seed`` and its rank, as a new run does)."""
     load_optimizer_state(
-        engine.accelerator, engine.model, engine.optimizer, state["optimizer"], by_name=state.get("optimizer_by_name", False)
+        engine.accelerator, engine.model, engine.optimizer, state["optimizer"], by_name=state["optimizer_by_name"]
     )
     engine.scheduler.load_state_dict(state["scheduler"])
     engine.sampler.load_state_dict(state["sampler"])
     engine.global_step = state["global_step"]
     engine.num_input_tokens_seen = state["num_input_tokens_seen"]
-    control = state.get("entropy_control")  # absent from checkpoints written before the entropy bonus
-    if control is not None:
-        engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
-    if state.get("trained_parameters") is not None:  # absent from checkpoints written before the setting
+    control = state["entropy_control"]
+    engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
+    if state["trained_parameters"] is not None:
         engine.trained_parameter_names = set(state["trained_parameters"])
     if state["ref_model"] is not None and engine.ref_model is not None:
         load_full_state(engine.accelerator, engine.ref_model, state["ref_model"])

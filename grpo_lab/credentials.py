@@ -1,11 +1,16 @@
 """Credentials in what an export writes: found by name (``OPENAI_API_KEY``, ``api_key``, ``token``,
-``password``) or by form (``sk-...``, ``hf_...``, ``ghp_...``, ``AKIA...``, a URL with a password),
-and replaced in the script by a read of an environment variable, or left out of a data file."""
+``password``, the variable an ``os.getenv`` default stands in for) or by form (``sk-...``, ``hf_...``,
+``ghp_...``, ``AKIA...``, ``Bearer ...``, a URL with a password), and replaced in the script by a read
+of an environment variable, redacted in a comment, or left out of a data file. Obvious placeholders
+(``api_key="EMPTY"``, ``"ollama"``, ``"sk-no-key-required"``) are kept as written."""
 
 from __future__ import annotations
 
 import ast
+import base64
+import io
 import re
+import tokenize
 from pathlib import Path
 
 
@@ -32,6 +37,35 @@ _SECRET_SHAPES = tuple((re.compile(r"(?<![A-Za-z0-9])" + pattern), env) for patt
 conventionally holds each."""
 
 _URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]+:[^/\s@]+@")
+_PASSWORD_IN_URL = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]+:(?P<password>[^/\s@]+)@")
+_SCHEME = re.compile(r"(?P<scheme>Bearer|Basic|Token)[ \t]+(?P<credential>[^\s\"',;]+)", re.IGNORECASE)
+"""An ``Authorization`` value: a scheme word, then the credential."""
+
+_KNOWN_PREFIX = re.compile(r"^(?:sk-ant-|sk-proj-|sk-|hf_|gh[pousr]_|github_pat_|glpat-|xox[abposr]-|AKIA|ASIA|AIza)")
+_PLACEHOLDER_MARKS = (
+    "no-key", "no_key", "nokey", "not-needed", "not_needed", "notneeded", "not-required", "notrequired", "xxxx",
+    "your", "placeholder", "dummy", "empty", "changeme", "change-me", "change_me", "replace-me", "replace_me",
+    "redacted", "example", "fake", "abc123", "key-here", "key_here", "...", "***",
+)
+_PLACEHOLDERS = frozenset({
+    "ollama", "lm-studio", "lmstudio", "vllm", "sglang", "local", "localhost", "unused", "anything", "none", "null",
+    "nil", "na", "n/a", "test", "testing", "secret", "password", "token", "key", "apikey", "api-key", "api_key",
+    "sk-1234", "token-abc123",
+})
+"""Values that stand in for a credential a local server does not check (``api_key="EMPTY"``, vLLM's
+``"token-abc123"``, llama.cpp's ``"sk-no-key-required"``) or that a template leaves to fill in."""
+
+_ENVIRONMENT_READS = frozenset({
+    "os.getenv", "getenv", "os.environ.get", "environ.get", "os.environ.setdefault", "environ.setdefault",
+    "os.putenv", "putenv",
+})
+"""Calls whose first argument names the environment variable their default stands in for."""
+
+_COMMENT_NAMED = re.compile(
+    r"(?P<name>(?:[A-Za-z_][\w\-]*[ \t]+){0,2}[A-Za-z_][\w\-]*)[\"'\]]{0,2}[ \t]*(?:==?|:)[ \t]*[\"']?"
+    r"(?P<value>[A-Za-z0-9_\-+/=.~!@#$%^&*]+)(?=[\"'\s,;)\]}]|$)"
+)
+"""``api_key="..."``, ``my token: ...`` in a comment."""
 
 _CREDENTIAL_WORDS = frozenset({
     "token", "tokens", "secret", "secrets", "password", "passwd", "pwd", "passphrase", "credential",
@@ -73,29 +107,79 @@ def _credential_name(name: str | None) -> str | None:
 
 def secret_in(value, name: str | None = None) -> tuple[int, int, str | None] | None:
     """Where in ``value`` (a string, called ``name``) a credential is: (start, end, the variable that
-    conventionally holds it, or None); None when it holds none."""
+    conventionally holds it, or None); None when it holds none. A value called like a credential
+    must look random too (``api_key="EMPTY"`` is kept), and an obvious placeholder of a known form
+    (``"sk-no-key-required"``, ``"hf_xxxxxxxxxxxxxxxxxxxx"``) is none."""
     if not isinstance(value, str) or not value.strip():
         return None
     for pattern, env in _SECRET_SHAPES:
-        found = pattern.search(value)
-        if found:
-            return found.start(), found.end(), env
+        for found in pattern.finditer(value):
+            if not _placeholder(found.group()):
+                return found.start(), found.end(), env
     if _URL_WITH_PASSWORD.match(value):
         return 0, len(value), None
-    kind = _credential_name(name)
-    if kind is None or _not_a_credential(value):
+    scheme = _SCHEME.fullmatch(value.strip())
+    if scheme:  # "Bearer <token>", "Basic <base64 of user:password>": the part after the scheme word
+        credential = scheme.group("credential")
+        if _placeholder(credential) or _not_a_credential(credential):
+            return None
+        basic = scheme.group("scheme").lower() == "basic" and _basic_credentials(credential)
+        if basic or _looks_random(credential):
+            start = value.index(credential, value.index(scheme.group("scheme")) + len(scheme.group("scheme")))
+            return start, start + len(credential), None
         return None
+    kind = _credential_name(name)
+    if kind is None or _not_a_credential(value) or _placeholder(value):
+        return None
+    if kind == "strong":
+        return (0, len(value), None) if _looks_random(value) else None
     random_looking = len(value) >= 16 and re.search(r"[0-9]", value) and re.search(r"[A-Za-z]", value)
-    return (0, len(value), None) if kind == "strong" or random_looking else None
+    return (0, len(value), None) if random_looking else None
+
+
+def _looks_random(value: str) -> bool:
+    """Whether ``value`` reads like a password or a key rather than a word: eight characters or more,
+    letters mixed with digits or symbols (``hunter22``, ``x9Yk2mQ7pLw4``), or a long run of mixed
+    case like base64."""
+    if len(value) < 8 or any(c.isspace() for c in value):
+        return False
+    letters = [c for c in value if c.isalpha()]
+    if letters and re.search(r"[0-9!@#$%^&*+=/?~]", value):
+        return True
+    upper = sum(c.isupper() for c in letters)
+    return (len(value) >= 20 and not re.search(r"[-_.]", value) and 0 < upper < len(letters)
+            and upper >= len(letters) / 4)  # camelCase words have one capital in six or so
+
+
+def _basic_credentials(credential: str) -> bool:
+    """Whether ``credential`` is base64 of ``user:password`` (HTTP Basic authentication)."""
+    try:
+        text = base64.b64decode(credential, validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return ":" in text and text.isprintable()
+
+
+def _placeholder(value: str) -> bool:
+    """Whether ``value`` is an obvious stand-in for a credential: a placeholder word (``"EMPTY"``,
+    ``"ollama"``, ``"token-abc123"``), one that says so (``"sk-no-key-required"``, ``"<your key>"``,
+    ``"sk-xxxxxxxxxxxxxxxxxxxx"``), or a run of one character or of the digits in order."""
+    lower = value.lower()
+    if lower in _PLACEHOLDERS or any(mark in lower for mark in _PLACEHOLDER_MARKS):
+        return True
+    core = re.sub(r"[^a-z0-9]", "", _KNOWN_PREFIX.sub("", value).lower())
+    return len(set(core)) <= 2 or core in "0123456789" * 3
 
 
 def _not_a_credential(value: str) -> bool:
     """Whether ``value``, though called like a credential, is something else: a variable or constant
-    name (``"HF_TOKEN"``), text, markup (``"<think>"``, ``"####"``), a path or address, a setting."""
+    name (``"HF_TOKEN"``), text, markup (``"<think>"``, ``"####"``), a path or address, a setting, a
+    template (``"{token}"``, ``"%(key)s"``)."""
     return bool(
         re.fullmatch(r"[A-Z][A-Z0-9_]*", value) or any(c.isspace() for c in value) or value[0] in "<[{$/."
         or not re.search(r"[A-Za-z0-9]", value) or value.startswith(("http://", "https://"))
         or value.lower() in ("none", "null", "true", "false", "auto", "default")
+        or re.search(r"\{[^}]*\}|%\(\w+\)|\$\{", value)
     )
 
 
@@ -173,8 +257,10 @@ class Secrets:
 
     def scrub_code(self, code: str, where) -> str:
         """``code`` with every string literal that holds a credential replaced by a read of an
-        environment variable, on as many lines as before; ``where(line)`` says where a line of
-        ``code`` comes from (for the warning and errors)."""
+        environment variable and every credential in a comment redacted, on as many lines as before;
+        ``where(line)`` says where a line of ``code`` comes from (for the warning and errors). The
+        default of ``os.getenv("NAME", ...)`` (``os.environ.get``, ``setdefault``, ``getenv(...) or
+        ...``) is named by ``NAME``."""
         tree = ast.parse(code)
         names: dict[int, str] = {}  # id of a string constant -> the name it is given
 
@@ -198,8 +284,25 @@ class Secrets:
                 return str(target.slice.value)
             return None
 
+        def variable_read(node):
+            """The environment variable that ``os.getenv("NAME", ...)`` and the like read, else None."""
+            if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str) and ast.unparse(node.func) in _ENVIRONMENT_READS):
+                return node.args[0].value
+            return None
+
         nodes = list(ast.walk(tree))
-        for node in nodes:  # the nearest name first: a dict key, then an argument, then an assignment
+        for node in nodes:  # the nearest name first: the variable a default stands in for, a dict key,
+            variable = variable_read(node)  # then an argument, then an assignment
+            if variable:
+                for default in [*node.args[1:2], *(k.value for k in node.keywords if k.arg in ("default", "value"))]:
+                    name_values(default, variable)
+            elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):  # os.getenv("NAME") or "..."
+                for before, value in zip(node.values, node.values[1:]):
+                    variable = variable_read(before) or variable
+                    if variable:
+                        name_values(value, variable)
+        for node in nodes:
             if isinstance(node, ast.Dict):
                 name_values(node, None)
         for node in nodes:
@@ -220,6 +323,7 @@ class Secrets:
                 name_values(node.value, target_name(node.target))
         in_fstrings = {id(part) for node in nodes if isinstance(node, ast.JoinedStr) for part in ast.walk(node)}
         lines = code.split("\n")
+        self._scrub_comments(code, lines, where)  # a comment ends its line: string positions stay true
         replacements = []
         strings = [node for node in nodes if isinstance(node, ast.Constant) and isinstance(node.value, str)]
         for node in sorted(strings, key=lambda node: (node.lineno, node.col_offset)):  # named in the order of the code
@@ -246,6 +350,45 @@ class Secrets:
                 text = f"({text}" + "\n" * (node.end_lineno - node.lineno) + ")"
             lines[node.lineno - 1: node.end_lineno] = (first[:start] + text + last[end:]).split("\n")
         return "\n".join(lines)
+
+    def _scrub_comments(self, code: str, lines: list[str], where) -> None:
+        """Replace, in ``lines`` (those of ``code``), every credential in a comment by ``<redacted>``."""
+        try:
+            comments = [token for token in tokenize.generate_tokens(io.StringIO(code).readline)
+                        if token.type == tokenize.COMMENT]
+        except (tokenize.TokenError, SyntaxError):
+            return
+        for token in comments:
+            (row, column), text = token.start, token.string
+            spans: list[tuple[int, int, str]] = []  # (start, end, what it is) in the comment's text
+
+            def add(start, end, label):
+                if end > start and not any(start < e and s < end for s, e, _ in spans):
+                    spans.append((start, end, label))
+
+            for found in _COMMENT_NAMED.finditer(text):  # named as the comment names it: "my key: ..."
+                name = " ".join(found.group("name").split())
+                where_in = secret_in(found.group("value"), name.replace(" ", "_"))
+                if where_in is not None and _credential_name(name.replace(" ", "_")) is not None:
+                    add(found.start("value") + where_in[0], found.start("value") + where_in[1], name)
+            for pattern, env in _SECRET_SHAPES:  # else by its form
+                for found in pattern.finditer(text):
+                    if not _placeholder(found.group()):
+                        add(found.start(), found.end(), env)
+            for found in _PASSWORD_IN_URL.finditer(text):
+                add(found.start("password"), found.end("password"), "a password in a URL")
+            for found in _SCHEME.finditer(text):
+                where_in = secret_in(found.group(), None)
+                if where_in is not None:
+                    add(found.start() + where_in[0], found.start() + where_in[1], f"a {found.group('scheme')} credential")
+            if not spans:
+                continue
+            for start, end, label in sorted(spans):
+                self.found.append((f"{label} in a comment ({where(row)})", "redacted"))
+            for start, end, _ in sorted(spans, reverse=True):
+                text = text[:start] + "<redacted>" + text[end:]
+            line = lines[row - 1]
+            lines[row - 1] = line[:column] + text + line[column + len(token.string):]
 
     def scrub_json(self, folder: Path) -> None:
         """Leave out of the JSON files in ``folder`` (a tokenizer's or adapter's files) every entry

@@ -65,10 +65,11 @@ def launched_processes() -> int:
 
 
 def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate ``tensor`` (same shape on every process) along dim 0 across processes."""
+    """Concatenate ``tensor`` (same shape on every process) along dim 0 across processes; the result
+    is on ``tensor``'s device (the collective runs on the accelerator's: NCCL takes no CPU tensors)."""
     if accelerator.num_processes == 1:
         return tensor
-    return accelerator.gather(tensor.contiguous())
+    return accelerator.gather(tensor.to(accelerator.device).contiguous()).to(tensor.device)
 
 
 def gather_to_main(accelerator: Accelerator, item) -> list | None:

@@ -700,7 +700,7 @@ class Engine:
             if config.use_adaptive_entropy:
                 entropy_stats.append(torch.stack([(step.entropies_BT.detach() * step.kept_BT).sum(), step.kept_BT.sum()]))
             if step.off_policy_B1 is not None:
-                masked_sequences += (step.off_policy_B1 == 0).sum()
+                masked_sequences += (step.off_policy_B1 == 0).sum().to(masked_sequences.device)
             if step.aux_loss is not None:
                 aux_losses.append(step.aux_loss.detach())
             total_loss += float(step.loss.detach())

@@ -88,7 +88,7 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
                 [(module, function)] = reference.items()
                 hint = f" (YAML reads '- {module}: {function}' as a mapping: write '- {module}:{function}', without the space)"
             raise ValueError(
-                f"{recipe_path}: reward_funcs entry #{index} ({reference!r}) is a {type(reference).__name__}, not a "
+                f"{recipe_path}: reward_funcs entry #{index} ({reference!r}) is {_article(type(reference).__name__)}, not a "
                 f"string; give each entry as 'module:function' text, e.g. '- my_rewards:length_reward'{hint}."
             )
     funcs = [import_object(r, search) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
@@ -97,3 +97,7 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
         train_dataset=_dataset(setup["train_dataset"], task, "train"),
         eval_dataset=_dataset(setup["eval_dataset"], task, "eval"),
     )
+
+
+def _article(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"

@@ -31,8 +31,10 @@ from grpo_lab.checkpoint import (
     on_device,
     own_process_state,
     per_process_states,
+    plain_values,
     restore_engine,
     rng_state,
+    safe_batch,
     save_engine,
     set_rng_state,
 )
@@ -424,8 +426,14 @@ class GRPOSession:
         """Optimizer step; returns the step's metrics (also appended to ``history``)."""
         self._require("update")
         self._sync_config()
-        with deferred_interrupts():  # the optimizer, scheduler, counters and history move together
-            return self._update()
+        row = None
+        try:
+            with deferred_interrupts():  # the optimizer, scheduler, counters and history move together
+                row = self._update()
+        finally:  # outside the block: a view's callback must not hold up an interrupt
+            if row is not None:
+                self._emit("update", row)
+        return row
 
     def _update(self) -> dict[str, float]:
         update = self.engine.update()
@@ -454,7 +462,6 @@ class GRPOSession:
         if self.batch_step >= self.engine.steps_per_batch:
             self.discard_batch()
         self._step_started = time.perf_counter()
-        self._emit("update", row)
         return row
 
     def discard_batch(self) -> None:
@@ -561,8 +568,16 @@ class GRPOSession:
         engine = self.engine
         accelerator = engine.accelerator
         check_savable(accelerator)
-        check_save_target(Path(path), overwrite=overwrite)
-        pending = on_device((self.rollout, self.scores, self.advantages_result), "cpu")
+        on_main(accelerator, f"check {path}", lambda: check_save_target(Path(path), overwrite=overwrite))
+        pending, unsafe = safe_batch(on_device((self.rollout, self.scores, self.advantages_result), "cpu"))
+        if unsafe is not None:
+            notices.warn(
+                f"The half-used generation batch holds {unsafe} (in its columns or logged extras), which a checkpoint "
+                "does not store (loading it would mean unpickling code); the save leaves the batch out, and a run "
+                "loaded from it generates a new one. Give reward functions and rollout functions plain values "
+                "(numbers, strings, lists, dicts, tensors) to keep it."
+            )
+            pending = (None, None, None)
         per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
         gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
             full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
@@ -570,10 +585,10 @@ class GRPOSession:
             None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
         )
         extra = {
-            "history": self._history,
-            "completion_log": self._completion_log,
-            "config_changes": self.config_changes,
-            "applied_config": self._applied_config,
+            "history": plain_values(self._history),  # logs: what a checkpoint cannot store is kept as text
+            "completion_log": plain_values(self._completion_log),
+            "config_changes": plain_values(self.config_changes),
+            "applied_config": plain_values(self._applied_config),
             "batch_step": self.batch_step,
             "last_stage": self._last_stage,
             "reward_funcs": _referenced(engine.reward_funcs),
@@ -666,7 +681,7 @@ class GRPOSession:
         session._applied_config = {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}
         session.batch_step = extra["batch_step"]
         session._last_stage = extra["last_stage"]
-        if own["pending"] is None:
+        if own["pending"] is None or own["pending"][0] is None:  # dropped, or saved between batches
             session.discard_batch()
         else:
             session.rollout, session.scores, session.advantages_result = on_device(own["pending"], accelerator.device)
@@ -681,14 +696,21 @@ class GRPOSession:
 
 
 def _without_remote_code(config: GRPOConfig, directory: Path) -> GRPOConfig:
-    """The checkpoint's config with ``trust_remote_code`` off: a file in the checkpoint must not be
-    able to make loading run the model code the checkpoint ships; only the caller's own ``args`` can."""
+    """The checkpoint's config without the settings that make loading a model run or fetch code
+    (``trust_remote_code``, ``code_revision``, hub kernels): a file in the checkpoint must not be able
+    to turn them on; only the caller's own arguments can."""
     init_kwargs = dict(config.model_init_kwargs or {})
-    if config.trust_remote_code or init_kwargs.pop("trust_remote_code", False):
+    dropped = [name for name in list(init_kwargs) if name in ("trust_remote_code", "code_revision") or "kernel" in name]
+    if "/" in str(init_kwargs.get("attn_implementation", "")):  # an attention kernel fetched from the hub
+        dropped.append("attn_implementation")
+    for name in dropped:
+        init_kwargs.pop(name)
+    if config.trust_remote_code or dropped:
+        settings = ["trust_remote_code"] * bool(config.trust_remote_code) + [f"model_init_kwargs[{n!r}]" for n in dropped]
         notices.warn(
-            f"{directory / 'config.yaml'} sets trust_remote_code, which a checkpoint cannot turn on: it is loaded "
-            "without running the model code it ships. If you trust that code, load it with "
-            "GRPOSession.load(path, trust_remote_code=True)."
+            f"{directory / 'config.yaml'} sets {', '.join(settings)}, which a checkpoint cannot turn on: the model is "
+            "loaded without running or fetching code. If you trust the checkpoint, load it with "
+            "GRPOSession.load(path, trust_remote_code=True), or pass your own args= with these settings."
         )
         config.trust_remote_code = False
         config.model_init_kwargs = init_kwargs or None
@@ -768,7 +790,7 @@ def _unreferenced(saved, directory: Path, what: str, argument: str):
         return None
     if saved is not None:
         try:
-            found = [_import_reference(reference) for reference in saved["functions"]]
+            found = [_import_reference(reference, directory) for reference in saved["functions"]]
             return found if saved["is_list"] else found[0]
         except (AttributeError, ImportError, ValueError) as error:
             problem = f"cannot be found in this process ({error}; e.g. defined in a notebook)"
@@ -776,12 +798,21 @@ def _unreferenced(saved, directory: Path, what: str, argument: str):
     raise ValueError(f"The {what} saved in {directory} {problem}; pass {again} again: GRPOSession.load(path, {argument}).")
 
 
-def _import_reference(reference: str):
+def _import_reference(reference: str, directory: Path | None = None):
+    """The function a ``module:name`` reference names. A module that would be imported from inside
+    the checkpoint ``directory`` is refused: loading must not run code the checkpoint carries."""
     import importlib
+    import importlib.util
+    import sys
 
     module_name, _, qualname = reference.partition(":")
     if not module_name or not qualname:
         raise ValueError(f"{reference!r} is not a 'module:name' reference")
+    if directory is not None and module_name not in sys.modules:
+        spec = importlib.util.find_spec(module_name.partition(".")[0])
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        if origin is not None and Path(directory).resolve() in origin.parents:
+            raise ImportError(f"{module_name} would be imported from inside the checkpoint ({origin})")
     found = importlib.import_module(module_name)
     for part in qualname.split("."):
         found = getattr(found, part)
@@ -791,9 +822,9 @@ def _import_reference(reference: str):
 
 
 def _referenced(funcs) -> dict | None:
-    """Reward functions, tools (or a rollout function; or a reward model's name) as ``module:name``
-    references that load imports, never pickles; None where one is not importable under its name
-    (it must then be passed again). None for no functions at all: {"functions": [], ...}."""
+    """Reward functions, tools (or a rollout function) as ``module:name`` references that load
+    imports, never unpickles; None where one is not importable under its name (a lambda, a loaded
+    reward model: it must then be passed again). No functions at all: ``{"none": True, ...}``."""
     if funcs is None:
         return {"functions": [], "is_list": False, "none": True}
     is_list = isinstance(funcs, (list, tuple))

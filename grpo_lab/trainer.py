@@ -20,7 +20,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from grpo_lab import host_memory, notices
-from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, check_writable, remove_partial_writes, trainer_checkpoints
+from grpo_lab.checkpoint import (
+    CHECKPOINT_PREFIX, check_complete, check_writable, first_process, remove_partial_writes, trainer_checkpoints,
+)
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
 from grpo_lab.progress import progress_bar
@@ -46,7 +48,7 @@ class GRPOTrainer:
         tools=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
-        if args is not None:
+        if args is not None and first_process():  # the process that writes checkpoints
             check_writable(Path(args.output_dir), "write the run's output to")
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,

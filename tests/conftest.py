@@ -28,6 +28,16 @@ def launch_two(*options: str) -> list[str]:
             "--main_process_port", str(port)]
 
 
+def without_root_write_override():
+    """In the child of a process run as root: give up the capability that lets root write into
+    folders whose permissions say read-only (CAP_DAC_OVERRIDE), as any other user is refused."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_DAC_OVERRIDE: gone from the program it runs
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
 def run_exported_step(script, workdir) -> dict:
     """Run an exported training script for its one step, with this repository importable (the tests'
     functions live in ``tests``), and return its metrics row without the step time."""

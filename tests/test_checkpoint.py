@@ -132,6 +132,32 @@ def test_a_trainer_refuses_an_output_dir_that_is_a_file_before_training(task, tm
                     train_dataset=task.train_dataset)
 
 
+def test_a_trainer_refuses_an_output_dir_it_cannot_write_before_training(task, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import without_root_write_override
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    script = (
+        "from grpo_lab import GRPOTrainer\nfrom grpo_lab.tasks import default_task\ntask = default_task()\n"
+        f"config = task.config(output_dir={str(locked / 'run')!r}, report_to='none')\n"
+        "try:\n    GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)\n"
+        "except PermissionError as error:\n    print(error)\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                              preexec_fn=without_root_write_override if os.geteuid() == 0 else None)
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (f"Cannot write the run's output to {locked / 'run'}: {locked} is not writable. "
+                                   "Give a directory you can write to.")
+
+
 def test_a_pickled_payload_in_a_checkpoint_never_runs(make_session, tmp_path):
     target = make_session().save(tmp_path / "run")
     marker = tmp_path / "payload_ran"
@@ -172,3 +198,60 @@ def test_atomic_writes_leave_no_partial_marker_in_a_complete_save(tmp_path):
     written = atomic_directory_write(tmp_path / "x", lambda directory: (directory / "data").write_text("1"))
     assert sorted(p.name for p in written.iterdir()) == ["COMPLETE", "data"]
     shutil.rmtree(written)
+
+
+def test_a_save_folder_that_also_holds_a_users_file_is_not_replaced(make_session, tmp_path):
+    session = make_session()
+    target = session.save(tmp_path / "run")
+    (target / "train.py").write_text("# exported beside the save")
+    with pytest.raises(FileExistsError, match=r"holds a grpo_lab save and other files \(train.py\).*move them out"):
+        session.save(target)
+    assert (target / "train.py").exists() and GRPOSession.load(target).global_step == 0
+
+
+def test_values_a_checkpoint_cannot_hold_safely_never_make_it_unloadable(make_session, tmp_path):
+    import fractions
+
+    import numpy as np
+
+    def logs_numpy_and_objects(completions, log_extra, log_metric, **kwargs):
+        log_extra("judge", np.arange(len(completions)))  # numpy: stored as plain values
+        log_extra("exact", [fractions.Fraction(1, 3)] * len(completions))  # no safe form: the half-used batch is left out
+        log_metric("judge_mean", np.float32(0.5))
+        return [0.0] * len(completions)
+
+    session = make_session(reward_funcs=[logs_numpy_and_objects], num_iterations=2)
+    session.step()  # half of the batch is used
+    with pytest.warns(UserWarning, match=r"half-used generation batch holds fractions.Fraction.*generates a new one"):
+        target = session.save(tmp_path / "run")
+    loaded = GRPOSession.load(target, reward_funcs=[logs_numpy_and_objects])
+    assert loaded.next_stage == "generate" and loaded.history.equals(session.history)
+    assert loaded._completion_log[0]["judge"] == list(range(8)) and loaded._completion_log[0]["exact"] == ["1/3"] * 8
+    loaded.step()
+
+
+def test_a_function_reference_is_never_imported_from_inside_the_checkpoint(make_session, tmp_path, monkeypatch):
+    target = make_session().save(tmp_path / "run")
+    marker = tmp_path / "imported"
+    (target / "code").mkdir()
+    (target / "code" / "shipped_rewards.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n\n\ndef reward(completions, **kwargs):\n    return [0.0]\n")
+    state = torch.load(target / STATE_FILE, weights_only=True)
+    state["extra"]["reward_funcs"]["functions"] = ["shipped_rewards:reward"]
+    torch.save(state, target / STATE_FILE)
+    monkeypatch.syspath_prepend(str(target / "code"))  # e.g. a notebook started inside the checkpoint
+    with pytest.raises(ValueError, match=r"cannot be found .*imported from inside the checkpoint.*reward_funcs=\[\.\.\.\]"):
+        GRPOSession.load(target)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_config_cannot_fetch_code_through_model_init_kwargs(make_session, tmp_path):
+    target = make_session().save(tmp_path / "run")
+    config = (target / "config.yaml").read_text()
+    assert "model_init_kwargs: null" in config
+    (target / "config.yaml").write_text(config.replace(
+        "model_init_kwargs: null",
+        "model_init_kwargs:\n  attn_implementation: kernels-community/flash-attn\n  use_kernels: true\n  dtype: float32"))
+    with pytest.warns(UserWarning, match=r"model_init_kwargs\['use_kernels'\], model_init_kwargs\['attn_implementation'\]"):
+        loaded = GRPOSession.load(target)
+    assert loaded.config.model_init_kwargs == {"dtype": "float32"}

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from grpo_lab.cli import main
+from tests.conftest import without_root_write_override
 
 
 def test_demo_trains_saves_and_reports_with_config_style_option_names(tmp_path, capsys):
@@ -75,16 +76,6 @@ def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_
     assert usage.stderr.splitlines()[-1].startswith(f"grpo-lab train: error: {tmp_path / 'out'} is not a complete")
 
 
-def _without_root_write_override():
-    """In the child of a process run as root: give up the capability that lets root write into
-    folders whose permissions say read-only (CAP_DAC_OVERRIDE), as any other user is refused."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_DAC_OVERRIDE: gone from the program it runs
-        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
-
-
 def test_export_into_a_folder_that_cannot_be_written_is_one_line_naming_it_and_the_fix(tmp_path):
     import os
     import subprocess
@@ -104,7 +95,7 @@ def test_export_into_a_folder_that_cannot_be_written_is_one_line_naming_it_and_t
             done = subprocess.run(
                 [sys.executable, "-m", "grpo_lab.cli", "export", "n.ipynb", "-o", output], cwd=tmp_path,
                 env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                preexec_fn=_without_root_write_override if os.geteuid() == 0 else None,
+                preexec_fn=without_root_write_override if os.geteuid() == 0 else None,
             )
             assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
             written = output if output.count("/") == 1 else "readonly/scripts"  # the folder the export would create
@@ -118,7 +109,7 @@ def test_export_into_a_folder_that_cannot_be_written_is_one_line_naming_it_and_t
 
 
 @pytest.mark.parametrize("entries, message", [
-    ("  - 3\n", "reward_funcs entry #0 (3) is a int, not a string; give each entry as 'module:function' text, "
+    ("  - 3\n", "reward_funcs entry #0 (3) is an int, not a string; give each entry as 'module:function' text, "
                 "e.g. '- my_rewards:length_reward'."),
     ("  - grpo_lab.tasks.addition:correctness_reward\n  - my_rewards: length_reward\n",
      "reward_funcs entry #1 ({'my_rewards': 'length_reward'}) is a dict, not a string; give each entry as "

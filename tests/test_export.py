@@ -589,3 +589,141 @@ def test_notebook_export_writes_no_secret_and_its_script_runs_with_them_in_the_e
     _run([sys.executable, "train.py", "--output_dir", "out"], cwd=tmp_path, OPENAI_API_KEY=OPENAI_KEY, HF_TOKEN=HF_TOKEN)
     (row,) = _rows(tmp_path / "out" / "metrics.jsonl")
     assert row["rewards/judged_reward/mean"] == pytest.approx(len(OPENAI_KEY) / 100)
+
+
+def test_credentials_in_comments_are_redacted_on_the_same_lines(tmp_path):
+    import importlib.util
+
+    (tmp_path / "cell.py").write_text(
+        "def call_judge(completions, **kwargs):\n"
+        "    # client = OpenAI(api_key=\"sk-abcdefghijklmnop0123\")\n"
+        "    text = '# not a comment: the string is left as it is'  # my key: hf_0123456789abcdefghijklmnopq\n"
+        "    return [float(len(text)) for _ in completions]  # password: hunter22, see ticket 42\n"
+    )
+    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
+    cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cell)
+    with pytest.warns(UserWarning, match=r"api_key in a comment \(function call_judge, line 2\): redacted") as caught:
+        _, definitions, _ = reward_function_code([cell.call_judge])
+    message = str(caught[0].message)
+    assert "my key in a comment (function call_judge, line 3): redacted" in message
+    assert "password in a comment (function call_judge, line 4): redacted" in message
+    (code,) = definitions
+    for secret in ("sk-abcdefghijklmnop0123", "hf_0123456789abcdefghijklmnopq", "hunter22"):
+        assert secret not in code and secret not in message
+    assert code.splitlines() == [
+        "def call_judge(completions, **kwargs):",
+        "    # client = OpenAI(api_key=\"<redacted>\")",
+        "    text = '# not a comment: the string is left as it is'  # my key: <redacted>",
+        "    return [float(len(text)) for _ in completions]  # password: <redacted>, see ticket 42",
+    ]
+    names = {}
+    exec(code, names)  # nothing to read from the environment: comments need no variable
+    assert names["call_judge"](["a"]) == cell.call_judge(["a"])
+    # a notebook cell's comment too, its lines where they were
+    notebook = nbformat.v4.new_notebook()
+    for source in [
+        "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()\n"
+        "# token for the judge: ghp_0123456789abcdefghijABCDEFGHIJ",
+        "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=task.config(), train_dataset=task.train_dataset)",
+    ]:
+        notebook.cells.append(nbformat.v4.new_code_cell(source))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    with pytest.warns(UserWarning, match=r"GITHUB_TOKEN in a comment \(cell 0, line 5\): redacted"):
+        export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
+    text = (tmp_path / "t.py").read_text()
+    assert "ghp_" not in text and "task = default_task()\n# token for the judge: <redacted>\n" in text
+    assert "import os" not in text
+
+
+@pytest.mark.parametrize("value, name", [
+    ("Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0", "Authorization"),
+    ("bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", None),
+    ("Basic dXNlcjpwYXNzd29yZA==", "Authorization"),  # base64 of user:password
+    ("Token a8f3k2m9q7w1e5r4", "headers"),
+])
+def test_authorization_values_with_a_scheme_word_are_credentials(value, name):
+    from grpo_lab.credentials import Secrets, secret_in
+
+    start, end, _ = secret_in(value, name)
+    assert value[:start].strip().lower() in ("bearer", "basic", "token") and end == len(value)
+    secrets = Secrets()
+    code = secrets.scrub_code(f"HEADERS = {{{name or 'x'!r}: {value!r}}}\n", lambda line: f"line {line}")
+    assert value[start:] not in code and f"{value[:start]!r} + os.environ[" in code
+    names = {"os": os}
+    (variable,) = secrets.values
+    os.environ[variable] = value[start:]
+    try:
+        exec(code, names)
+    finally:
+        del os.environ[variable]
+    assert names["HEADERS"] == {name or "x": value}
+
+
+def test_authorization_placeholders_and_words_after_a_scheme_are_kept():
+    from grpo_lab.credentials import secret_in
+
+    for value in ("Bearer EMPTY", "Bearer token-abc123", "Bearer {token}", "Basic usage", "Token limit"):
+        assert secret_in(value, "Authorization") is None, value
+
+
+def test_environment_variable_defaults_are_named_by_the_variable():
+    from grpo_lab.credentials import Secrets
+
+    together = "0123456789abcdef" * 4  # a 64-hex key: no known form
+    code = (
+        "import os\n"
+        f"TOGETHER = os.getenv('TOGETHER_API_KEY', '{together}')\n"
+        "SERVICE = os.environ.get('X_TOKEN', 'a8f3k2m9q7w1e5r4')\n"
+        "os.environ.setdefault('JUDGE_PASSWORD', 'hunter22')\n"
+        "WANDB = os.getenv('WANDB_API_KEY') or 'x9Yk2mQ7pLw4'\n"
+        "MODEL = os.getenv('MODEL_NAME', 'Qwen2.5-0.5B-Instruct')\n"  # not a credential: kept
+    )
+    secrets = Secrets()
+    scrubbed = secrets.scrub_code(code, lambda line: f"line {line}")
+    assert scrubbed.splitlines()[1:] == [
+        "TOGETHER = os.getenv('TOGETHER_API_KEY', os.environ[\"TOGETHER_API_KEY\"])",
+        "SERVICE = os.environ.get('X_TOKEN', os.environ[\"X_TOKEN\"])",
+        "os.environ.setdefault('JUDGE_PASSWORD', os.environ[\"JUDGE_PASSWORD\"])",
+        "WANDB = os.getenv('WANDB_API_KEY') or os.environ[\"WANDB_API_KEY\"]",
+        "MODEL = os.getenv('MODEL_NAME', 'Qwen2.5-0.5B-Instruct')",
+    ]
+    assert sorted(secrets.values) == ["JUDGE_PASSWORD", "TOGETHER_API_KEY", "WANDB_API_KEY", "X_TOKEN"]
+    assert [label for label, _ in secrets.found] == ["TOGETHER_API_KEY (line 2)", "X_TOKEN (line 3)",
+                                                     "JUDGE_PASSWORD (line 4)", "WANDB_API_KEY (line 5)"]
+
+
+@pytest.mark.parametrize("value, name", [
+    ("ollama", "api_key"), ("EMPTY", "api_key"), ("token-abc123", "api_key"), ("dummy", "api_key"),
+    ("none", "api_key"), ("lm-studio", "api_key"), ("not-needed", "OPENAI_API_KEY"), ("secret", "password"),
+    ("sk-no-key-required", "api_key"), ("sk-no-key-required-for-the-local-server", None),
+    ("sk-xxxxxxxxxxxxxxxxxxxxxxxx", None), ("hf_xxxxxxxxxxxxxxxxxxxxxxxx", "token"),
+    ("sk-your-key-here-0123456789", "api_key"), ("sk-1234567890123456", None), ("AKIAIOSFODNN7EXAMPLE", None),
+    ("%(token)s", "token"),
+])
+def test_obvious_placeholders_are_not_credentials(value, name):
+    from grpo_lab.credentials import secret_in
+
+    assert secret_in(value, name) is None
+
+
+def test_a_copied_function_that_talks_to_a_local_server_is_exported_as_written(tmp_path):
+    import importlib.util
+
+    source = (
+        "def local_judge(completions, api_key='EMPTY', **kwargs):\n"
+        "    clients = [dict(base_url='http://localhost:8000/v1', api_key='token-abc123'),\n"
+        "               dict(base_url='http://localhost:11434/v1', api_key='ollama'),\n"
+        "               dict(base_url='http://localhost:8080/v1', api_key='sk-no-key-required', token='dummy')]\n"
+        "    return [float(len(clients) + len(api_key)) for _ in completions]\n"
+    )
+    (tmp_path / "cell.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
+    cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cell)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "holds no secrets" warning
+        imports, definitions, _ = reward_function_code([cell.local_judge])
+    assert definitions == [source] and "import os" not in imports

@@ -153,3 +153,23 @@ def test_run_refuses_a_count_that_is_not_a_whole_number(make_session, n):
     with pytest.raises(ValueError, match=r"run\(n\) takes a whole number of optimizer steps >= 0.*session.run\(3\)"):
         session.run(n)
     assert session.run(1, progress=False)["step"].tolist() == [1]
+
+
+def test_a_second_ctrl_c_stops_a_deferred_block_at_once_and_an_ignored_one_stays_ignored():
+    from grpo_lab.interrupts import deferred_interrupts
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():
+        ctrl_c()
+        reached.append("held")
+        ctrl_c()  # a block that hangs can still be stopped
+        reached.append("not reached")
+    assert reached == ["held"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # e.g. a job started with nohup
+    try:
+        with deferred_interrupts():
+            ctrl_c()
+        reached.append("ignored")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert reached == ["held", "ignored"]

@@ -78,28 +78,18 @@ def test_loading_a_half_used_batch_with_other_reward_functions_says_which_scored
     assert loaded.step()["rewards/_constant_reward/mean"] == 1.0  # the next batch is scored by all three
 
 
-def test_a_checkpoint_with_the_main_process_state_alone_still_loads_and_continues_exactly(make_session, tmp_path):
-    """Checkpoints written before every process's state was kept hold one random state and one
-    pending batch at the top level; on one process they continue as before."""
+def test_a_checkpoint_that_pickled_its_state_is_refused_with_how_to_go_on(make_session, tmp_path):
+    """Checkpoints of earlier versions pickled numpy's random state: loading them would unpickle."""
+    import numpy as np
+
     from grpo_lab.checkpoint import STATE_FILE
 
-    import shutil
-
-    original = make_session(num_iterations=2)
-    original.run(1, progress=False)  # half-way through a batch that feeds two optimizer steps
-    original.save(tmp_path / "new")
-    shutil.copytree(tmp_path / "new", tmp_path / "old")
-    state = torch.load(tmp_path / "old" / STATE_FILE, weights_only=False)
-    (own,) = state.pop("per_process")
-    state["rng"], state["extra"]["pending"] = own["rng"], own["pending"]
-    torch.save(state, tmp_path / "old" / STATE_FILE)
-    histories = {}
-    for name in ("new", "old"):  # one after the other: each load restores the random state it samples with
-        loaded = GRPOSession.load(tmp_path / name)
-        assert loaded.rollout.completion_texts == original.rollout.completion_texts
-        loaded.run(3, progress=False)  # the rest of the batch, then a new one
-        histories[name] = _comparable(loaded.history)
-    pd.testing.assert_frame_equal(histories["old"], histories["new"])
+    target = make_session().save(tmp_path / "old")
+    state = torch.load(target / STATE_FILE, weights_only=True)
+    state["per_process"][0]["rng"]["numpy"] = np.random.get_state()
+    torch.save(state, target / STATE_FILE)
+    with pytest.raises(ValueError, match=r"holds objects other than tensors.*numpy.*GRPOSession\('.*old/model', \.\.\.\)"):
+        GRPOSession.load(target)
 
 
 def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tmp_path):

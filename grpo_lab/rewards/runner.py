@@ -238,7 +238,7 @@ async def _settle(awaitable, timeout: float | None) -> _Outcome:
 
     try:
         return await asyncio.wait_for(guarded(), timeout)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # a class of its own before Python 3.11
         return _Outcome(timed_out=True)
 
 
