@@ -24,7 +24,7 @@ import pandas as pd
 from grpo_lab import notices
 from grpo_lab.checkpoint import (
     MODEL_DIR,
-    atomic_directory_write,
+    SAVE_ENTRIES,
     check_save_target,
     load_saved_weights,
     load_state,
@@ -45,6 +45,7 @@ from grpo_lab.dist import (
 from grpo_lab.engine import Engine
 from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
+from grpo_lab.safe_write import atomic_directory_write
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
 STAGES = ("generate", "score", "advantages", "loss", "update")
@@ -610,7 +611,8 @@ class GRPOSession:
                 if shown:
                     enable_progress_bar()
 
-        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write, overwrite=overwrite))
+        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write, own_entries=SAVE_ENTRIES,
+                                                                     overwrite=overwrite))
         return Path(path)
 
     @classmethod

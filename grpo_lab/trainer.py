@@ -20,13 +20,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from grpo_lab import host_memory, notices
-from grpo_lab.checkpoint import (
-    CHECKPOINT_PREFIX, check_complete, check_writable, first_process, remove_partial_writes, trainer_checkpoints,
-)
+from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
+from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
 from grpo_lab.session import GRPOSession
 
 

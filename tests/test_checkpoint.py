@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
-from grpo_lab.checkpoint import PARTIAL_MARKER, STATE_FILE, atomic_directory_write
+from grpo_lab.checkpoint import STATE_FILE
+from grpo_lab.safe_write import PARTIAL_MARKER, atomic_directory_write
 
 PAYLOAD_RAN = []
 
@@ -195,7 +196,8 @@ def test_a_checkpoint_config_cannot_turn_on_remote_code(make_session, tmp_path):
 
 
 def test_atomic_writes_leave_no_partial_marker_in_a_complete_save(tmp_path):
-    written = atomic_directory_write(tmp_path / "x", lambda directory: (directory / "data").write_text("1"))
+    written = atomic_directory_write(tmp_path / "x", lambda directory: (directory / "data").write_text("1"),
+                                     own_entries=frozenset({"data"}))
     assert sorted(p.name for p in written.iterdir()) == ["COMPLETE", "data"]
     shutil.rmtree(written)
 
