@@ -14,6 +14,15 @@ from torch.overrides import TorchFunctionMode
 STEPS = 3
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Python's own SIGINT handler, as an interactive interpreter or a Jupyter kernel has it: a test
+    run started in the background (CI) inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
