@@ -322,4 +322,4 @@ def restore_engine(engine, state: dict, rng: dict | None) -> None:
         from transformers import set_seed
 
         set_seed(engine.config.seed + engine.accelerator.process_index)
-    engine.rollout_backend.sync_weights(engine.unwrapped_model, engine.global_step)
+    engine.publish_weights()

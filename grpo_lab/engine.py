@@ -277,6 +277,7 @@ class Engine:
         except BaseException:
             self._remove_model_copy()
             raise
+        self.published_version = 0  # a backend starts from the policy it is built with
         reason = compact_forward.unsupported_reason(self.unwrapped_model) if config.compact_forward else None
         if reason is not None and self.accelerator.is_main_process:
             notices.warn(
@@ -467,6 +468,8 @@ class Engine:
     def generate(self) -> Rollout:
         """Draw the next generation batch of prompts and sample ``num_generations`` completions each."""
         config = self.config
+        if self.published_version != self.global_step:
+            self.publish_weights()
         sampler_state = self.sampler.state_dict()
         try:
             indices = self.sampler.next_indices()
@@ -850,7 +853,8 @@ class Engine:
         )
 
     def update(self) -> dict[str, float]:
-        """Clip gradients, take the optimizer and scheduler step; skip it if the gradient is not finite."""
+        """Clip gradients, take the optimizer and scheduler step; skip it if the gradient is not finite.
+        The new weights reach the generation backend with :meth:`publish_weights`."""
         config = self.config
         learning_rate = self.optimizer.param_groups[0]["lr"]
         parameters = [p for p in self.model.parameters() if p.requires_grad]
@@ -868,16 +872,24 @@ class Engine:
                 delta=config.entropy_coef_delta, coef_min=config.entropy_coef_min, coef_max=config.entropy_coef_max,
             )
             self.last_step_entropy, self._pending_step_entropy = self._pending_step_entropy, None
-        self.rollout_backend.sync_weights(self.unwrapped_model, self.global_step)
         if config.sync_ref_model and self.ref_model is not None and self.global_step % config.ref_model_sync_steps == 0:
             self._mix_reference()
         return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}
+
+    def publish_weights(self) -> None:
+        """Hand the policy after the latest update to the generation backend (vLLM; nothing to do for
+        transformers). Called after each update and, where that hand-over failed (a server that did
+        not answer), again before the next generation, which would otherwise sample a stale policy."""
+        self.rollout_backend.sync_weights(self.unwrapped_model, self.global_step)
+        self.published_version = self.global_step
 
     def evaluate(self, dataset=None) -> dict[str, float]:
         """Sample ``num_generations_eval`` completions per prompt of ``dataset`` (default: eval_dataset)
         and report reward metrics, prefixed ``eval_`` as TRL does. The training random state is kept."""
         dataset = self.eval_dataset if dataset is None else dataset
         check_dataset(dataset, "eval_dataset")
+        if self.published_version != self.global_step:
+            self.publish_weights()
         config = self.config
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)

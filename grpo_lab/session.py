@@ -431,6 +431,7 @@ class GRPOSession:
         try:
             with deferred_interrupts():  # the optimizer, scheduler, counters and history move together
                 row = self._update()
+                self.engine.publish_weights()  # last: if it fails, the step is recorded and generate() retries it
         finally:  # outside the block: a view's callback must not hold up an interrupt
             if row is not None:
                 self._emit("update", row)

@@ -182,3 +182,27 @@ def test_a_second_ctrl_c_stops_a_deferred_block_at_once_and_an_ignored_one_stays
     finally:
         signal.signal(signal.SIGINT, previous)
     assert reached == ["held", "ignored"]
+
+
+def test_a_weight_hand_over_that_fails_after_the_update_leaves_the_step_recorded_and_is_retried(make_session, reference,
+                                                                                              monkeypatch):
+    session = make_session(num_iterations=2)
+    session.step()
+    while session.next_stage != "update":
+        getattr(session, session.next_stage)()
+    backend, calls = session.engine.rollout_backend, []
+    publish = type(backend).sync_weights
+
+    def unreachable_once(self, model, version):  # e.g. a vLLM server that did not answer
+        calls.append(version)
+        if len(calls) == 1:
+            raise ConnectionError("server did not answer")
+        publish(self, model, version)
+
+    monkeypatch.setattr(type(backend), "sync_weights", unreachable_once)
+    with pytest.raises(ConnectionError):
+        session.update()
+    assert session.global_step == 2 and len(session.history) == 2 and session.next_stage == "generate"
+    finish(session, STEPS)  # the next generation hands the weights over first
+    assert calls == [2, 2, 3]
+    _assert_same(session, reference)
