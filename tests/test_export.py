@@ -481,14 +481,10 @@ def _files_under(*paths):
 
 def test_session_export_writes_no_secret_and_its_script_reads_them_from_the_environment(
         make_session, task, tmp_path, monkeypatch):
-    import importlib.util
-
     from transformers import AutoTokenizer
 
     (tmp_path / "cell.py").write_text(KEYED_REWARD)
-    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
-    cell = importlib.util.module_from_spec(spec)  # not in sys.modules: the script gets the function's source
-    spec.loader.exec_module(cell)
+    cell = _notebook_cell(tmp_path / "cell.py")
     tokenizer = AutoTokenizer.from_pretrained(task.model, api_key=TOKENIZER_KEY)  # saved among its init arguments
     session = make_session(reward_funcs=[cell.judged_reward, *task.reward_funcs], processing_class=tokenizer,
                            max_steps=1, model_init_kwargs={"token": HF_TOKEN})
@@ -540,16 +536,12 @@ def test_credentials_are_recognised_by_name_and_by_form(value, name, secret):
 
 
 def test_reward_function_code_reads_credentials_in_a_copied_function_from_the_environment(tmp_path):
-    import importlib.util
-
     (tmp_path / "cell.py").write_text(
         "HEADERS = {'Authorization': 'Bearer sk-abcdefghijklmnop0123', 'Accept': 'json'}\n\n\n"
         "def call_judge(completions, api_key='sk-zyxwvutsrqponmlk9876', **kwargs):\n"
         "    return [float(len(HEADERS) + len(api_key)) for _ in completions]\n"
     )
-    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
-    cell = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cell)
+    cell = _notebook_cell(tmp_path / "cell.py")
     with pytest.warns(UserWarning, match=r"api_key \(function call_judge, line 1\): from \$OPENAI_API_KEY") as caught:
         imports, definitions, _ = reward_function_code([cell.call_judge])
     assert "HEADERS['Authorization'] (a global that call_judge uses): from $OPENAI_API_KEY_2" in str(caught[0].message)
@@ -592,17 +584,13 @@ def test_notebook_export_writes_no_secret_and_its_script_runs_with_them_in_the_e
 
 
 def test_credentials_in_comments_are_redacted_on_the_same_lines(tmp_path):
-    import importlib.util
-
     (tmp_path / "cell.py").write_text(
         "def call_judge(completions, **kwargs):\n"
         "    # client = OpenAI(api_key=\"sk-abcdefghijklmnop0123\")\n"
         "    text = '# not a comment: the string is left as it is'  # my key: hf_0123456789abcdefghijklmnopq\n"
         "    return [float(len(text)) for _ in completions]  # password: hunter22, see ticket 42\n"
     )
-    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
-    cell = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cell)
+    cell = _notebook_cell(tmp_path / "cell.py")
     with pytest.warns(UserWarning, match=r"api_key in a comment \(function call_judge, line 2\): redacted") as caught:
         _, definitions, _ = reward_function_code([cell.call_judge])
     message = str(caught[0].message)
@@ -708,8 +696,6 @@ def test_obvious_placeholders_are_not_credentials(value, name):
 
 
 def test_a_copied_function_that_talks_to_a_local_server_is_exported_as_written(tmp_path):
-    import importlib.util
-
     source = (
         "def local_judge(completions, api_key='EMPTY', **kwargs):\n"
         "    clients = [dict(base_url='http://localhost:8000/v1', api_key='token-abc123'),\n"
@@ -718,12 +704,21 @@ def test_a_copied_function_that_talks_to_a_local_server_is_exported_as_written(t
         "    return [float(len(clients) + len(api_key)) for _ in completions]\n"
     )
     (tmp_path / "cell.py").write_text(source)
-    spec = importlib.util.spec_from_file_location("notebook_cell", tmp_path / "cell.py")
-    cell = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cell)
+    cell = _notebook_cell(tmp_path / "cell.py")
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "holds no secrets" warning
         imports, definitions, _ = reward_function_code([cell.local_judge])
     assert definitions == [source] and "import os" not in imports
+
+
+def _notebook_cell(path):
+    """The module ``path`` defines, imported under a name no file on sys.path has: as a notebook's
+    functions are, whose source export copies."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("notebook_cell", path)
+    cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cell)
+    return cell

@@ -91,20 +91,27 @@ def test_an_interrupt_at_a_stage_boundary_continues_bitwise(make_session, refere
     _assert_same(session, reference)
 
 
-def test_an_interrupt_inside_generation_restores_the_prompts_and_random_state(make_session, reference):
-    session = make_session(num_iterations=2)
-    model, calls = session.engine.unwrapped_model, []
+def _interrupted_in_a_forward_pass(session, stage: str, call: int) -> None:
+    """Run ``stage``, sending Ctrl-C from the model's ``call``-th forward pass inside it."""
+    calls = []
 
-    def third_token(*args):  # after two tokens were sampled: the random generator has moved
+    def hook(*args):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == call:
             ctrl_c()
 
-    handle = model.register_forward_hook(third_token)
-    with pytest.raises(KeyboardInterrupt):
-        session.generate()
-    handle.remove()
-    assert session.next_stage == "generate"
+    handle = session.engine.unwrapped_model.register_forward_hook(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            getattr(session, stage)()
+    finally:
+        handle.remove()
+    assert session.next_stage == stage
+
+
+def test_an_interrupt_inside_generation_restores_the_prompts_and_random_state(make_session, reference):
+    session = make_session(num_iterations=2)
+    _interrupted_in_a_forward_pass(session, "generate", call=3)  # two tokens sampled: the random generator has moved
     finish(session, STEPS)
     _assert_same(session, reference)
 
@@ -112,11 +119,7 @@ def test_an_interrupt_inside_generation_restores_the_prompts_and_random_state(ma
 def test_an_interrupt_inside_the_loss_pass_continues_bitwise(make_session, reference):
     session = make_session(num_iterations=2)
     session.generate(), session.score(), session.advantages()
-    handle = session.engine.unwrapped_model.register_forward_hook(lambda *args: ctrl_c())
-    with pytest.raises(KeyboardInterrupt):
-        session.loss()
-    handle.remove()
-    assert session.next_stage == "loss"
+    _interrupted_in_a_forward_pass(session, "loss", call=1)
     finish(session, STEPS)
     _assert_same(session, reference)
 
