@@ -513,32 +513,32 @@ class GRPOSession:
     # ------------------------------------------------------------------ views (ipywidgets, imported on demand)
     def show(self):
         """The live dashboard: stage controls, curves, completions and rewards."""
-        from grpo_lab.views.widgets import Dashboard
+        from grpo_lab.views.dashboard import Dashboard
 
         return Dashboard(self)
 
     def completions_view(self):
         """The current batch by prompt group, tokens coloured by log-prob, entropy, A x ratio, clipping
         or (with vLLM) the trainer/vLLM log-prob gap."""
-        from grpo_lab.views.widgets import CompletionsView
+        from grpo_lab.views.completions import CompletionsView
 
         return CompletionsView(self)
 
     def rewards_view(self):
         """Per reward function statistics, correlations and logged extras of the last score()."""
-        from grpo_lab.views.widgets import RewardsView
+        from grpo_lab.views.rewards import RewardsView
 
         return RewardsView(self)
 
     def curves(self):
         """Training curves, updated in place after every update()."""
-        from grpo_lab.views.widgets import CurvesView
+        from grpo_lab.views.curves import CurvesView
 
         return CurvesView(self)
 
     def controls(self):
         """Buttons for each stage, Step, and Run N with Stop."""
-        from grpo_lab.views.widgets import Controls
+        from grpo_lab.views.controls import Controls
 
         return Controls(self)
 

@@ -1,0 +1,34 @@
+"""``session.show()``: controls, curves, completions and rewards of one session, live."""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+
+from grpo_lab.views.completions import CompletionsView
+from grpo_lab.views.controls import Controls
+from grpo_lab.views.curves import CurvesView
+from grpo_lab.views.rewards import RewardsView
+
+
+class Dashboard(widgets.VBox):
+    """Controls, curves, completions and rewards of one session, live."""
+
+    def __init__(self, session):
+        self.controls = Controls(session)
+        self.curves = CurvesView(session)
+        self.completions = CompletionsView(session)
+        self.rewards = RewardsView(session)
+
+        def section(title):
+            return widgets.HTML(f"<h3 style='margin:8px 0 2px'>{title}</h3>")
+
+        super().__init__([
+            section("GRPO session"), self.controls, section("Curves"), self.curves,
+            section("Completions"), self.completions, section("Rewards"), self.rewards,
+        ])
+        self.add_class("grpo-dashboard")
+
+    def close(self) -> None:
+        for part in (self.controls, self.curves, self.completions, self.rewards):
+            part.close()
+        super().close()
