@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from grpo_lab.views import data, plots
+from grpo_lab.views import curve_data, plots
 from grpo_lab.views.base import View, guarded
 
 
@@ -26,7 +26,7 @@ class CurvesView(View):
 
     @guarded
     def refresh(self) -> None:
-        panels = data.curve_panels(self.session.history, self.smoothing.value)
+        panels = curve_data.curve_panels(self.session.history, self.smoothing.value)
         if not panels:
             return
         layout = plots.layout_of(panels)

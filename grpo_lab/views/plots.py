@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from grpo_lab.views.data import Panel
+from grpo_lab.views.curve_data import Panel
 
 COLUMNS = 3
 

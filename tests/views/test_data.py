@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo_lab.views import data
+from grpo_lab.views import curve_data, data
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +23,15 @@ def stepped(task, tmp_path_factory):
 
 def test_smooth_is_a_debiased_moving_average():
     # w = 0.5: s1 = 0.5*0 + 0.5*2 = 1 -> 1 / (1 - 0.5) = 2; s2 = 0.5*1 + 0.5*4 = 2.5 -> 2.5 / 0.75 = 3.3333
-    assert data.smooth([2.0, 4.0], 0.5) == pytest.approx([2.0, 10 / 3])
-    assert data.smooth([1.0, 5.0], 0.0) == [1.0, 5.0]
-    smoothed = data.smooth([2.0, float("nan"), 4.0], 0.5)
+    assert curve_data.smooth([2.0, 4.0], 0.5) == pytest.approx([2.0, 10 / 3])
+    assert curve_data.smooth([1.0, 5.0], 0.0) == [1.0, 5.0]
+    smoothed = curve_data.smooth([2.0, float("nan"), 4.0], 0.5)
     assert smoothed[0] == 2.0 and math.isnan(smoothed[1]) and smoothed[2] == pytest.approx(10 / 3)
 
 
 def test_curve_panels_carry_the_history_values(stepped):
     history = stepped.history
-    panels = {p.title: p for p in data.curve_panels(history)}
+    panels = {p.title: p for p in curve_data.curve_panels(history)}
     assert {"reward", "reward per function", "entropy", "clip ratios", "loss", "grad_norm", "learning rate"} <= set(panels)
     reward = {s.name: s for s in panels["reward"].series}["reward"]
     assert reward.x == [1.0, 2.0]
@@ -43,7 +43,7 @@ def test_curve_panels_carry_the_history_values(stepped):
 
 def test_logged_metrics_get_their_own_panel():
     history = pd.DataFrame({"step": [1, 2], "reward": [0.1, 0.2], "my/score": [3.0, 4.0], "step_time": [1, 1]})
-    panels = {p.title: [s.name for s in p.series] for p in data.curve_panels(history)}
+    panels = {p.title: [s.name for s in p.series] for p in curve_data.curve_panels(history)}
     assert panels == {"reward": ["reward"], "logged metrics": ["my/score"]}
 
 

@@ -56,14 +56,14 @@ def test_controls_buttons_run_stages_and_run_n_stops_cleanly(session):
 
 
 def test_a_failing_view_never_stops_training(session, monkeypatch):
-    from grpo_lab.views import data
+    from grpo_lab.views import curve_data
 
     view = session.curves()
 
     def broken(*args, **kwargs):
         raise RuntimeError("broken panel")
 
-    monkeypatch.setattr(data, "curve_panels", broken)
+    monkeypatch.setattr(curve_data, "curve_panels", broken)
     row = session.step()
     assert row["step"] == 1 and "broken panel" in view.error.value
 
