@@ -1,10 +1,11 @@
 """Cost of the dashboard inside a real Jupyter kernel (widget messages serialised and sent).
 
-Measures, with a 1,000-step history, the kernel time of one curves update (what every optimizer
-step costs the dashboard), and the time to render the completions view of a 64-completion batch.
-Runs the measurements as cells of an in-memory notebook through nbclient, so comm traffic is real.
+Measures the kernel time of one curves update (what every optimizer step costs the dashboard) with
+histories of 10, 100 and 1,000 steps, the kernel memory one update leaves behind at a fixed
+history, and the time to render the completions view of a 64-completion batch. Runs the
+measurements as cells of an in-memory notebook through nbclient, so comm traffic is real.
 
-    python benchmarks/bench_views.py [--steps 1000] [--repeats 20]
+    python benchmarks/bench_views.py [--steps 10 100 1000] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -30,14 +31,29 @@ display(dashboard)
 """
 
 MEASURE = """
+import tracemalloc
 template = session._history[-1]
-session._history[:] = [dict(template, step=i + 1) for i in range({steps})]
 curves = dashboard.curves
-curves.refresh()  # first call builds the figure for the full layout
-update = []
-for _ in range({repeats}):
-    session._history.append(dict(template, step=len(session._history) + 1))
-    start = time.perf_counter(); curves.refresh(); update.append(time.perf_counter() - start)
+results = {{}}
+for steps in {steps}:
+    session._history[:] = [dict(template, step=i + 1) for i in range(steps)]
+    curves.refresh()
+    update = []
+    for _ in range({repeats}):
+        session._history.append(dict(template, step=len(session._history) + 1))
+        start = time.perf_counter(); curves.refresh(); update.append(time.perf_counter() - start)
+    results[f"curves_update_ms_median_{{steps}}"] = 1000 * statistics.median(update)
+    results[f"curves_update_ms_max_{{steps}}"] = 1000 * max(update)
+    results[f"curves_traces_{{steps}}"] = sum(len(p["series"]) for p in curves.figure.spec["panels"])
+# memory: the same history refreshed again and again must not hold on to anything
+tracemalloc.start()
+for _ in range(5):
+    curves.refresh()
+before = tracemalloc.get_traced_memory()[0]
+for _ in range(100):
+    curves.refresh()
+results["kernel_bytes_kept_per_update"] = (tracemalloc.get_traced_memory()[0] - before) / 100
+tracemalloc.stop()
 session.generate(); session.score(); session.advantages(); session.loss()
 view = dashboard.completions
 render = []
@@ -47,8 +63,7 @@ switch = []
 for group in [v for _, v in view.group.options]:
     start = time.perf_counter(); view.group.value = group; switch.append(time.perf_counter() - start)
 print(json.dumps({{
-    "history_steps": len(session._history), "completions": len(session.rollout),
-    "curves_update_ms_median": 1000 * statistics.median(update), "curves_update_ms_max": 1000 * max(update),
+    **results, "completions": len(session.rollout),
     "completions_render_ms_median": 1000 * statistics.median(render), "completions_render_ms_max": 1000 * max(render),
     "group_switch_ms_median": 1000 * statistics.median(switch),
 }}))
@@ -57,7 +72,7 @@ print(json.dumps({{
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

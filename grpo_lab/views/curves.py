@@ -3,35 +3,55 @@
 from __future__ import annotations
 
 import ipywidgets as widgets
+import numpy as np
 
-from grpo_lab.views import curve_data, plots
+from grpo_lab.views import curve_data
 from grpo_lab.views.base import View, guarded
+from grpo_lab.views.plot_widget import CurvesWidget
+
+EMPTY = "No optimizer step yet: the curves start after the first update()."
 
 
 class CurvesView(View):
-    """Training curves, one small plot per metric group, extended in place after every update()."""
+    """Training curves, one small plot per metric group, redrawn from the full history after every
+    update(). The figure widget exists from the start, so no view of it is ever created mid-run."""
 
     events = ("update",)
 
     def __init__(self, session):
         self.smoothing = widgets.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing",
                                              continuous_update=False)
-        self.placeholder = widgets.HTML("<p>No optimizer step yet: the curves start after the first update().</p>")
-        self.figure = None
-        self._layout = None
-        super().__init__(session, [self.smoothing, self.placeholder])
+        self.figure = CurvesWidget()
+        self.curves: curve_data.Curves | None = None
+        self._shares: dict[int, tuple[float, float]] = {}  # completion-log entry -> (step, share)
+        super().__init__(session, [self.smoothing, self.figure])
         self.add_class("grpo-curves")
         self.smoothing.observe(lambda change: self.refresh(), names="value")
         self.refresh()
 
+    def _nonzero_advantage(self) -> tuple[np.ndarray, np.ndarray]:
+        """The learning-signal share per scored batch, computed once per batch (the log only grows)."""
+        log = self.session._completion_log
+        for position in range(len(self._shares), len(log)):
+            steps, shares = curve_data.nonzero_advantage_share([log[position]])
+            self._shares[position] = (float(steps[0]), float(shares[0])) if len(steps) else (np.nan, np.nan)
+        pairs = np.array([self._shares[p] for p in range(len(log))], dtype=float).reshape(-1, 2)
+        kept = np.isfinite(pairs[:, 0])
+        return pairs[kept, 0], pairs[kept, 1]
+
     @guarded
     def refresh(self) -> None:
-        panels = curve_data.curve_panels(self.session.history, self.smoothing.value)
-        if not panels:
-            return
-        layout = plots.layout_of(panels)
-        if layout == self._layout:
-            plots.update_curves(self.figure, panels)
-            return
-        self.figure, self._layout = plots.curves_figure(panels), layout
-        self.children = [self.smoothing, self.figure, self.error]
+        session = self.session
+        history = session.history
+        loss_zero = "loss" in history and curve_data.loss_is_zero_by_construction(
+            session.config.beta, session.engine.steps_per_batch, history["loss"]
+        )
+        self.curves = curve_data.curve_panels(
+            history, self.smoothing.value, nonzero_advantage=self._nonzero_advantage(), loss_zero=loss_zero,
+            config_changes=session.config_changes,
+        )
+        self.figure.show_curves(self.curves, EMPTY)
+
+    def close(self) -> None:
+        self.figure.close()
+        super().close()

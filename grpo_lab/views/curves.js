@@ -1,0 +1,203 @@
+// The curves view in the browser: draws the widget's whole state with plotly.js, again on every
+// change of that state and when the view's width changes the number of columns.
+
+const PANEL_HEIGHT = 250;
+const LEGEND_BAND = 30; // pixels
+const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"];
+
+function loadPlotly(model) {
+  if (!globalThis.__grpoLabPlotly) {
+    globalThis.__grpoLabPlotly = (async () => {
+      const ref = model.get("_library");
+      const library = await model.widget_manager.get_model(ref.slice("IPY_MODEL_".length));
+      const module = { exports: {} };
+      new Function("module", "exports", library.get("source"))(module, module.exports);
+      return module.exports;
+    })();
+    globalThis.__grpoLabPlotly.catch(() => { globalThis.__grpoLabPlotly = null; });
+  }
+  return globalThis.__grpoLabPlotly;
+}
+
+function floats(view) {
+  // The buffers arrive as DataViews at any byte offset; copy into an aligned Float64Array.
+  const bytes = new Uint8Array(view.buffer, view.byteOffset, view.byteLength).slice();
+  return new Float64Array(bytes.buffer);
+}
+
+const LABELS = { frac_reward_zero_std: "groups with equal rewards" };
+
+function shortName(name) {
+  return LABELS[name] ?? name.replace(/^rewards\//, "").replace(/\/mean$/, "").replace(/^completions\//, "").replace(/^clip_ratio\//, "");
+}
+
+function wrap(text, width) {
+  const lines = [];
+  let line = "";
+  for (const word of text.split(" ")) {
+    if (line && line.length + word.length + 1 > width) { lines.push(line); line = word; } else { line = line ? `${line} ${word}` : word; }
+  }
+  if (line) lines.push(line);
+  return lines.join("<br>");
+}
+
+function columnsFor(width) {
+  return width >= 1050 ? 3 : width >= 640 ? 2 : 1;
+}
+
+function figure(spec, arrays, columns) {
+  const data = [];
+  const layout = {
+    template: "plotly_white", font: { size: 10 }, showlegend: true, hovermode: "closest",
+    margin: { l: 56, r: 56, t: 28, b: 36 }, annotations: [], shapes: [],
+  };
+  const panels = spec.panels;
+  const rows = Math.max(1, Math.ceil(panels.length / columns));
+  layout.height = rows * PANEL_HEIGHT + 20;
+  const hGap = columns > 1 ? 0.08 : 0, vGap = 70 / layout.height;
+  const cellW = (1 - hGap * (columns - 1)) / columns, cellH = (1 - vGap * (rows - 1)) / rows;
+  panels.forEach((panel, k) => {
+    const row = Math.floor(k / columns), col = k % columns;
+    const x0 = col * (cellW + hGap), y1 = 1 - row * (cellH + vGap);
+    // plotly names the first axes "x" and "y", then "x2", "y2", ...; right-hand axes come after the panels'.
+    const n = k === 0 ? "" : String(k + 1), rightN = String(panels.length + k + 1);
+    const xa = `x${n}`, ya = `y${n}`, right = `y${rightN}`;
+    const lines = panel.series.length + panel.series.filter((s) => s.spread !== null).length;
+    const legend = lines > 1 ? `legend${n}` : null;
+    // A legend sits in a band of its own between the title and the plot, never over the lines.
+    const xDomain = [x0, x0 + cellW], yDomain = [y1 - cellH, y1 - (legend ? LEGEND_BAND / layout.height : 0)];
+    layout[`xaxis${n}`] = { domain: xDomain, anchor: ya, title: { text: "optimizer step", standoff: 4 }, automargin: false };
+    layout[`yaxis${n}`] = {
+      domain: yDomain, anchor: xa, title: { text: panel.unit, standoff: 2 }, tickformat: ".3~g", exponentformat: "e",
+      ...(panel.y_range ? { range: panel.y_range, autorange: false } : { autorange: true }),
+    };
+    const hasRight = panel.series.some((s) => s.right);
+    if (hasRight) {
+      layout[`yaxis${rightN}`] = {
+        overlaying: ya, anchor: xa, side: "right", tickformat: ".3~g", showgrid: false, autorange: true,
+        rangemode: "nonnegative",
+      };
+    }
+    layout.annotations.push({
+      text: `<b>${panel.title}</b>`, x: (xDomain[0] + xDomain[1]) / 2, y: y1, xref: "paper", yref: "paper",
+      xanchor: "center", yanchor: "bottom", showarrow: false, font: { size: 11 },
+    });
+    if (legend) {
+      layout[legend] = {
+        x: xDomain[0], y: y1, xref: "paper", yref: "paper", xanchor: "left", yanchor: "top", font: { size: 9 }, orientation: "h", tracegroupgap: 0,
+      };
+    }
+    let finiteMin = Infinity;
+    panel.series.forEach((s, i) => {
+      const x = floats(arrays[s.x]), y = floats(arrays[s.y]);
+      for (const v of y) if (Number.isFinite(v) && v < finiteMin && !s.right) finiteMin = v;
+      const colour = COLOURS[i % COLOURS.length];
+      const common = { xaxis: xa, yaxis: s.right ? right : ya, legend: legend || undefined, showlegend: Boolean(legend) };
+      if (s.spread !== null) {
+        const spread = floats(arrays[s.spread]);
+        data.push({ ...common, type: "scatter", mode: "lines", x, y: y.map((v, j) => v - spread[j]), line: { width: 0 },
+                    hoverinfo: "skip", showlegend: false, name: `${shortName(s.name)} − std` });
+        data.push({ ...common, type: "scatter", mode: "lines", x, y: y.map((v, j) => v + spread[j]), line: { width: 0 },
+                    fill: "tonexty", fillcolor: "rgba(31,119,180,0.18)", hoverinfo: "skip", name: `± ${shortName(s.name)}_std (within groups)` });
+      }
+      data.push({
+        ...common, type: "scatter", mode: "lines+markers", x, y, name: shortName(s.name) + (s.right ? " (right axis)" : ""),
+        marker: { size: 4, color: colour }, line: { color: colour, width: 1.5, dash: s.right ? "dot" : "solid" },
+        connectgaps: false, hovertemplate: `step %{x}: %{y:.4g}<extra>${s.name}</extra>`,
+      });
+    });
+    const bad = panel.series.flatMap((s) => s.nonfinite.map((step) => [step, s.name]));
+    if (bad.length) {
+      data.push({
+        xaxis: xa, yaxis: ya, type: "scatter", mode: "markers", name: "NaN / inf", legend: legend || undefined,
+        showlegend: Boolean(legend), x: bad.map((b) => b[0]), y: bad.map(() => (Number.isFinite(finiteMin) ? finiteMin : 0)),
+        marker: { symbol: "x", size: 9, color: "#d62728" }, text: bad.map((b) => `${b[1]} is not finite`),
+        hovertemplate: "step %{x}: %{text}<extra></extra>",
+      });
+    }
+    if (panel.note) {
+      layout.annotations.push({
+        text: wrap(panel.note, Math.round(45 * cellW * columns)), x: (xDomain[0] + xDomain[1]) / 2,
+        y: (yDomain[0] + yDomain[1]) / 2, xref: "paper", yref: "paper", showarrow: false, align: "center",
+        font: { size: 10, color: "#8a5a00" }, bgcolor: "rgba(255,244,224,0.9)",
+      });
+    }
+    for (const mark of spec.marks) {
+      layout.shapes.push({ type: "line", xref: xa, yref: `${ya} domain`, x0: mark.step, x1: mark.step, y0: 0, y1: 1,
+                           line: { color: "#7f7f7f", width: 1, dash: "dot" } });
+      layout.annotations.push({ text: "✎", x: mark.step, y: 1, xref: xa, yref: `${ya} domain`, showarrow: false,
+                                yanchor: "top", font: { size: 11, color: "#555" }, hovertext: `step ${mark.step}: ${mark.text}` });
+    }
+  });
+  return { data, layout };
+}
+
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+}
+
+async function render({ model, el }) {
+  el.classList.add("grpo-curves-plot");
+  el.style.width = "100%";
+  const header = document.createElement("div");
+  header.className = "grpo-curves-header";
+  const offline = document.createElement("div");
+  offline.className = "grpo-curves-offline";
+  offline.style.cssText = "display:none;color:#8a5a00;background:#fff4e0;padding:4px 6px;margin:2px 0";
+  const plot = document.createElement("div");
+  plot.style.width = "100%";
+  el.append(header, offline, plot);
+
+  let heard = false;
+  const hear = () => { heard = true; offline.style.display = "none"; };
+  const onMessage = (message) => { if (message && message.type === "alive") hear(); };
+  model.on("msg:custom", onMessage);
+  const timer = setTimeout(() => {
+    if (heard) return;
+    offline.textContent = `No word from the kernel since this view opened: it is busy running a cell, or it was `
+      + `restarted. Shown: the curves as of step ${model.get("spec").steps ?? 0}, which may not be live.`;
+    offline.style.display = "block";
+  }, 5000);
+  model.send({ type: "hello" });
+
+  const Plotly = await loadPlotly(model);
+  let columns = 0, pending = false, drawn = false;
+  const draw = () => {
+    pending = false;
+    const spec = model.get("spec");
+    const arrays = model.get("arrays");
+    const marks = spec.marks || [];
+    const parts = [];
+    if (spec.steps) parts.push(`<b>${spec.steps}</b> optimizer step(s)`);
+    if (marks.length) parts.push(`config edits at step ${marks.map((m) => m.step).join(", ")} (✎, hover for values)`);
+    if ((spec.constant || []).length) parts.push(`constant so far, not drawn: ${spec.constant.map(escapeHtml).join(", ")}`);
+    header.innerHTML = spec.panels && spec.panels.length ? parts.join(" · ") : escapeHtml(spec.empty_text || "");
+    if (!spec.panels || !spec.panels.length) {
+      if (drawn) { Plotly.purge(plot); drawn = false; }
+      return;
+    }
+    columns = columnsFor(el.clientWidth || 1000);
+    const { data, layout } = figure(spec, arrays, columns);
+    Plotly.react(plot, data, layout, { displayModeBar: false, responsive: true });
+    drawn = true;
+  };
+  const schedule = () => { hear(); if (!pending) { pending = true; requestAnimationFrame(draw); } };
+  model.on("change:spec", schedule);
+  model.on("change:arrays", schedule);
+  const resize = new ResizeObserver(() => {
+    if (!drawn) return;
+    if (columnsFor(el.clientWidth) !== columns) { if (!pending) { pending = true; requestAnimationFrame(draw); } } else Plotly.Plots.resize(plot);
+  });
+  resize.observe(el);
+  draw();
+  return () => {
+    clearTimeout(timer);
+    resize.disconnect();
+    model.off("msg:custom", onMessage);
+    model.off("change:spec", schedule);
+    model.off("change:arrays", schedule);
+    if (drawn) Plotly.purge(plot);
+  };
+}
+
+export default { render };
