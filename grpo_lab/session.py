@@ -14,6 +14,7 @@ after ``update()`` is ``loss()`` again until the batch is used up. Views subscri
 from __future__ import annotations
 
 import copy
+import functools
 import numbers
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from grpo_lab.dist import (
 from grpo_lab.engine import Engine
 from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
+from grpo_lab.ownership import Activity, OwnerGuard
 from grpo_lab.safe_write import atomic_directory_write
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
@@ -94,6 +96,29 @@ class StageOrderError(RuntimeError):
     """A stage was called before the stage it depends on."""
 
 
+def _drives_stages(method):
+    """Run a session method under the session's owner guard (:mod:`grpo_lab.ownership`): the thread
+    that holds the session may nest calls; another thread's call raises SessionBusyError at once."""
+    name = method.__name__
+    now = f"stage {name}()" if name in STAGES else None
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._owner.hold(_call_text(name, args, kwargs), now=now, finishes_step=name == "update"):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _call_text(name: str, args: tuple, kwargs: dict) -> str:
+    """``session.save('run/step-3')``, for messages: an argument too long for one line shows as ``...``."""
+    def short(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 40 and "\n" not in text else "..."
+
+    return f"session.{name}({', '.join([short(a) for a in args] + [f'{k}={short(v)}' for k, v in kwargs.items()])})"
+
+
 class GRPOSession:
     """Stateful, stage-by-stage GRPO. Same arguments as :class:`grpo_lab.GRPOTrainer`."""
 
@@ -132,6 +157,8 @@ class GRPOSession:
         self._listeners: list[Callable[[str, object], None]] = []
         self._step_started: float | None = None
         self._last_stage: str | None = None
+        self._owner = OwnerGuard(self._notify)  # one thread drives the stages at a time
+        self.last_trained: LossResult | None = None  # the loss() result of the latest update(), for the views
 
     # ------------------------------------------------------------------ public state
     @property
@@ -196,8 +223,31 @@ class GRPOSession:
             return "loss"
         return "update"
 
+    @property
+    def activity(self) -> Activity | None:
+        """What drives the session now (None when idle): what runs, who started it (a cell, the
+        dashboard's Run N or Step button), how far it is and how to stop it; ``str()`` says it all."""
+        return self._owner.activity
+
+    def hold(self, description: str, *, started_by: str | None = None, how_to_stop: str | None = None,
+             steps: int | None = None):
+        """A context manager that holds the session for this thread while several calls drive it (the
+        dashboard's Run N loop): the thread's own calls nest inside it, another thread's calls raise
+        ``grpo_lab.ownership.SessionBusyError`` naming ``description``, ``started_by`` and
+        ``how_to_stop`` (by default: the cell, or background thread, that calls). ``steps``: the
+        optimizer steps it will run, for "step 3 of 10" in that message. Every stage, ``step()``,
+        ``run()``, ``evaluate()``, ``save()`` and ``discard_batch()`` holds the session this way."""
+        return self._owner.hold(description, started_by=started_by, how_to_stop=how_to_stop, steps=steps)
+
     def on(self, callback: Callable[[str, object], None]) -> Callable[[], None]:
-        """Call ``callback(stage, result)`` after every stage; returns a function that unsubscribes."""
+        """Call ``callback(event, payload)`` after every stage and when the session turns busy or idle;
+        returns a function that unsubscribes.
+
+        Events: a stage's name (``"generate"``, ``"score"``, ``"advantages"``, ``"loss"``,
+        ``"update"``) with its result; ``"busy"`` with an :class:`grpo_lab.ownership.Activity` when a
+        caller starts driving the session (once per outermost call: ``run(3)`` is one, not one per
+        stage), and ``"idle"`` with None when it ends, error or interrupt included. A callback that
+        wants stages only compares the name, as the views do."""
         self._listeners.append(callback)
 
         def unsubscribe() -> None:
@@ -209,8 +259,11 @@ class GRPOSession:
     def _emit(self, stage: str, result) -> None:
         self._last_stage = stage
         self._stages_run += 1
+        self._notify(stage, result)
+
+    def _notify(self, event: str, payload) -> None:
         for listener in list(self._listeners):
-            listener(stage, result)
+            listener(event, payload)
 
     def _require(self, stage: str) -> None:
         order = {name: i for i, name in enumerate(STAGES)}
@@ -324,6 +377,7 @@ class GRPOSession:
             setattr(self.config, name, self._applied_config[name])
 
     # ------------------------------------------------------------------ stages
+    @_drives_stages
     def generate(self) -> Rollout:
         """Sample ``num_generations`` completions for each prompt of the next generation batch."""
         self._require("generate")
@@ -397,6 +451,7 @@ class GRPOSession:
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "texts": texts}
 
+    @_drives_stages
     def score(self) -> Scores:
         """Run the reward functions; may be called again after changing ``session.reward_funcs``."""
         self._require("score")
@@ -406,6 +461,7 @@ class GRPOSession:
         self._emit("score", self.scores)
         return self.scores
 
+    @_drives_stages
     def advantages(self) -> Advantages:
         """Group-relative advantages; may be recomputed after changing scale_rewards or weights."""
         self._require("advantages")
@@ -415,6 +471,7 @@ class GRPOSession:
         self._emit("advantages", self.advantages_result)
         return self.advantages_result
 
+    @_drives_stages
     def loss(self) -> LossResult:
         """Loss and gradients of the next optimizer step; may be recomputed before update()."""
         self._require("loss")
@@ -423,6 +480,7 @@ class GRPOSession:
         self._emit("loss", self.loss_result)
         return self.loss_result
 
+    @_drives_stages
     def update(self) -> dict[str, float]:
         """Optimizer step; returns the step's metrics (also appended to ``history``)."""
         self._require("update")
@@ -459,6 +517,8 @@ class GRPOSession:
         if self.batch_step == 0:
             columns = self.advantages_result.to_dict()
             self._completion_log.append({"step": [self.global_step] * len(columns["group"]), **columns})
+        # The views show the trained batch (tokens, rewards, advantages) after discard_batch() drops it.
+        self.last_trained = self.loss_result
         self.loss_result = None
         self.batch_step += 1
         if self.batch_step >= self.engine.steps_per_batch:
@@ -466,11 +526,13 @@ class GRPOSession:
         self._step_started = time.perf_counter()
         return row
 
+    @_drives_stages
     def discard_batch(self) -> None:
         """Drop the current generation batch; the next stage becomes generate()."""
         self.rollout = self.scores = self.advantages_result = self.loss_result = None
         self.batch_step = 0
 
+    @_drives_stages
     def step(self) -> dict[str, float]:
         """Run what is left of the current iteration, up to and including update()."""
         while True:
@@ -486,7 +548,7 @@ class GRPOSession:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ValueError(f"run(n) takes a whole number of optimizer steps >= 0, got {n!r}; e.g. session.run(3).")
         first = len(self._history)
-        with progress_bar(n, enabled=progress) as bar:
+        with self._owner.hold(f"session.run({n})", steps=n), progress_bar(n, enabled=progress) as bar:
             try:
                 for _ in range(n):
                     bar.advance(self.step())
@@ -494,6 +556,7 @@ class GRPOSession:
                 bar.note(f"stopped after {len(self._history) - first} step(s); next stage: {self.next_stage}()")
         return pd.DataFrame(self._history[first:])
 
+    @_drives_stages
     def evaluate(self, dataset=None) -> dict[str, float]:
         """Reward metrics of ``num_generations_eval`` completions per prompt of the eval set."""
         return self.engine.evaluate(dataset)
@@ -551,6 +614,7 @@ class GRPOSession:
         return export_session(self, path)
 
     # ------------------------------------------------------------------ persistence
+    @_drives_stages
     def save(self, path, *, overwrite: bool = False) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
         history, config and any half-finished stage results to ``path``, atomically. Config edits
