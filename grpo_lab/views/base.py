@@ -9,6 +9,8 @@ import traceback
 
 import ipywidgets as widgets
 
+from grpo_lab.views.live_note import LiveNote
+
 
 def guarded(method):
     """Run a refresh; on failure show the error in the view instead of raising into the session."""
@@ -32,11 +34,13 @@ class View(widgets.VBox):
     def __init__(self, session, children=()):
         self.session = session
         self.error = widgets.HTML()
-        super().__init__(children=[*children, self.error])
+        self.live = LiveNote(step=session.global_step)
+        super().__init__(children=[self.live, *children, self.error])
         self._unsubscribe = session.on(self._on_event)
 
     def _on_event(self, stage, result) -> None:
         if stage in self.events:
+            self.live.step = self.session.global_step
             self.refresh()
 
     def refresh(self) -> None:
@@ -44,4 +48,5 @@ class View(widgets.VBox):
 
     def close(self) -> None:
         self._unsubscribe()
+        self.live.close()
         super().close()

@@ -71,11 +71,13 @@ function figure(spec, arrays, columns) {
       domain: yDomain, anchor: xa, title: { text: panel.unit, standoff: 2 }, tickformat: ".3~g", exponentformat: "e",
       ...(panel.y_range ? { range: panel.y_range, autorange: false } : { autorange: true }),
     };
-    const hasRight = panel.series.some((s) => s.right);
-    if (hasRight) {
+    const rightSeries = panel.series.filter((s) => s.right);
+    if (rightSeries.length) {
+      // a norm is never negative: the axis starts at 0 so that 0 (no gradient at all) is visible as such
+      const top = Math.max(0, ...rightSeries.flatMap((s) => Array.from(floats(arrays[s.y])).filter(Number.isFinite)));
       layout[`yaxis${rightN}`] = {
-        overlaying: ya, anchor: xa, side: "right", tickformat: ".3~g", showgrid: false, autorange: true,
-        rangemode: "nonnegative",
+        overlaying: ya, anchor: xa, side: "right", tickformat: ".3~g", showgrid: false,
+        range: [0, top > 0 ? top * 1.08 : 1], autorange: false,
       };
     }
     layout.annotations.push({
@@ -141,24 +143,9 @@ async function render({ model, el }) {
   el.style.width = "100%";
   const header = document.createElement("div");
   header.className = "grpo-curves-header";
-  const offline = document.createElement("div");
-  offline.className = "grpo-curves-offline";
-  offline.style.cssText = "display:none;color:#8a5a00;background:#fff4e0;padding:4px 6px;margin:2px 0";
   const plot = document.createElement("div");
   plot.style.width = "100%";
-  el.append(header, offline, plot);
-
-  let heard = false;
-  const hear = () => { heard = true; offline.style.display = "none"; };
-  const onMessage = (message) => { if (message && message.type === "alive") hear(); };
-  model.on("msg:custom", onMessage);
-  const timer = setTimeout(() => {
-    if (heard) return;
-    offline.textContent = `No word from the kernel since this view opened: it is busy running a cell, or it was `
-      + `restarted. Shown: the curves as of step ${model.get("spec").steps ?? 0}, which may not be live.`;
-    offline.style.display = "block";
-  }, 5000);
-  model.send({ type: "hello" });
+  el.append(header, plot);
 
   const Plotly = await loadPlotly(model);
   let columns = 0, pending = false, drawn = false;
@@ -181,7 +168,7 @@ async function render({ model, el }) {
     Plotly.react(plot, data, layout, { displayModeBar: false, responsive: true });
     drawn = true;
   };
-  const schedule = () => { hear(); if (!pending) { pending = true; requestAnimationFrame(draw); } };
+  const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(draw); } };
   model.on("change:spec", schedule);
   model.on("change:arrays", schedule);
   const resize = new ResizeObserver(() => {
@@ -191,9 +178,7 @@ async function render({ model, el }) {
   resize.observe(el);
   draw();
   return () => {
-    clearTimeout(timer);
     resize.disconnect();
-    model.off("msg:custom", onMessage);
     model.off("change:spec", schedule);
     model.off("change:arrays", schedule);
     if (drawn) Plotly.purge(plot);

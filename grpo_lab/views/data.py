@@ -1,32 +1,35 @@
-"""Pure data for the batch views: the session's stage results -> tables and token values. No widgets, no plotly.
+"""Pure data for the batch views: a batch's stage results -> tables and token values. No widgets, no plotly.
 
 Everything here is a plain function of the session's own numbers, so the tests check that what a
-view shows equals what the session computed.
+view shows equals what the session computed. A batch is a :class:`grpo_lab.views.batch.Batch`
+(the current one, or the last trained one).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pandas as pd
 import torch
 
+from grpo_lab.views.batch import current_batch
+
 TOKEN_QUANTITIES = ("logprob", "entropy", "advantage_x_ratio", "clipped", "vllm_logprob_gap")
 
 
-def latest_table(session) -> pd.DataFrame:
-    """One row per completion of the current batch, from the furthest stage computed so far
-    (rollout, then scores, then advantages, then the loss statistics of the trained completions)."""
-    if session.advantages_result is not None:
-        frame = session.advantages_result.to_pandas()
-        if session.loss_result is not None:
-            trained = session.loss_result.to_pandas()[["ratio", "clipped_fraction", "entropy"]]
-            frame = frame.join(trained)
+def latest_table(batch) -> pd.DataFrame:
+    """One row per completion of ``batch``, from the furthest stage computed on it (rollout, then
+    scores, then advantages, then the loss statistics of the completions of the last loss())."""
+    if batch.advantages is not None:
+        frame = batch.advantages.to_pandas()
+        if batch.loss is not None:
+            frame = frame.join(batch.loss.to_pandas()[["ratio", "clipped_fraction", "entropy"]])
         return frame
-    if session.scores is not None:
-        return session.scores.to_pandas()
-    if session.rollout is not None:
-        return session.rollout.to_pandas()
+    if batch.scores is not None:
+        return batch.scores.to_pandas()
+    if batch.rollout is not None:
+        return batch.rollout.to_pandas()
     return pd.DataFrame()
 
 
@@ -36,40 +39,68 @@ def group_table(frame: pd.DataFrame, group: int) -> pd.DataFrame:
 
 
 def group_flags(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per group: prompt, size, mean reward, whether every reward is equal (no learning signal) and
-    how many completions were truncated."""
+    """Per group: prompt, size, distinct completions (the number of different completion texts: the
+    group's diversity is ``distinct / size``), truncated completions and, once rewards are known,
+    the mean reward and whether every reward is equal (no learning signal)."""
     if frame.empty:
-        return pd.DataFrame(columns=["group", "prompt", "size", "reward_mean", "std_zero", "truncated"])
-    aggregations = dict(prompt=("prompt", "first"), size=("prompt", "size"), truncated=("truncated", "sum"))
+        return pd.DataFrame(columns=["group", "prompt", "size", "distinct", "truncated", "reward_mean", "std_zero"])
+    aggregations = dict(prompt=("prompt", "first"), size=("prompt", "size"), distinct=("completion", "nunique"),
+                        truncated=("truncated", "sum"))
     if "reward" in frame:
         aggregations["reward_mean"] = ("reward", "mean")
         aggregations["std_zero"] = ("group_std_zero", "all")
     return frame.groupby("group").agg(**aggregations).reset_index()
 
 
+def pass_rule(rewards: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Which of one function's rewards (None already left out) count as a pass, and the rule in words.
+
+    A binary function (every value 0 or 1) passes where it returned 1 (``> 0``); any other passes
+    where it returned its maximum over the batch, the best any completion reached (so a function
+    that returned one value for every completion passes everywhere).
+    """
+    if bool(((rewards == 0) | (rewards == 1)).all()):
+        return "> 0 (binary)", rewards > 0
+    best = float(rewards.max())
+    return f"= {best:.3g} (batch max)", rewards == best
+
+
 def reward_summary(scores) -> pd.DataFrame:
-    """Per reward function: mean, std, min, max over completions where it applied, and the share of
-    completions it returned None for."""
+    """Per reward function: mean, std, min and max over the completions it returned a number for,
+    the share it returned None for, and its pass rate over the numbers (see :func:`pass_rule`)."""
     rows = []
     for i, name in enumerate(scores.reward_names):
-        column = scores.rewards_BF[:, i].double()
+        column = scores.rewards_BF[:, i].double().cpu()
         present = column[~torch.isnan(column)]
         count = len(present)
+        rule, passed = pass_rule(present) if count else ("", torch.zeros(0, dtype=torch.bool))
         rows.append({
             "function": name,
-            "mean": float(present.mean()) if count else float("nan"),
-            "std": float(present.std()) if count > 1 else float("nan"),
-            "min": float(present.min()) if count else float("nan"),
-            "max": float(present.max()) if count else float("nan"),
-            "none_share": 1 - count / len(column) if len(column) else float("nan"),
+            "mean": float(present.mean()) if count else math.nan,
+            "std": float(present.std()) if count > 1 else math.nan,
+            "min": float(present.min()) if count else math.nan,
+            "max": float(present.max()) if count else math.nan,
+            "none_share": 1 - count / len(column) if len(column) else math.nan,
+            "pass_rule": rule,
+            "pass_rate": float(passed.double().mean()) if count else math.nan,
         })
     return pd.DataFrame(rows)
 
 
-def reward_correlation(scores) -> pd.DataFrame:
+class Correlation(NamedTuple):
+    matrix: pd.DataFrame
+    """Pearson correlation between reward functions over the completions where both returned a
+    number; NaN where it is undefined."""
+    constant: list[str]
+    """Functions that returned the same number for every completion (None left out): they have no
+    correlation, and add nothing to the advantages."""
+
+
+def reward_correlation(scores) -> Correlation:
     """Pearson correlation between reward functions over completions where both returned a number."""
-    frame = pd.DataFrame(scores.rewards_BF.double().numpy(), columns=scores.reward_names)
-    return frame.corr(method="pearson", min_periods=2)
+    frame = pd.DataFrame(scores.rewards_BF.double().cpu().numpy(), columns=scores.reward_names)
+    constant = [name for name in frame.columns if frame[name].nunique(dropna=True) == 1]
+    return Correlation(frame.corr(method="pearson", min_periods=2), constant)
 
 
 def token_quantities(rollout) -> tuple[str, ...]:
@@ -93,40 +124,96 @@ def vllm_logprob_gap(rollout) -> torch.Tensor:
     return gap_BT.masked_fill(~rollout.generated_mask_BT.cpu().bool(), float("nan"))
 
 
-def token_values(session, position: int, quantity: str) -> list[tuple[str, float | None]]:
-    """The tokens of completion ``position`` of the current batch with one value each.
-
-    ``quantity``: "logprob" and "entropy" (of the policy at the last loss()), "advantage_x_ratio"
-    (the completion's advantage times the token's ratio), "clipped" (1 where the clip removed the
-    gradient) or "vllm_logprob_gap" (see :func:`vllm_logprob_gap`, known from generate() on). The
-    value is None where that quantity is not computed yet, the completion is not in the optimizer
-    step of the last loss(), or an environment inserted the token (a rollout function's env_mask).
-    """
+def _check_quantity(quantity: str) -> None:
     if quantity not in TOKEN_QUANTITIES:
         raise ValueError(f"quantity must be one of {TOKEN_QUANTITIES}, got {quantity!r}.")
-    rollout = session.rollout
-    if rollout is None:
+
+
+def token_values_BT(batch, quantity: str) -> torch.Tensor:
+    """``quantity`` at every completion token of ``batch``, float32 on the CPU, shape (B, T).
+
+    "logprob" and "entropy" (of the policy at the last loss()), "advantage_x_ratio" (the
+    completion's advantage times the token's ratio), "clipped" (1 where the clip removed the
+    gradient) or "vllm_logprob_gap" (see :func:`vllm_logprob_gap`, known from generate() on). NaN
+    where that quantity is not computed yet, the completion is not in the optimizer step of the last
+    loss(), or an environment inserted the token (a rollout function's env_mask), and on padding.
+    """
+    _check_quantity(quantity)
+    rollout = batch.rollout
+    if quantity == "vllm_logprob_gap":
+        return vllm_logprob_gap(rollout)
+    values_BT = torch.full(rollout.completion_ids_BT.shape, float("nan"))
+    loss = batch.loss
+    if loss is None:
+        return values_BT
+    rows_B = loss.sample_index_B.cpu()
+    if quantity == "logprob":
+        chosen_BT = loss.logprobs_BT
+    elif quantity == "entropy":
+        chosen_BT = loss.entropies_BT
+    elif quantity == "clipped":
+        chosen_BT = loss.clipped_BT
+    else:
+        chosen_BT = loss.ratio_BT.detach().float().cpu() * loss.advantages.advantages_B.float().cpu()[rows_B, None]
+    chosen_BT = chosen_BT.detach().float().cpu()
+    width = min(values_BT.shape[1], chosen_BT.shape[1])
+    values_BT[rows_B, :width] = chosen_BT[:, :width]
+    return values_BT.masked_fill(~rollout.generated_mask_BT.cpu().bool(), float("nan"))
+
+
+def tokens_of(batch, tokenizer, position: int, values_BT: torch.Tensor) -> list[tuple[str, float | None]]:
+    """The tokens of completion ``position`` of ``batch`` (padding left out), each with its value in
+    ``values_BT`` (from :func:`token_values_BT`), None where it has none."""
+    rollout = batch.rollout
+    mask_T = rollout.completion_mask_BT[position].cpu().bool()
+    ids = rollout.completion_ids_BT[position].cpu()[mask_T].tolist()
+    values = values_BT[position][mask_T].tolist()
+    return [(tokenizer.decode([i]), None if math.isnan(v) else v) for i, v in zip(ids, values, strict=True)]
+
+
+def token_values(session, position: int, quantity: str, batch=None) -> list[tuple[str, float | None]]:
+    """The tokens of completion ``position`` of ``batch`` (by default the session's current batch)
+    with one value each, None where it has none (see :func:`token_values_BT`)."""
+    _check_quantity(quantity)
+    batch = current_batch(session) if batch is None else batch
+    if batch.rollout is None:
         return []
-    mask_T = rollout.completion_mask_BT[position].bool()
-    ids = rollout.completion_ids_BT[position][mask_T].tolist()
-    tokens = [session.tokenizer.decode([i]) for i in ids]
-    if quantity == "vllm_logprob_gap":  # NaN where an environment inserted the token
-        gaps = vllm_logprob_gap(rollout)[position][mask_T.cpu()].tolist()
-        return [(token, None if math.isnan(gap) else gap) for token, gap in zip(tokens, gaps, strict=True)]
-    result = session.loss_result
-    values: list[float | None] = [None] * len(tokens)
-    if result is not None:
-        where = (result.sample_index_B == position).nonzero()
-        if len(where):
-            row = int(where[0])
-            if quantity == "logprob":
-                chosen = result.logprobs_BT[row]
-            elif quantity == "entropy":
-                chosen = result.entropies_BT[row]
-            elif quantity == "clipped":
-                chosen = result.clipped_BT[row].float()
-            else:
-                chosen = result.ratio_BT[row] * result.advantages.advantages_B[position]
-            generated = rollout.generated_mask_BT[position][mask_T].tolist()
-            values = [float(v) if kept else None for v, kept in zip(chosen[: len(tokens)].tolist(), generated, strict=True)]
-    return list(zip(tokens, values))
+    return tokens_of(batch, session.tokenizer, position, token_values_BT(batch, quantity))
+
+
+def missing_token_reason(batch, position: int, quantity: str) -> str:
+    """Why a generated token of completion ``position`` has no value of ``quantity``."""
+    if quantity == "vllm_logprob_gap":
+        return "inserted by the environment (env_mask): vLLM did not sample it"
+    if batch.loss is None:
+        return "not computed yet: run session.loss()"
+    if position not in batch.loss.sample_index_B.tolist():
+        return "the completion is not in the optimizer step of the last loss()"
+    return "inserted by the environment (env_mask): not trained on"
+
+
+class TokenScale(NamedTuple):
+    """The colour scale of one quantity, shared by every token of a batch."""
+
+    low: float
+    high: float
+    kind: str
+    """"probability": coloured by exp(value) on a fixed 0..1 scale; "diverging": centred on 0,
+    from -high to high; "sequential": from low to high. low and high are NaN with no value at all."""
+
+
+def token_scale(values_BT: torch.Tensor, quantity: str) -> TokenScale:
+    """The scale ``quantity`` is coloured on over a whole batch (``values_BT``, NaN where no value):
+    log-probs as probabilities on 0..1, "clipped" on 0..1, signed quantities on ±(largest magnitude),
+    entropy from its smallest to its largest value."""
+    if quantity == "logprob":
+        return TokenScale(0.0, 1.0, "probability")
+    if quantity == "clipped":
+        return TokenScale(0.0, 1.0, "sequential")
+    known = values_BT[~torch.isnan(values_BT)]
+    if quantity in ("advantage_x_ratio", "vllm_logprob_gap"):
+        bound = float(known.abs().max()) if len(known) else math.nan
+        return TokenScale(-bound, bound, "diverging")
+    if not len(known):
+        return TokenScale(math.nan, math.nan, "sequential")
+    return TokenScale(float(known.min()), float(known.max()), "sequential")

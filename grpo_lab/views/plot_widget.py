@@ -51,12 +51,6 @@ class CurvesWidget(anywidget.AnyWidget):
 
     def __init__(self, **kwargs):
         super().__init__(_library=plotly_library(), **kwargs)
-        self.on_msg(self._answer)
-
-    def _answer(self, _widget, content, _buffers) -> None:
-        # A view asks on opening whether a kernel is behind it; no answer means a busy or gone kernel.
-        if isinstance(content, dict) and content.get("type") == "hello":
-            self.send({"type": "alive", "steps": self.spec.get("steps", 0)})
 
     def show_curves(self, curves: Curves, empty_text: str) -> None:
         """Replace the whole picture in one message."""

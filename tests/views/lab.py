@@ -7,7 +7,9 @@ needed). All Jupyter, IPython and browser state lives in a temporary directory.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -26,11 +28,11 @@ CHROMIUM_FLAGS = [
 ]
 # No news toast over the notebook; every cell kept in the page (no virtual scrolling), so that the
 # dashboard stays in the DOM while later cells run.
-LAB_SETTINGS = (
-    '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false},'
-    ' "@jupyterlab/apputils-extension:announcements": {"fetchNews": "false"},'
-    ' "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"}}'
-)
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/apputils-extension:announcements": {"fetchNews": "false"},
+    "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
+}
 
 
 def missing_browser() -> str | None:
@@ -51,8 +53,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def jupyter_lab(root_dir: Path, timeout: float = 90):
-    """Start JupyterLab serving ``root_dir``; yield (base URL, token); stop it and its kernels."""
+def jupyter_lab(root_dir: Path, timeout: float = 90, save_widget_state: bool = False):
+    """Start JupyterLab serving ``root_dir``; yield (base URL, token); stop it and its kernels.
+    ``save_widget_state``: a notebook saves its widgets' state with it (JupyterLab's "Save Widget
+    State Automatically"), so that a reopened notebook draws them without a kernel."""
     port, token = _free_port(), secrets.token_hex(16)
     state = Path(tempfile.mkdtemp(prefix="grpo-lab-jupyter-"))
     env = dict(
@@ -62,7 +66,10 @@ def jupyter_lab(root_dir: Path, timeout: float = 90):
         XDG_DATA_HOME=str(state / "xdg-data"), HF_HUB_OFFLINE="1",
     )
     (state / "settings").mkdir()
-    (state / "settings" / "overrides.json").write_text(LAB_SETTINGS)
+    settings = dict(LAB_SETTINGS)
+    if save_widget_state:
+        settings["@jupyter-widgets/jupyterlab-manager:plugin"] = {"saveState": True}
+    (state / "settings" / "overrides.json").write_text(json.dumps(settings))
     command = [
         sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1", f"--port={port}",
         f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root_dir}",
@@ -147,4 +154,56 @@ def widget_problems(page) -> list[str]:
         "() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText)"
         ".filter(t => /Loading widget|Error displaying widget|Failed to load model|Traceback/i.test(t))"
         ".map(t => t.slice(0, 400))"
+    )
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    """A notebook of code cells, with the python3 kernel."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nbformat.write(notebook, str(path))
+
+
+def cell(page, index: int):
+    return page.locator(".jp-Notebook .jp-Cell").nth(index)
+
+
+def cell_done(page, index: int) -> bool:
+    """Whether code cell ``index`` shows an execution count (it ran and finished)."""
+    text = cell(page, index).locator(".jp-InputPrompt").inner_text()
+    return bool(re.search(r"\[\d+\]", text))
+
+
+def run_cell(page, index: int, wait: bool = True, timeout: float = 300) -> None:
+    """Run one cell as a user does (click into it, Shift+Enter); wait until it finished."""
+    target = cell(page, index)
+    target.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        "(i) => /\\[[*0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.jp-InputPrompt').innerText)", arg=index, timeout=30_000,
+    )
+    if wait:
+        deadline = time.time() + timeout
+        while not cell_done(page, index):
+            if time.time() > deadline:
+                raise TimeoutError(f"cell {index} did not finish within {timeout} s")
+            time.sleep(0.3)
+
+
+def wait_for_notebook(page, timeout_ms: int = 120_000) -> None:
+    """After a reload: the notebook's cells are drawn (the kernel may still be busy)."""
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout_ms)
+
+
+def restart_kernel(page, timeout_ms: int = 120_000) -> None:
+    """Kernel > Restart Kernel…, confirmed; returns once the new kernel is idle."""
+    page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
+    page.locator(".lm-Menu-itemLabel").filter(has_text=re.compile(r"^Restart Kernel…$")).click()
+    page.locator(".jp-Dialog button").filter(has_text=re.compile(r"^Restart$")).click()
+    page.wait_for_function(
+        "() => /Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText || '')", timeout=timeout_ms
     )

@@ -1,11 +1,13 @@
-"""The dashboard in a real browser: JupyterLab in headless Chromium runs 01_quickstart.ipynb.
+"""The dashboard in a real browser: JupyterLab in headless Chromium, driven as a user drives it.
 
-Checks that every part rendered, that the curves gain points while ``session.run(50)`` executes
-(live, in place), and that the Step button adds one more. Screenshots are written to
-``$GRPO_LAB_SCREENSHOTS`` (default: the test's temporary directory).
+Each test reads what the page shows: point counts and axis ranges of the drawn plots, legends and
+axis titles, the text of the views, whether buttons are enabled. Screenshots are written to
+``$GRPO_LAB_SCREENSHOTS`` (default: the test's temporary directory); with
+``GRPO_LAB_DOCS_IMAGES=1`` the quickstart test also rewrites ``docs/images/dashboard.png``.
 """
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,7 +20,166 @@ ROOT = Path(__file__).resolve().parents[2]
 REASON = lab.missing_browser()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
-POINTS = "() => document.querySelector('.grpo-curves .js-plotly-plot .scatterlayer .trace')?.querySelectorAll('path.point').length ?? 0"
+SETUP = """\
+from grpo_lab import GRPOSession
+from grpo_lab.tasks import default_task
+
+task = default_task(eval_size=4)
+session = GRPOSession(task.model, task.reward_funcs, train_dataset=task.train_dataset,
+                      args=task.config(per_device_train_batch_size=8, num_generations=4, max_steps=100,
+                                       output_dir="outputs/browser"))"""
+
+# What a drawn curves plot shows, read from the page: the plot of dashboard ``i`` in page order.
+FACTS = """(i) => {
+  const gd = [...document.querySelectorAll('.grpo-curves-plot .js-plotly-plot')][i];
+  if (!gd || !gd._fullLayout) return null;
+  const outside = [];
+  for (const t of gd._fullData) {
+    if (t.visible !== true || !t.y) continue;
+    const xa = gd._fullLayout[t.xaxis.replace('x', 'xaxis')], ya = gd._fullLayout[t.yaxis.replace('y', 'yaxis')];
+    const [y0, y1] = [Math.min(...ya.range), Math.max(...ya.range)], [x0, x1] = [Math.min(...xa.range), Math.max(...xa.range)];
+    Array.from(t.y).forEach((v, j) => {
+      if (Number.isFinite(v) && (v < y0 || v > y1 || t.x[j] < x0 || t.x[j] > x1)) outside.push(`${t.name}@${t.x[j]}=${v}`);
+    });
+  }
+  const keys = Object.keys(gd.layout);
+  return {
+    rewardPoints: gd.querySelectorAll('g.subplot.xy path.point').length,
+    panels: keys.filter((k) => /^xaxis\\d*$/.test(k)).length,
+    legendsWanted: keys.filter((k) => /^legend\\d*$/.test(k)).length,
+    legendsDrawn: gd.querySelectorAll('.infolayer > g[class^="legend"]').length,
+    xTitles: [...gd.querySelectorAll('.infolayer g[class^="g-x"][class$="title"]')].filter((g) => /optimizer step/.test(g.textContent)).length,
+    titles: [...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => a.textContent),
+    outside,
+  };
+}"""
+
+
+def facts(page, dashboard: int = 0):
+    return page.evaluate(FACTS, dashboard)
+
+
+def wait_reward_points(page, count: int, dashboard: int = 0, timeout: float = 60) -> dict:
+    deadline, seen = time.time() + timeout, None
+    while time.time() < deadline:
+        seen = facts(page, dashboard)
+        if seen and seen["rewardPoints"] == count:
+            return seen
+        time.sleep(0.25)
+    raise AssertionError(f"dashboard {dashboard}: expected {count} reward points, the page shows {seen}")
+
+
+def step_button(page, dashboard: int = 0):
+    return page.locator(".grpo-dashboard").nth(dashboard).get_by_role("button", name="Step", exact=True)
+
+
+def controls_text(page, dashboard: int = 0) -> str:
+    return page.locator(".grpo-dashboard").nth(dashboard).locator(".grpo-controls").inner_text()
+
+
+def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_runs(tmp_path):
+    lab.write_notebook(tmp_path / "steps.ipynb", [
+        SETUP, "session.show()", "session.step()", "session.run(3)", "session.show()", "session.run(3)",
+        "print('global step', session.global_step)",
+    ])
+    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
+        lab.open_notebook(page, base, token, "steps.ipynb")
+        for index in range(4):  # build, show(), step(), run(3): one cell at a time in a new kernel
+            lab.run_cell(page, index)
+        shown = wait_reward_points(page, 4)
+        assert shown["outside"] == [], shown["outside"]
+        assert shown["legendsDrawn"] == shown["legendsWanted"] >= 3  # reward ± std, per function, learning signal
+        assert shown["xTitles"] == shown["panels"]
+        assert "learning signal" in shown["titles"]
+
+        lab.run_cell(page, 4)  # a second show() of the same session starts complete
+        wait_reward_points(page, 4, dashboard=1)
+
+        lab.run_cell(page, 5, wait=False)  # run(3) in a cell; the user presses Step meanwhile
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.grpo-dashboard')].every(d => [...d.querySelectorAll('button')]"
+            ".some(b => b.textContent.trim() === 'Step' && b.disabled))", timeout=60_000,
+        )
+        assert re.search(r"running", controls_text(page), re.I), controls_text(page)
+        step_button(page).click(force=True)
+        deadline = time.time() + 120
+        while not lab.cell_done(page, 5):
+            assert time.time() < deadline
+            time.sleep(0.3)
+        lab.run_cell(page, 6)
+        assert "global step 7" in lab.cell(page, 6).locator(".jp-OutputArea").inner_text()  # no extra step
+        for dashboard in (0, 1):
+            wait_reward_points(page, 7, dashboard)
+        page.wait_for_function("() => [...document.querySelectorAll('.grpo-dashboard button')].some(b => b.textContent.trim() === 'Step' && !b.disabled)")
+        assert lab.widget_problems(page) == []
+
+
+def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
+    shots = Path(os.environ.get("GRPO_LAB_SCREENSHOTS", tmp_path / "shots"))
+    shots.mkdir(parents=True, exist_ok=True)
+    lab.write_notebook(tmp_path / "reload.ipynb", [SETUP, "session.show()", "session.run(6)"])
+    with lab.jupyter_lab(tmp_path, save_widget_state=True) as (base, token), lab.browser_page(height=2400) as page:
+        lab.open_notebook(page, base, token, "reload.ipynb")
+        lab.run_cell(page, 0)
+        lab.run_cell(page, 1)
+        page.keyboard.press("Control+s")
+
+        # Run N from the dashboard trains on a thread, so the kernel answers a reloaded page at once.
+        dashboard = page.locator(".grpo-dashboard").first
+        dashboard.locator(".grpo-controls input[type=number]").fill("20")
+        dashboard.locator(".grpo-controls input[type=number]").press("Enter")
+        dashboard.get_by_role("button", name="Run N", exact=True).click()
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length >= 3", timeout=60_000)
+        page.reload()
+        lab.wait_for_notebook(page)
+        restored = wait_step_from_status(page)
+        # within two updates of the restore, the curves hold every step so far, inside their axes
+        deadline = time.time() + 120
+        while (now := wait_step_from_status(page)) < min(restored + 2, 20):
+            assert time.time() < deadline
+            time.sleep(0.25)
+        shown = wait_reward_points(page, now, timeout=10) if now < 20 else wait_reward_points(page, 20)
+        assert shown["outside"] == [], shown["outside"]
+        page.wait_for_function("() => /ran 20 step/.test(document.querySelector('.grpo-controls').innerText)", timeout=120_000)
+        wait_reward_points(page, 20)
+
+        # run(6) in a cell: the kernel answers a reloaded page only when the cell has ended; then the
+        # curves hold all 26 steps, inside their axes.
+        lab.run_cell(page, 2, wait=False)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length >= 22", timeout=60_000)
+        page.keyboard.press("Control+s")
+        page.reload()
+        lab.wait_for_notebook(page)
+        shown = wait_reward_points(page, 26, timeout=180)
+        assert shown["outside"] == [], shown["outside"]
+        assert page.locator(".grpo-live-note:visible").count() == 0
+        page.keyboard.press("Control+s")
+        time.sleep(1)
+
+        # A restarted kernel: the reopened notebook draws the saved views and says they are not live.
+        lab.restart_kernel(page)
+        page.reload()
+        lab.wait_for_notebook(page)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length === 26", timeout=60_000)
+        page.wait_for_function(
+            "() => { const notes = [...document.querySelectorAll('.grpo-dashboard .grpo-live-note')];"
+            " return notes.length >= 4 && notes.every(n => n.offsetParent !== null && /Not live/.test(n.innerText)); }",
+            timeout=30_000,
+        )
+        assert "as of step 26" in page.locator(".grpo-curves .grpo-live-note").first.inner_text()
+        page.locator(".grpo-dashboard").first.screenshot(path=str(shots / "reopened_after_restart.png"))
+
+
+def wait_step_from_status(page, timeout: float = 60) -> int:
+    """The step the dashboard's controls report, once they are drawn."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if page.locator(".grpo-controls").count():
+            found = re.search(r"step (\d+)", page.locator(".grpo-controls").first.inner_text())
+            if found:
+                return int(found.group(1))
+        time.sleep(0.25)
+    raise AssertionError("the dashboard's controls did not appear")
 
 
 def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
@@ -28,29 +189,31 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
     with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2800) as page:
         lab.open_notebook(page, base, token, "quickstart.ipynb")
         lab.run_all(page)
-        seen, deadline = [], time.time() + 600
+        seen, pictured, deadline = [], False, time.time() + 600
         while not lab.all_cells_done(page):
             assert time.time() < deadline, "the notebook did not finish within 10 minutes"
-            seen.append(page.evaluate(POINTS))
-            time.sleep(0.5)
+            shown = facts(page, 0)
+            seen.append(shown["rewardPoints"] if shown else 0)
+            if not pictured and seen[-1] == 50:  # the picture in the docs: the dashboard at step 50
+                page.evaluate("() => document.querySelector('.grpo-dashboard').scrollIntoView()")
+                page.locator(".grpo-dashboard").screenshot(path=str(shots / "dashboard.png"))
+                pictured = True
+            time.sleep(0.2)
         assert lab.widget_problems(page) == []
+        assert pictured, f"the reward curve never showed 50 points while run(50) ran: {sorted(set(seen))}"
+        if os.environ.get("GRPO_LAB_DOCS_IMAGES") == "1":
+            shutil.copy(shots / "dashboard.png", ROOT / "docs" / "images" / "dashboard.png")
 
-        dashboard = page.locator(".grpo-dashboard")
-        dashboard.scroll_into_view_if_needed()
-        # 1 step by update() + 50 by run(50): 51 points in the reward trace.
-        page.wait_for_function(f"() => ({POINTS})() === 51", timeout=30_000)
+        # 1 step by update() + 50 by run(50): 51 points in the reward trace, grown while run(50) ran.
+        shown = wait_reward_points(page, 51)
         growth = sorted(set(n for n in seen if 1 < n < 51))
         assert len(growth) >= 3, f"curves did not grow while run(50) executed: point counts seen {sorted(set(seen))}"
-        assert page.locator(".grpo-curves .js-plotly-plot .scatterlayer .trace").count() >= 10
-        assert page.locator(".grpo-completions tbody tr").count() == 8  # one group of num_generations
-        assert page.locator(".grpo-completions .grpo-token").count() > 8
-        assert "rewards per function" in page.locator(".grpo-rewards-view").inner_text()
-        assert "next stage: generate()" in page.locator(".grpo-controls").inner_text()
-        page.evaluate("() => document.querySelector('.grpo-dashboard').scrollIntoView()")
-        dashboard.screenshot(path=str(shots / "dashboard.png"))
+        assert shown["outside"] == [] and shown["legendsDrawn"] == shown["legendsWanted"] and shown["xTitles"] == shown["panels"]
+        assert page.locator(".grpo-completions-view .grpo-token").count() > 8
+        assert "next stage: generate()" in controls_text(page)
 
-        page.locator(".grpo-controls button", has_text="Step").click()
-        page.wait_for_function(f"() => ({POINTS})() === 52", timeout=60_000)
-        assert "step 52" in page.locator(".grpo-controls").inner_text()
+        step_button(page).click()
+        wait_reward_points(page, 52)
+        assert "step 52" in controls_text(page)
         page.locator(".grpo-curves").screenshot(path=str(shots / "curves_after_step.png"))
         page.locator(".grpo-completions-view").screenshot(path=str(shots / "completions.png"))

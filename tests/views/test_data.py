@@ -2,11 +2,10 @@
 
 import math
 
-import pandas as pd
 import pytest
 import torch
 
-from grpo_lab.views import curve_data, data
+from grpo_lab.views import batch, data
 
 
 @pytest.fixture(scope="module")
@@ -21,34 +20,8 @@ def stepped(task, tmp_path_factory):
     return session
 
 
-def test_smooth_is_a_debiased_moving_average():
-    # w = 0.5: s1 = 0.5*0 + 0.5*2 = 1 -> 1 / (1 - 0.5) = 2; s2 = 0.5*1 + 0.5*4 = 2.5 -> 2.5 / 0.75 = 3.3333
-    assert curve_data.smooth([2.0, 4.0], 0.5) == pytest.approx([2.0, 10 / 3])
-    assert curve_data.smooth([1.0, 5.0], 0.0) == [1.0, 5.0]
-    smoothed = curve_data.smooth([2.0, float("nan"), 4.0], 0.5)
-    assert smoothed[0] == 2.0 and math.isnan(smoothed[1]) and smoothed[2] == pytest.approx(10 / 3)
-
-
-def test_curve_panels_carry_the_history_values(stepped):
-    history = stepped.history
-    panels = {p.title: p for p in curve_data.curve_panels(history)}
-    assert {"reward", "reward per function", "entropy", "clip ratios", "loss", "grad_norm", "learning rate"} <= set(panels)
-    reward = {s.name: s for s in panels["reward"].series}["reward"]
-    assert reward.x == [1.0, 2.0]
-    assert reward.y == pytest.approx(history["reward"].tolist())
-    names = [s.name for s in panels["reward per function"].series]
-    assert names == ["rewards/correctness_reward/mean", "rewards/format_reward/mean"]
-    assert "kl" not in panels  # beta = 0: no kl column, no empty panel
-
-
-def test_logged_metrics_get_their_own_panel():
-    history = pd.DataFrame({"step": [1, 2], "reward": [0.1, 0.2], "my/score": [3.0, 4.0], "step_time": [1, 1]})
-    panels = {p.title: [s.name for s in p.series] for p in curve_data.curve_panels(history)}
-    assert panels == {"reward": ["reward"], "logged metrics": ["my/score"]}
-
-
 def test_latest_table_matches_stage_results(stepped):
-    frame = data.latest_table(stepped)
+    frame = data.latest_table(batch.current_batch(stepped))
     adv = stepped.advantages_result
     assert frame["advantage"].tolist() == pytest.approx(adv.advantages_B.tolist())
     assert frame["rewards/correctness_reward"].tolist() == pytest.approx(stepped.scores.rewards_BF[:, 0].tolist())
@@ -57,7 +30,7 @@ def test_latest_table_matches_stage_results(stepped):
 
 
 def test_group_flags_mark_equal_reward_groups(stepped):
-    frame = data.latest_table(stepped)
+    frame = data.latest_table(batch.current_batch(stepped))
     flags = data.group_flags(frame)
     assert len(flags) == len(set(stepped.rollout.group_index_B.tolist()))
     expected = [bool(stepped.advantages_result.is_std_zero_B[stepped.rollout.group_index_B == g].all()) for g in flags["group"]]
@@ -74,7 +47,7 @@ def test_reward_summary_and_none_share():
     assert summary.loc["a", "mean"] == 4.0 and summary.loc["a", "std"] == pytest.approx(2.5820, abs=1e-4)
     assert summary.loc["b", "none_share"] == 0.5 and summary.loc["b", "min"] == 2.0
     # correlation over the rows where both are present: (3,2), (5,4) -> perfectly correlated
-    assert data.reward_correlation(Scores()).loc["a", "b"] == pytest.approx(1.0)
+    assert data.reward_correlation(Scores()).matrix.loc["a", "b"] == pytest.approx(1.0)
 
 
 def test_token_values_are_the_loss_tensors(stepped):

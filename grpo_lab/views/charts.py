@@ -1,0 +1,93 @@
+"""Static SVG charts of one batch: the rewards of every group (a strip chart) and a histogram.
+
+Plain SVG strings: they display in any notebook front end, need no JavaScript, and a refresh
+replaces them whole (a batch chart has no history to extend). Hover a mark for its numbers.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import Counter
+
+from grpo_lab.views.batch import GroupValues, Histogram
+
+_HEIGHT, _TOP, _BOTTOM, _LEFT, _RIGHT = 150, 18, 22, 44, 10
+_AXIS = "stroke:#999;stroke-width:1"
+_TEXT = "font-size:10px;fill:#444;font-family:sans-serif"
+
+
+def _frame(width: int, title: str, low: float, high: float, body: str) -> str:
+    """An SVG with a title (cut to the width, whole on hover), a y axis from ``low`` to ``high`` and
+    ``body`` drawn inside."""
+    bottom = _HEIGHT - _BOTTOM
+    room = (width - _LEFT) // 6  # characters of 10px sans-serif
+    shown = title if len(title) <= room else title[: room - 1] + "…"
+    return (
+        f"<svg class='grpo-chart' width='{width}' height='{_HEIGHT}' viewBox='0 0 {width} {_HEIGHT}' "
+        "xmlns='http://www.w3.org/2000/svg'>"
+        f"<text x='{_LEFT}' y='11' style='{_TEXT};font-weight:bold'>{html.escape(shown)}<title>{html.escape(title)}</title></text>"
+        f"<line x1='{_LEFT}' y1='{_TOP}' x2='{_LEFT}' y2='{bottom}' style='{_AXIS}'/>"
+        f"<line x1='{_LEFT}' y1='{bottom}' x2='{width - _RIGHT}' y2='{bottom}' style='{_AXIS}'/>"
+        f"<text x='{_LEFT - 3}' y='{_TOP + 4}' text-anchor='end' style='{_TEXT}'>{high:.3g}</text>"
+        f"<text x='{_LEFT - 3}' y='{bottom}' text-anchor='end' style='{_TEXT}'>{low:.3g}</text>"
+        f"{body}</svg>"
+    )
+
+
+def _y(value: float, low: float, high: float) -> float:
+    span = high - low
+    return _HEIGHT - _BOTTOM - (value - low) / span * (_HEIGHT - _TOP - _BOTTOM)
+
+
+def reward_strip_svg(values: GroupValues, title: str) -> str:
+    """Every completion's value in its group (x: group, y: value); equal values of a group share one
+    dot, larger by their count; a dash marks each group's mean."""
+    numbers = [v for group in values.values for v in group]
+    if not numbers:
+        return f"<p class='grpo-chart'>{html.escape(title)}: no values.</p>"
+    low, high = min(numbers), max(numbers)
+    if low == high:
+        low, high = low - 0.5, high + 0.5
+    step = 26 if len(values.groups) <= 24 else 12
+    width = max(160, _LEFT + _RIGHT + step * len(values.groups) + 10)
+    label_every = 1 if len(values.groups) <= 24 else max(1, len(values.groups) // 12)
+    marks = []
+    for k, (group, group_values) in enumerate(zip(values.groups, values.values, strict=True)):
+        x = _LEFT + 10 + step * k + step / 2
+        if k % label_every == 0:
+            marks.append(f"<text x='{x:.1f}' y='{_HEIGHT - 8}' text-anchor='middle' style='{_TEXT}'>{group}</text>")
+        for value, count in sorted(Counter(group_values).items()):
+            radius = 3 + 1.5 * (count - 1) ** 0.5
+            marks.append(
+                f"<circle cx='{x:.1f}' cy='{_y(value, low, high):.1f}' r='{radius:.1f}' fill='rgba(31,119,180,0.6)'>"
+                f"<title>group {group}: {value:.3f} × {count}</title></circle>"
+            )
+        if group_values:
+            mean = sum(group_values) / len(group_values)
+            y = _y(mean, low, high)
+            marks.append(
+                f"<line x1='{x - step / 3:.1f}' y1='{y:.1f}' x2='{x + step / 3:.1f}' y2='{y:.1f}' "
+                f"style='stroke:#d62728;stroke-width:2'><title>group {group}: mean {mean:.3f}</title></line>"
+            )
+    missing = f" ({values.missing} None)" if values.missing else ""
+    return _frame(width, f"{title}{missing}", low, high, "".join(marks))
+
+
+def histogram_svg(histogram: Histogram, title: str) -> str:
+    """Bars of a histogram, the count of each bin on hover; the x axis labelled at both ends."""
+    if not histogram.counts:
+        return f"<p class='grpo-chart'>{html.escape(title)}: no values.</p>"
+    bar, width = 16, max(160, _LEFT + _RIGHT + 16 * len(histogram.counts))
+    top = max(histogram.counts)
+    bars = []
+    for k, count in enumerate(histogram.counts):
+        left, right = histogram.edges[k], histogram.edges[k + 1]
+        y = _y(count, 0, top)
+        bars.append(
+            f"<rect x='{_LEFT + bar * k + 1}' y='{y:.1f}' width='{bar - 2}' height='{_HEIGHT - _BOTTOM - y:.1f}' "
+            f"fill='rgba(31,119,180,0.7)'><title>[{left:.3g}, {right:.3g}]: {count}</title></rect>"
+        )
+    end = _LEFT + bar * len(histogram.counts)
+    bars.append(f"<text x='{_LEFT}' y='{_HEIGHT - 8}' style='{_TEXT}'>{histogram.edges[0]:.3g}</text>")
+    bars.append(f"<text x='{end}' y='{_HEIGHT - 8}' text-anchor='end' style='{_TEXT}'>{histogram.edges[-1]:.3g}</text>")
+    return _frame(width, title, 0, top, "".join(bars))

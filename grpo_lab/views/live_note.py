@@ -1,0 +1,49 @@
+"""A line that says when a view is not live.
+
+A notebook reopened with its widgets' saved state, or a page reloaded after the kernel restarted,
+draws the views as they were saved, with no kernel behind them. On opening, the note's browser
+side asks the kernel for an answer; while none has come (and no update has arrived) it says that
+what is shown may not be live, and at which step it was drawn.
+"""
+
+from __future__ import annotations
+
+import anywidget
+import traitlets
+
+_ESM = """
+function render({ model, el }) {
+  el.className = "grpo-live-note";
+  el.style.cssText = "display:none;color:#8a5a00;background:#fff4e0;padding:3px 6px;margin:2px 0;font-size:12px";
+  let heard = false;
+  const hear = () => { heard = true; el.style.display = "none"; };
+  const onMessage = (message) => { if (message && message.type === "alive") hear(); };
+  model.on("msg:custom", onMessage);
+  model.on("change:step", hear);
+  const timer = setTimeout(() => {
+    if (heard) return;
+    el.textContent = `Not live: no word from the kernel since this page opened (it is busy running a cell, or it `
+      + `was restarted). Shown: the view as of step ${model.get("step")}.`;
+    el.style.display = "block";
+  }, model.get("wait_ms"));
+  model.send({ type: "hello" });
+  return () => { clearTimeout(timer); model.off("msg:custom", onMessage); model.off("change:step", hear); };
+}
+export default { render };
+"""
+
+
+class LiveNote(anywidget.AnyWidget):
+    """Hidden while the kernel answers; ``step`` is the optimizer step the view's data is from."""
+
+    _esm = _ESM
+    step = traitlets.Int(0).tag(sync=True)
+    wait_ms = traitlets.Int(5000).tag(sync=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.on_msg(self._answer)
+
+    def _answer(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("type") == "hello":
+            self.send({"type": "alive", "step": self.step})
