@@ -16,6 +16,7 @@ import pandas as pd
 
 LEARNING_SIGNAL = "learning signal"
 NONZERO_ADVANTAGE = "completions with A ≠ 0"
+SHARE_RANGE = (-0.05, 1.05)  # shares of a batch, drawn on the whole of [0, 1]
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,8 @@ def curve_panels(
         if len(steps) >= 2 and not panel.note and all(_is_constant(s.y) for s in panel.series):
             constant.extend(f"{s.name} = {float(s.y[0]):.4g}" for s in panel.series)
             continue
+        if spec.title == LEARNING_SIGNAL:
+            panel.y_range = SHARE_RANGE
         panel.y_range = panel.y_range or _y_range(panel)
         panels.append(panel)
     return Curves(panels, constant, config_marks(list(config_changes)), len(steps))

@@ -73,11 +73,11 @@ function figure(spec, arrays, columns) {
     };
     const rightSeries = panel.series.filter((s) => s.right);
     if (rightSeries.length) {
-      // a norm is never negative: the axis starts at 0 so that 0 (no gradient at all) is visible as such
+      // a norm is never negative: its 0 sits level with the shares' 0, so that no gradient at all shows as such
       const top = Math.max(0, ...rightSeries.flatMap((s) => Array.from(floats(arrays[s.y])).filter(Number.isFinite)));
       layout[`yaxis${rightN}`] = {
-        overlaying: ya, anchor: xa, side: "right", tickformat: ".3~g", showgrid: false,
-        range: [0, top > 0 ? top * 1.08 : 1], autorange: false,
+        overlaying: ya, anchor: xa, side: "right", tickformat: ".3~g", showgrid: false, tickmode: "auto", nticks: 4,
+        range: [-0.05 * (top || 1), 1.05 * (top || 1)], autorange: false,
       };
     }
     layout.annotations.push({

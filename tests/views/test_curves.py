@@ -46,7 +46,7 @@ def test_panels_carry_the_history_with_units_and_reward_std_as_a_band():
     assert panels["entropy"].unit == "nats per token"
     signal = panels[curve_data.LEARNING_SIGNAL]
     assert [(s.name, s.right) for s in signal.series] == [("frac_reward_zero_std", False), ("grad_norm", True)]
-    assert signal.right_unit == "grad norm"
+    assert signal.right_unit == "grad norm" and signal.y_range == curve_data.SHARE_RANGE
 
 
 def test_learning_signal_share_of_completions_with_nonzero_advantage():
