@@ -9,7 +9,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-main test-vllm setup setup-vllm clean
+.PHONY: demo test lint test-main test-vllm setup setup-vllm clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,10 @@ setup-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/grpo-lab demo
 
-test: test-main test-vllm
+test: lint test-main test-vllm
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test-main: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

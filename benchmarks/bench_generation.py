@@ -65,7 +65,7 @@ def _generator(backend: str, case: dict, tokenizer, lora: int):
     if backend == "transformers":
         from transformers import AutoModelForCausalLM
 
-        from grpo_lab.prefix_sharing import PrefixSharing
+        from grpo_lab.accel.prefix_sharing import PrefixSharing
         from grpo_lab.rollout.hf import generate, sampling_config
 
         model = AutoModelForCausalLM.from_pretrained(case["model"], dtype=torch.float32)

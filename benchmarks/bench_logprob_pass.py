@@ -28,7 +28,7 @@ def child(path: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from grpo_lab import ops
-    from grpo_lab.prefix_sharing import PrefixSharing
+    from grpo_lab.accel.prefix_sharing import PrefixSharing
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(

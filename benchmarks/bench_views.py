@@ -1,7 +1,8 @@
 """Cost of the dashboard inside a real Jupyter kernel (widget messages serialised and sent).
 
-Measures the kernel time of one curves update (what every optimizer step costs the dashboard) with
-histories of 10, 100 and 1,000 steps, the kernel memory one update leaves behind at a fixed
+Measures the kernel time of one curves update, and of one whole dashboard update (every view
+hearing an optimizer step's event: what each step costs the dashboard), with histories of 10, 100
+and 1,000 steps, the kernel memory one update leaves behind at a fixed
 history, and the time to render the completions view of a 64-completion batch. Runs the
 measurements as cells of an in-memory notebook through nbclient, so comm traffic is real.
 
@@ -46,6 +47,12 @@ for steps in {steps}:
         start = time.perf_counter(); curves.refresh(); update.append(time.perf_counter() - start)
     results[f"curves_update_ms_median_{{steps}}"] = 1000 * statistics.median(update)
     results[f"curves_update_ms_max_{{steps}}"] = 1000 * max(update)
+    whole = []  # every view of the dashboard hears the update, as after a real optimizer step
+    for _ in range({repeats}):
+        session._history.append(row(len(session._history)))
+        start = time.perf_counter(); session._notify("update", session._history[-1]); whole.append(time.perf_counter() - start)
+    results[f"dashboard_update_ms_median_{{steps}}"] = 1000 * statistics.median(whole)
+    results[f"dashboard_update_ms_max_{{steps}}"] = 1000 * max(whole)
     results[f"curves_traces_{{steps}}"] = sum(len(p["series"]) for p in curves.figure.spec["panels"])
 # memory: the same history refreshed again and again must not hold on to anything
 tracemalloc.start()

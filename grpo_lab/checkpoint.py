@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import random
 import re
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,47 +25,12 @@ import torch
 from grpo_lab import notices
 from grpo_lab.dist import load_full_state, load_optimizer_state
 from grpo_lab.safe_write import PARTIAL_MARKER, check_target, first_process, recover_interrupted_write
+from grpo_lab.state import FORMAT_VERSION, check_format_version, engine_counters, load_engine_counters, set_rng_state
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 CHECKPOINT_PREFIX = "checkpoint-"
 """A trainer's checkpoints are ``<output_dir>/checkpoint-<step>``."""
-
-
-def rng_state() -> dict:
-    """This process's random states, in types a checkpoint loads without running code (tensors,
-    ints, floats, tuples): numpy's state array is kept as a tensor."""
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # this process's device: sampling on a GPU draws from it
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    saved = state["numpy"]
-    np.random.set_state((saved["name"], saved["keys"].numpy().astype(np.uint32), saved["position"],
-                         saved["has_gauss"], saved["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def on_device(obj, device):
-    """A copy of ``obj`` (tensors in dataclasses, dicts, lists...) with every tensor on ``device`` and
-    shared references kept shared; what a process gathers or loads of a half-used batch."""
-    device = torch.device(device)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    # torch.load knows "cpu" but not an indexed "cpu:0" (accelerate's device under multi-CPU runs)
-    return torch.load(buffer, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
 
 
 def plain_values(value, *, unknown=str):
@@ -194,23 +158,17 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], g
     engine.tokenizer.save_pretrained(directory / MODEL_DIR)
     engine.config.to_yaml(directory / "config.yaml")
     state = {
+        "format_version": FORMAT_VERSION,
         "optimizer": engine.optimizer.state_dict() if optimizer_state is None else optimizer_state,
         "optimizer_by_name": optimizer_state is not None,
-        "scheduler": engine.scheduler.state_dict(),
         "per_process": per_process,
-        "sampler": engine.sampler.state_dict(),
-        "global_step": engine.global_step,
-        "num_input_tokens_seen": engine.num_input_tokens_seen,
-        "entropy_control": {"coef": engine.entropy_coef, "last_step_entropy": engine.last_step_entropy},
-        # which parameters a backward pass reaches, once known (skip_zero_advantage_backward)
-        "trained_parameters": None if engine.trained_parameter_names is None else sorted(engine.trained_parameter_names),
+        **engine_counters(engine),
         "ref_model": ref_state,
         "extra": extra,
     }
     torch.save(state, directory / STATE_FILE)
-    (directory / "summary.json").write_text(
-        json.dumps({"global_step": engine.global_step, "is_peft": engine.is_peft}, indent=2) + "\n"
-    )
+    summary = {"format_version": FORMAT_VERSION, "global_step": engine.global_step, "is_peft": engine.is_peft}
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def trainer_checkpoints(output_dir: Path) -> list[Path]:
@@ -262,7 +220,9 @@ def load_state(directory: Path) -> dict:
     path = check_complete(directory) / STATE_FILE
     try:
         with _batch_types():
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        check_format_version(state, str(path))
+        return state
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))
         raise ValueError(
@@ -306,14 +266,7 @@ def restore_engine(engine, state: dict, rng: dict | None) -> None:
     load_optimizer_state(
         engine.accelerator, engine.model, engine.optimizer, state["optimizer"], by_name=state["optimizer_by_name"]
     )
-    engine.scheduler.load_state_dict(state["scheduler"])
-    engine.sampler.load_state_dict(state["sampler"])
-    engine.global_step = state["global_step"]
-    engine.num_input_tokens_seen = state["num_input_tokens_seen"]
-    control = state["entropy_control"]
-    engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
-    if state["trained_parameters"] is not None:
-        engine.trained_parameter_names = set(state["trained_parameters"])
+    load_engine_counters(engine, state)
     if state["ref_model"] is not None and engine.ref_model is not None:
         load_full_state(engine.accelerator, engine.ref_model, state["ref_model"])
     if rng is not None:

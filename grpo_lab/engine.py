@@ -16,46 +16,27 @@ well defined), and micro-batches are taken in order rather than shuffled.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-import os
-import shutil
-import tempfile
 import warnings
-import weakref
 from typing import NamedTuple
 
 import torch
-from transformers import PreTrainedModel, TrainerState, get_scheduler, set_seed
+from transformers import TrainerState, get_scheduler, set_seed
 
-from grpo_lab import compact_forward, dist, host_memory, notices, ops
+from grpo_lab import dist, ops
+from grpo_lab import engine_build as build
+from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config import GRPOConfig
-from grpo_lab.models import (
-    cast_lm_head_to_fp32,
-    check_model_reference,
-    enable_gradient_checkpointing,
-    keep_4bit_layers_differentiable,
-    load_causal_lm,
-    load_tokenizer,
-    prepare_tokenizer,
-    router_aux_loss_weight,
-    routes_to_experts,
-)
-from grpo_lab.prefix_sharing import PrefixSharing, full_forward, unpack
+from grpo_lab.engine_build import check_dataset
+from grpo_lab.models import router_aux_loss_weight, routes_to_experts
 from grpo_lab.metrics import generation_metrics, loss_metrics, sampling_metrics, tool_metrics
-from grpo_lab.rewards import check_reward_signatures, prepare_reward_funcs, score_completions
-from grpo_lab.rewards.runner import CALL_KEYWORDS, check_column_names, check_reward_weights
-from grpo_lab.rollout import make_backend
+from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score_tokens
+from grpo_lab.rewards import check_reward_signatures, score_completions
+from grpo_lab.rewards.runner import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
-from grpo_lab.rollout.custom import CustomBatch, call_rollout_func, check_rollout_func
-from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens, prompt_token_counts
-from grpo_lab.rollout.tools import ToolCalling, check_tools
-from grpo_lab.rollout.hf import check_cache_device
-from grpo_lab.rollout.prompts import render_prompts, wrap_completions
-from grpo_lab.sampler import PromptSampler
+from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
+from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts, render_prompts, wrap_completions
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores, generated_mask
-
-_GLOBAL_NORMALIZER_LOSSES = {"dapo", "cispo", "vespo"}
 
 
 class _MicroBatch(NamedTuple):
@@ -79,184 +60,50 @@ def _finite_zero_gradient(loss: torch.Tensor, ratio_BT: torch.Tensor, mask_BT: t
     return bool(torch.isfinite(loss)) and bool(torch.isfinite(kept).all())
 
 
-def check_dataset(dataset, name: str) -> None:
-    if dataset is None:
-        raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
-    if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
-        raise TypeError(
-            f"{name} must be a datasets.Dataset (got {type(dataset).__name__}). Build one from rows with "
-            "datasets.Dataset.from_list(rows) or from columns with Dataset.from_dict({'prompt': [...], ...})."
-        )
-    columns = getattr(dataset, "column_names", None)
-    if columns is None or "prompt" not in columns:
-        raise ValueError(
-            f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts "
-            "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"{name} is empty: it needs at least one prompt.")
-
-
 class Engine:
     """Model, optimizer, data and reward functions, with one method per GRPO stage."""
 
-    def __init__(
-        self,
-        model,
-        reward_funcs,
-        args: GRPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        peft_config=None,
-        optimizers=(None, None),
-        rollout_func=None,
-        tools=None,
-    ):
-        if args is not None and not isinstance(args, GRPOConfig):
-            raise TypeError(
-                f"args must be a grpo_lab GRPOConfig (got {type(args).__name__}). Build one with "
-                "GRPOConfig(**settings), or GRPOConfig.from_dict(...) / from_yaml(...)."
-            )
-        self.config = args if args is not None else GRPOConfig()
-        config = self.config
-        check_dataset(train_dataset, "train_dataset")
-        if eval_dataset is not None:
-            check_dataset(eval_dataset, "eval_dataset")
-        for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_column_names(dataset, dataset_name)
-        check_reward_weights(config.reward_weights, reward_funcs)
-        self.accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
-        if not config.use_vllm:
-            check_cache_device(config.cache_implementation, self.accelerator.device)
-        if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
-            host_memory.keep_freed_memory()
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, peft_config=None, optimizers=(None, None),
+                 rollout_func=None, tools=None):
+        self.config = config = build.checked_config(args, train_dataset, eval_dataset, reward_funcs)
+        self.accelerator = build.start_accelerator(config)
+        self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)
-        spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
-
-        if isinstance(model, (str, os.PathLike)):
-            name = str(model)
-            # before its tokenizer is read from it: a directory that holds no model fails there without saying why
-            check_model_reference(name, subfolder=config.model_kwargs().get("subfolder"))
-        else:
-            name = getattr(getattr(model, "config", None), "_name_or_path", None)
-        remote_code = config.model_kwargs()["trust_remote_code"]
-        if processing_class is None:
-            if not name:
-                raise ValueError("processing_class is required when the model has no name to load a tokenizer from.")
-            processing_class = load_tokenizer(name, trust_remote_code=remote_code)
-        elif isinstance(processing_class, (str, os.PathLike)):  # a tokenizer's directory or hub id
-            processing_class = load_tokenizer(str(processing_class), trust_remote_code=remote_code)
-        self.tokenizer = prepare_tokenizer(processing_class)
-        policy = load_causal_lm(model, config.model_kwargs())
-        embeddings = policy.get_input_embeddings()
-        if embeddings is not None and len(self.tokenizer) > embeddings.num_embeddings:
-            raise ValueError(
-                f"The tokenizer has {len(self.tokenizer)} tokens but the model has embeddings for only "
-                f"{embeddings.num_embeddings}: token ids from {embeddings.num_embeddings} on have none. Give the model's "
-                "own tokenizer (processing_class), or grow the model's embeddings to the tokenizer before building the "
-                "session: model.resize_token_embeddings(len(tokenizer))."
-            )
-        # Every prompt rendered and counted now, so that a bad row is named before any step; a dataset too
-        # large for that is checked a batch at a time, as _train_rows draws it.
-        self._context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
-        self._prompt_tokens = self._prompt_tokens_source = None  # train_dataset's prompt lengths, and that dataset
-        for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if dataset is not None and len(dataset) <= PROMPT_CHECK_ROWS:
-                tokens = dataset_prompt_tokens(dataset, self.tokenizer, config.chat_template_kwargs, dataset_name)
-                check_prompt_room(
-                    tokens, range(len(dataset)), context=self._context, dataset=dataset_name,
-                    max_new_tokens=None if rollout_func is not None or tools is not None else config.max_completion_length,
-                    chat_template_kwargs=config.chat_template_kwargs,
-                )
-                if dataset is train_dataset:
-                    self._prompt_tokens, self._prompt_tokens_source = tokens, dataset
-        router_aux_loss_weight(policy, config.router_aux_loss_coef)  # refused here for a model without router logits
-        keep_4bit_layers_differentiable(policy)
-        self.model_reference = str(model) if not isinstance(model, PreTrainedModel) else name
-        self._remove_model_copy = lambda: None
-        vllm_model = self._vllm_model_source(model, policy) if config.use_vllm and config.vllm_mode == "colocate" else None
-        if peft_config is not None:
-            from peft import get_peft_model
-
-            policy = get_peft_model(policy, peft_config)
-        self.is_peft = peft_config is not None or hasattr(policy, "disable_adapter") and hasattr(policy, "peft_config")
-        if config.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(policy)  # before the reference copy, which keeps it
-            half = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
-            if half and dist.sharding(self.accelerator) == "fsdp" and self.accelerator.mixed_precision == "no":
-                raise ValueError(
-                    f"cast_lm_head_to_fp32=True under FSDP without mixed precision, on {', '.join(half)} weights: FSDP "
-                    "shards the output layer with the final norm and needs one dtype among the trainable parameters it "
-                    "shards together. Train with mixed precision (bf16=True: accelerate keeps the weights in float32), "
-                    "or load the model in float32."
-                )
-        if config.disable_dropout:
-            for module in policy.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        if config.gradient_checkpointing:
-            enable_gradient_checkpointing(policy, config.gradient_checkpointing_kwargs or {"use_reentrant": False})
-            if self.is_peft:
-                policy.enable_input_require_grads()
-        # from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing
-        # and dropout; the policy trains in training mode (generation switches to eval and back).
-        policy.train()
-        self.prefix_sharing = PrefixSharing()
-        self.ref_model = None
-        if config.beta > 0 and not self.is_peft:
-            self.ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(self.accelerator.device)
-
+        self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
+        policy = build.load_policy(model, config, self.tokenizer)
+        self._context, self._prompt_tokens, self._prompt_tokens_source = build.check_prompts(
+            policy, self.tokenizer, config, train_dataset, eval_dataset,
+            custom_rollout=rollout_func is not None or tools is not None,
+        )
+        build.check_policy(policy, config)
+        self.model_reference = build.model_reference(model, name)
+        vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, self.tokenizer, config)
+        policy, self.is_peft = build.adapt_policy(policy, config, peft_config, self.accelerator)
+        self.ref_model = build.reference_copy(policy, config, self.is_peft, self.accelerator.device)
         optimizer, scheduler = optimizers
-        self.owns_optimizer = optimizer is None
-        if optimizer is None:
-            optimizer = torch.optim.AdamW(
-                [p for p in policy.parameters() if p.requires_grad],
-                lr=config.learning_rate,
-                betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_epsilon,
-                weight_decay=config.weight_decay,
-                fused=config.optim == "adamw_torch_fused",
-            )
-        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        self.owns_optimizer, self.owns_scheduler = optimizer is None, scheduler is None
+        self.model, self.optimizer = self.accelerator.prepare(policy, build.adamw(policy, config) if optimizer is None
+                                                              else optimizer)
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once: each unwrap costs about 0.1 ms
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        check_rollout_func(rollout_func)
-        if tools is not None and rollout_func is not None:
-            raise ValueError(
-                "Give tools or rollout_func, not both: a rollout function runs its own tools "
-                "(grpo_lab.rollout.tools.ToolCalling, the loop behind tools=, is one)."
-            )
-        self.rollout_func = rollout_func
-        self.tools = None if tools is None else check_tools(tools, self.tokenizer, train_dataset[0]["prompt"], config.chat_template_kwargs)
-        # What generates the completions in place of the backend (and receives rollout_owner, the GRPOSession).
-        self.custom_rollout = rollout_func if tools is None else ToolCalling(
-            self.tools, self.tokenizer, eos_token_ids(self.tokenizer, self.unwrapped_model), config.chat_template_kwargs,
+        self.train_dataset, self.eval_dataset, self.rollout_func = train_dataset, eval_dataset, rollout_func
+        self.tools, self.custom_rollout = build.custom_rollout(
+            rollout_func, tools, self.tokenizer, self.unwrapped_model, train_dataset, config
         )
         self.rollout_owner = None
         self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
-        self.sampler = PromptSampler(
-            dataset_size=len(train_dataset),
-            prompts_per_batch=self.batching.generation_batch_size // config.num_generations,
-            seed=config.data_seed if config.data_seed is not None else config.seed,
-            shuffle=config.shuffle_dataset is not False,
-        )
+        self.sampler = build.prompt_sampler(config, self.batching, len(train_dataset))
+        spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         self.steps_per_batch = config.num_iterations * spg // ga
-        self.owns_scheduler = scheduler is None
         self.scheduler = self._new_scheduler() if scheduler is None else scheduler
-        funcs, classes, names = prepare_reward_funcs(
-            reward_funcs, reward_processing_classes, config.model_kwargs(), columns=self.reward_columns()
+        self.reward_funcs, self.reward_processing_classes, self.reward_names = build.reward_functions(
+            reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device
         )
-        self.reward_funcs, self.reward_processing_classes, self.reward_names = funcs, classes, names
-        for func in funcs:
-            if isinstance(func, PreTrainedModel):
-                func.to(self.accelerator.device)
         self.global_step = 0
         self.num_input_tokens_seen = 0
         self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
@@ -266,54 +113,21 @@ class Engine:
         self.entropy_coef = config.entropy_coef
         self.last_step_entropy: float | None = None
         self._pending_step_entropy: float | None = None
-        lora_rank = int(getattr(peft_config, "r", 0) or 0) if self.is_peft else 0
-        if self.is_peft and not lora_rank:
-            lora_rank = max(int(c.r) for c in self.unwrapped_model.peft_config.values())
-        try:
-            self.rollout_backend = make_backend(
-                config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
-                vllm_model=vllm_model, lora_rank=lora_rank, prefix_sharing=self.prefix_sharing,
-            )
-        except BaseException:
-            self._remove_model_copy()
-            raise
+        self.rollout_backend = build.rollout_backend(
+            config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
+            vllm_model=vllm_model, lora_rank=build.lora_rank(peft_config, self.is_peft, self.unwrapped_model),
+            speed_paths=self.speed_paths, remove_model_copy=self._remove_model_copy,
+        )
         self.published_version = 0  # a backend starts from the policy it is built with
-        reason = compact_forward.unsupported_reason(self.unwrapped_model) if config.compact_forward else None
-        if reason is not None and self.accelerator.is_main_process:
-            notices.warn(
-                f"compact_forward is on, but grpo_lab's compact forward pass cannot run this model, so transformers' "
-                f"slower forward pass runs instead: {reason}. Set compact_forward=False to silence this note."
-            )
-
-    def _vllm_model_source(self, model, policy) -> str:
-        """What colocated vLLM loads: the model's path or hub id; the base model of a PEFT model (its
-        adapter follows with every request); or a copy of a model object, saved to a temporary
-        directory that is removed with the engine."""
-        if isinstance(model, (str, os.PathLike)):
-            return str(model)
-        if hasattr(policy, "peft_config"):
-            name = next(iter(policy.peft_config.values())).base_model_name_or_path
-        elif getattr(policy, "is_quantized", False):
-            name = getattr(policy.config, "_name_or_path", "")
-        else:
-            directory = tempfile.mkdtemp(prefix="grpo_lab_vllm_model_")
-            self._remove_model_copy = weakref.finalize(self, shutil.rmtree, directory, True)
-            policy.save_pretrained(directory)
-            self.tokenizer.save_pretrained(directory)
-            return directory
-        if not name:
-            raise ValueError(
-                "use_vllm=True with a quantized or PEFT model object needs its base model's path: pass the "
-                "model as a path or hub id (with model_init_kwargs), or set the base model's path in its config."
-            )
-        return name
+        note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
+                                 main_process=self.accelerator.is_main_process)
 
     def close(self) -> None:
         """Release the generation backend (a vLLM engine holds memory until then), and return the
         free memory that ``keep_freed_cpu_memory`` kept to the kernel."""
         self.rollout_backend.close()
         self._remove_model_copy()
-        host_memory.release_freed_memory()
+        release_freed_memory()
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:
@@ -403,57 +217,37 @@ class Engine:
                           entropy_grad: bool = False):
         """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``:
         ``(logprobs_BT, entropies_BT or None)``; see ``logprobs_and_aux_loss``."""
-        return self.logprobs_and_aux_loss(model, rollout, index_B, with_entropy=with_entropy, entropy_grad=entropy_grad)[:2]
+        scores = self.logprobs_and_aux_loss(model, rollout, index_B, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return scores[:2]
 
     def logprobs_and_aux_loss(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,
-                              entropy_grad: bool = False, router_aux_loss: bool = False):
+                              entropy_grad: bool = False, router_aux_loss: bool = False) -> TokenScores:
         """Per-token log-probs (and entropies, and a mixture-of-experts model's load-balancing loss)
         of the completions ``index_B`` under ``model``: ``(logprobs_BT, entropies_BT or None,
-        aux_loss or None)``.
+        aux_loss or None)``, from ``policy_forward.score_tokens``, which picks the forward pass.
 
-        Logits are divided by the sampling temperature first, so the log-probs are those of the
-        distribution the completions were sampled from (as TRL does). A group's shared prompt is
-        run once where the model allows it (``share_prompt_prefix``); with ``compact_forward`` only the
-        kept tokens are scored, and the (B, T) results hold zeros after each completion's end.
-        Entropies carry their gradient only with ``entropy_grad`` (for the entropy bonus). While the
-        load-balancing loss is weighted, every pass runs whole sequences, as that loss is over them
-        (and the old policy's log-probs then come from the same path as the training pass's).
+        While the load-balancing loss is weighted, every pass of the policy runs whole sequences, as
+        that loss is over them (and the old policy's log-probs then come from the same path as the
+        training pass's).
         """
-        completion_ids = rollout.completion_ids_BT[index_B]
-        rows = (model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], completion_ids,
-                rollout.completion_mask_BT[index_B])
-        aux_loss = None
-        if router_aux_loss:
-            output = full_forward(*rows, output_router_logits=True)
-            logits, slots_N, aux_loss = output.logits[:, :-1, :], None, getattr(output, "aux_loss", None)
-            if not isinstance(aux_loss, torch.Tensor):
-                raise ValueError(
-                    f"router_aux_loss_coef weights a load-balancing loss ({self.router_aux_loss_weight():g}, "
-                    f"{'the model config' if self.config.router_aux_loss_coef is None else 'set'}), but "
-                    f"{type(self.unwrapped_model).__name__} returns none with output_router_logits=True. "
-                    "Set router_aux_loss_coef=0."
-                )
-        else:
-            logits, slots_N = self.prefix_sharing.logits(
-                *rows, enabled=self.config.share_prompt_prefix and (model is not self.model or self.router_aux_loss_weight() == 0.0),
-                compact=self.config.compact_forward,
+        config = self.config
+        scores = score_tokens(
+            model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], rollout.completion_ids_BT[index_B],
+            rollout.completion_mask_BT[index_B], speed_paths=self.speed_paths, compact_forward=config.compact_forward,
+            share_prompt_prefix=not router_aux_loss and config.share_prompt_prefix and (
+                model is not self.model or self.router_aux_loss_weight() == 0.0
+            ),
+            temperature=config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            router_aux_loss=router_aux_loss,
+        )
+        if router_aux_loss and not isinstance(scores.aux_loss, torch.Tensor):
+            raise ValueError(
+                f"router_aux_loss_coef weights a load-balancing loss ({self.router_aux_loss_weight():g}, "
+                f"{'the model config' if config.router_aux_loss_coef is None else 'set'}), but "
+                f"{type(self.unwrapped_model).__name__} returns none with output_router_logits=True. "
+                "Set router_aux_loss_coef=0."
             )
-        if slots_N is not None:  # the kept tokens only, as one row
-            logits, token_ids = logits.unsqueeze(0), completion_ids.flatten().index_select(0, slots_N).unsqueeze(0)
-        else:
-            token_ids = completion_ids
-        logits = logits.float()
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
-        logprobs = ops.selective_log_softmax(logits, token_ids)
-        entropies = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies = ops.entropy_from_logits(logits)
-        if slots_N is None:
-            return logprobs, entropies, aux_loss
-        spread = lambda values: unpack(values[0], slots_N, *completion_ids.shape)  # noqa: E731
-        return spread(logprobs), None if entropies is None else spread(entropies), aux_loss
+        return scores
 
     @torch.no_grad()
     def _batched_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
@@ -666,14 +460,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self.step_indices(batch_step)
         step_index = torch.cat(micro_batches)
-        loss_mask_BT = rollout.generated_mask_BT.float()
-        if config.mask_truncated_completions:
-            loss_mask_BT = ops.truncation_mask(loss_mask_BT, rollout.is_truncated_B)
-        # dapo-style losses divide by the tokens of the whole optimizer step, counted over all processes;
-        # DDP averages gradients over processes, hence the division by their number.
-        global_tokens = dist.total(self.accelerator, loss_mask_BT[step_index].sum())
-        normalizer = (global_tokens / self.accelerator.num_processes).clamp(min=1.0)
-        epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+        loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
+        settings = ops.LossSettings.from_config(config)
         entropy_coef = ops.applied_entropy_coef(
             self.entropy_coef, self.last_step_entropy, adaptive=config.use_adaptive_entropy, target=config.entropy_target,
         )
@@ -684,14 +472,8 @@ class Engine:
         skipped, not_finite, aux_losses = 0, False, []
         for k, index_B in enumerate(micro_batches):
             sync = k == len(micro_batches) - 1
-            # A micro-batch whose advantages are all zero adds exactly nothing to the gradient: its
-            # forward pass runs (for the metrics) without a backward. The last micro-batch of a step
-            # always runs one where gradients are averaged or gathered in it (several processes,
-            # FSDP), and where no backward pass has run yet that says which parameters it reaches.
-            skip = zero_K is not None and zero_K[k] and (
-                not sync or (self._whole_model_here() and (skipped < k or self.trained_parameter_names is not None))
-            )
-            args = (rollout, advantages, index_B, loss_mask_BT, normalizer, epsilon_high, entropy_coef, aux_weight,
+            skip = self._skips_backward(zero_K, k, sync, skipped)
+            args = (rollout, advantages, index_B, loss_mask_BT, normalizer, settings, entropy_coef, aux_weight,
                     len(micro_batches))
             with torch.no_grad() if skip else contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
                 step = self._micro_batch_loss(*args)
@@ -714,23 +496,55 @@ class Engine:
             not_finite = not_finite_all > 0
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
         if config.use_adaptive_entropy:
-            entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
-            self._pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
-        result = self._loss_result(advantages, step_index, parts, total_loss)
+            self._hold_step_entropy(entropy_stats)
+        result = self._loss_result(advantages, step_index, parts, total_loss, settings)
         result.micro_batches, result.backward_skipped = len(micro_batches), skipped
         if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
             result.metrics["entropy_coef"] = entropy_coef
         if zero_K is not None:
             result.metrics["backward_skipped_fraction"] = skipped_all / micro_batches_all
-        if aux_losses:
-            result.metrics["aux_loss"] = float(dist.mean(self.accelerator, torch.stack(aux_losses).mean()))
-        if config.off_policy_mask_threshold is not None:
-            sequences = dist.total(self.accelerator, torch.tensor(float(len(step_index)), device=masked_sequences.device))
-            result.metrics["off_policy_mask/masked_fraction"] = float(dist.total(self.accelerator, masked_sequences) / sequences)
+        self._add_step_metrics(result.metrics, aux_losses, masked_sequences, len(step_index))
         return result
 
+    def _skips_backward(self, zero_K: list[bool] | None, k: int, last: bool, skipped: int) -> bool:
+        """Whether micro-batch ``k`` runs its forward pass without a backward. A micro-batch whose
+        advantages are all zero adds exactly nothing to the gradient: its forward pass runs (for the
+        metrics) without a backward. The ``last`` micro-batch of a step always runs one where gradients
+        are averaged or gathered in it (several processes, FSDP), and where no backward pass has run
+        yet that says which parameters it reaches (``skipped`` of the ``k`` before it were skipped)."""
+        return zero_K is not None and zero_K[k] and (
+            not last or (self._whole_model_here() and (skipped < k or self.trained_parameter_names is not None))
+        )
+
+    def _hold_step_entropy(self, entropy_stats: list[torch.Tensor]) -> None:
+        """Keep the step's mean token entropy, over processes, for the adaptive entropy weight that
+        ``update`` adapts; ``entropy_stats`` holds each micro-batch's kept-token entropy sum and count."""
+        entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
+        self._pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
+
+    def _loss_mask_and_normalizer(self, rollout: Rollout, step_index: torch.Tensor):
+        """The (B, T) mask of the tokens the loss counts, and the step-token normalizer: losses that
+        normalize globally (dapo's) divide by the tokens of the whole optimizer step, counted over all
+        processes; DDP averages gradients over processes, hence the division by their number."""
+        loss_mask_BT = rollout.generated_mask_BT.float()
+        if self.config.mask_truncated_completions:
+            loss_mask_BT = ops.truncation_mask(loss_mask_BT, rollout.is_truncated_B)
+        global_tokens = dist.total(self.accelerator, loss_mask_BT[step_index].sum())
+        return loss_mask_BT, (global_tokens / self.accelerator.num_processes).clamp(min=1.0)
+
+    def _add_step_metrics(self, metrics: dict, aux_losses: list, masked_sequences: torch.Tensor,
+                          sequences: int) -> None:
+        """The load-balancing loss (where one was weighted) and the share of sequences the off-policy
+        mask dropped (where it is on), over processes."""
+        if aux_losses:
+            metrics["aux_loss"] = float(dist.mean(self.accelerator, torch.stack(aux_losses).mean()))
+        if self.config.off_policy_mask_threshold is not None:
+            total = dist.total(self.accelerator, torch.tensor(float(sequences), device=masked_sequences.device))
+            metrics["off_policy_mask/masked_fraction"] = float(dist.total(self.accelerator, masked_sequences) / total)
+
     def _micro_batch_loss(self, rollout: Rollout, advantages: Advantages, index_B, loss_mask_BT, normalizer,
-                          epsilon_high: float, entropy_coef: float, aux_weight: float, micro_batches: int) -> _MicroBatch:
+                          settings: ops.LossSettings, entropy_coef: float, aux_weight: float,
+                          micro_batches: int) -> _MicroBatch:
         """One micro-batch's forward pass and loss; a mixture-of-experts model's load-balancing loss
         is added with ``aux_weight`` / ``micro_batches`` (TRL's scaling)."""
         config = self.config
@@ -752,29 +566,16 @@ class Engine:
             on_device(rollout.old_logprobs_BT),
             on_device(advantages.advantages_B),
             mask_BT,
-            loss_type=config.loss_type,
-            epsilon_low=config.epsilon,
-            epsilon_high=epsilon_high,
-            delta=config.delta,
-            importance_sampling_level=config.importance_sampling_level,
-            sapo_temperature_pos=config.sapo_temperature_pos,
-            sapo_temperature_neg=config.sapo_temperature_neg,
-            vespo_k_pos=config.vespo_k_pos,
-            vespo_lambda_pos=config.vespo_lambda_pos,
-            vespo_k_neg=config.vespo_k_neg,
-            vespo_lambda_neg=config.vespo_lambda_neg,
+            settings=settings,
             ref_logprobs_BT=on_device(rollout.ref_logprobs_BT),
-            beta=config.beta,
-            use_bias_correction_kl=config.use_bias_correction_kl,
             entropy_mask_BT=entropy_mask_BT,
             importance_sampling_ratio_BT=on_device(rollout.importance_weights_BT),
-            max_completion_length=config.max_completion_length,
             num_items_in_batch=normalizer,
             off_policy_mask_B1=off_policy_B1,
             entropies_BT=entropies_BT,
             entropy_coef=entropy_coef,
         )
-        loss = out.loss if config.loss_type in _GLOBAL_NORMALIZER_LOSSES else out.loss / micro_batches
+        loss = out.loss if settings.spec.normalizes_globally else out.loss / micro_batches
         if aux_loss is not None:
             loss = loss + aux_weight * aux_loss.to(loss.device) / micro_batches
         return _MicroBatch(loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1, aux_loss)
@@ -835,16 +636,14 @@ class Engine:
             sampling_BT[index_B].to(logprobs_BT.device).float(), mask_BT, threshold=threshold,
         )
 
-    def _loss_result(self, advantages, step_index, parts, total_loss) -> LossResult:
-        config = self.config
-        epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+    def _loss_result(self, advantages, step_index, parts, total_loss, settings: ops.LossSettings) -> LossResult:
         cat = lambda i: torch.cat([p[i] for p in parts])  # noqa: E731
         logprobs_BT, entropies_BT, mask_BT = cat(1), cat(2), cat(4)
         ratio_BT = torch.cat([p[3].ratio_BT.detach().expand_as(p[1]) for p in parts])
-        kl_BT = torch.cat([p[3].kl_BT.detach() for p in parts]) if config.beta > 0 else None
+        kl_BT = torch.cat([p[3].kl_BT.detach() for p in parts]) if settings.beta > 0 else None
         clip = ops.clip_diagnostics(
             ratio_BT, advantages.advantages_B[step_index].to(ratio_BT.device), mask_BT,
-            epsilon_low=config.epsilon, epsilon_high=epsilon_high, loss_type=config.loss_type,
+            epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high, loss_type=settings.loss_type,
         )
         metrics = loss_metrics(self.accelerator, clip, entropies_BT, kl_BT, mask_BT, total_loss)
         return LossResult(

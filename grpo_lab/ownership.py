@@ -40,6 +40,10 @@ class Activity:
     """Optimizer steps it has finished."""
     now: str | None = None
     """The stage running inside it now, e.g. ``"stage loss()"`` (None: between stages)."""
+    stop_request: str | None = None
+    """Where it was asked to end (:meth:`OwnerGuard.request_stop`): ``"stage"`` between two
+    stages, ``"step"`` after the current update(); None: not asked. A loop that holds the session
+    (the dashboard's Run N) reads it; a cell's ``session.run()`` ends on an interrupt instead."""
 
     @property
     def where(self) -> str:
@@ -88,6 +92,18 @@ class OwnerGuard:
         with self._lock:
             return self._activity
 
+    def request_stop(self, where: str) -> bool:
+        """Ask what holds the session to end ``where`` ("stage" or "step"; a stage request is never
+        weakened to a step one). Returns whether anything was holding it."""
+        if where not in ("stage", "step"):
+            raise ValueError(f"where must be 'stage' (between stages) or 'step' (after the current update()), got {where!r}.")
+        with self._lock:
+            if self._activity is None:
+                return False
+            if self._activity.stop_request != "stage":
+                self._activity = dataclasses.replace(self._activity, stop_request=where)
+            return True
+
     @contextlib.contextmanager
     def hold(
         self, description: str, *, now: str | None = None, started_by: str | None = None,
@@ -124,5 +140,8 @@ class OwnerGuard:
                 else:
                     done = self._activity.steps_done + (finishes_step and succeeded)
                     self._activity = dataclasses.replace(self._activity, now=outer_now, steps_done=done)
-            if outermost:
+            if outermost and succeeded:
                 self._notify("idle", None)
+            elif outermost:
+                with contextlib.suppress(Exception):  # the block's own error is the one to see
+                    self._notify("idle", None)

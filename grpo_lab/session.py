@@ -29,15 +29,12 @@ from grpo_lab.checkpoint import (
     check_save_target,
     load_saved_weights,
     load_state,
-    on_device,
     own_process_state,
     per_process_states,
     plain_values,
     restore_engine,
-    rng_state,
     safe_batch,
     save_engine,
-    set_rng_state,
 )
 from grpo_lab.config import GRPOConfig
 from grpo_lab.dist import (
@@ -45,51 +42,15 @@ from grpo_lab.dist import (
 )
 from grpo_lab.engine import Engine
 from grpo_lab.interrupts import deferred_interrupts
+from grpo_lab.live_config import apply_edits, rebuilt_fields
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
 from grpo_lab.ownership import Activity, OwnerGuard
 from grpo_lab.safe_write import atomic_directory_write
+from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict, set_rng_state
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
 STAGES = ("generate", "score", "advantages", "loss", "update")
 
-
-_BUILD_TIME_FIELDS = {
-    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
-    "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
-    "optim", "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
-    "gradient_checkpointing_kwargs", "bf16", "fp16",
-    "use_cpu", "seed", "data_seed", "shuffle_dataset", "num_generations", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
-    "keep_freed_cpu_memory",
-}
-"""Config fields read once, when the session is built: the model and its precision, the generation
-backend, the optimizer, the random seeds, the prompt order, the batch layout and the process's
-memory allocator."""
-
-_MODEL_FIELDS = {
-    "model_init_kwargs", "trust_remote_code", "disable_dropout", "cast_lm_head_to_fp32", "gradient_checkpointing",
-    "gradient_checkpointing_kwargs",
-}
-"""Build-time fields applied to the model itself, which a model given to ``load(model=)`` already has."""
-
-_BATCH_LAYOUT_FIELDS = {
-    "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
-    "steps_per_generation", "num_iterations",
-}
-"""Build-time fields that shape a generation batch: a saved half-used batch cannot be fed under new values."""
-
-_SAVED_STATE_FIELDS = {"seed", "data_seed", "shuffle_dataset", "optim"}
-"""Build-time fields whose saved values a loaded run's random state, prompt order and optimizer state carry."""
-
-_SCHEDULE_FIELDS = {"max_steps", "num_train_epochs", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio"}
-"""Config fields that rebuild the learning-rate schedule, at the current step, when they change."""
-
-_SCHEDULE_ONLY_FIELDS = _SCHEDULE_FIELDS - {"max_steps", "num_train_epochs"}
-"""Schedule fields that do nothing else (max_steps and num_train_epochs also set the run's length):
-a scheduler passed in ``optimizers=`` does not read them, so a change would have no effect."""
-
-_ADAMW_FIELDS = {"adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay"}
-"""Config fields applied to grpo_lab's AdamW when they change between steps."""
 
 
 class StageOrderError(RuntimeError):
@@ -229,6 +190,12 @@ class GRPOSession:
         dashboard's Run N or Step button), how far it is and how to stop it; ``str()`` says it all."""
         return self._owner.activity
 
+    def request_stop(self, where: str = "stage") -> bool:
+        """Ask what drives the session from another thread (the dashboard's Run N) to end: ``"stage"``
+        between two stages, ``"step"`` after the current update(). Returns whether anything was
+        running. A cell's ``session.run()`` is ended by interrupting the kernel instead."""
+        return self._owner.request_stop(where)
+
     def hold(self, description: str, *, started_by: str | None = None, how_to_stop: str | None = None,
              steps: int | None = None):
         """A context manager that holds the session for this thread while several calls drive it (the
@@ -293,69 +260,14 @@ class GRPOSession:
             )
 
     def _sync_config(self) -> None:
-        """Validate edits to ``session.config`` and record the step at which each took effect."""
-        edited = self.config.to_dict()
-        if edited == self._applied_config:
+        """Validate edits to ``session.config``, apply them and record the step at which each took effect
+        (each field's rule: :mod:`grpo_lab.live_config`)."""
+        if self.config.to_dict() == self._applied_config:
             return
-        try:
-            self.config.validate()  # also normalises (scale_rewards=False -> "none"), so compare afterwards
-        except ValueError:
-            # An invalid value of a field that cannot change anyway: that is the error to see.
-            fixed = sorted(name for name in _BUILD_TIME_FIELDS if edited.get(name) != self._applied_config.get(name))
-            if fixed:
-                self._undo(fixed)
-                raise ValueError(self._fixed_fields_message(fixed)) from None
-            raise
-        current = self.config.to_dict()
-        changed = {k: (self._applied_config.get(k), v) for k, v in current.items() if self._applied_config.get(k) != v}
-        fixed = sorted(set(changed) & _BUILD_TIME_FIELDS)
-        if fixed:
-            self._undo(fixed)
-            raise ValueError(self._fixed_fields_message(fixed))
-        if "beta" in changed and self.config.beta > 0 and self.engine.ref_model is None and not self.engine.is_peft:
-            self._undo(["beta"])
-            raise ValueError(
-                "beta > 0 needs a reference model, and this session was built with beta=0, so none was kept; the edit "
-                "was undone. Build a new GRPOSession with beta > 0 (its reference is the model it starts from)."
-            )
-        if "router_aux_loss_coef" in changed:
-            try:
-                self.engine.router_aux_loss_weight()
-            except ValueError as error:
-                self._undo(["router_aux_loss_coef"])
-                raise ValueError(f"{error} The edit was undone.") from None
-        schedule = sorted(set(changed) & _SCHEDULE_FIELDS)
-        if schedule and not self.engine.owns_scheduler and set(schedule) & _SCHEDULE_ONLY_FIELDS:
-            self._undo(schedule)
-            raise ValueError(
-                f"{', '.join(sorted(set(schedule) & _SCHEDULE_ONLY_FIELDS))}: these configure the schedule grpo_lab "
-                "builds, and this session's scheduler was given in optimizers=(optimizer, scheduler), which does not "
-                "read them, so the change would have no effect; it was undone. Change your own scheduler instead. "
-                "(max_steps and num_train_epochs can change: they set the run's length, and your scheduler goes on.)"
-            )
-        if schedule and self.engine.owns_scheduler:
-            try:
-                self.engine.rebuild_schedule()
-            except Exception:  # e.g. lr_scheduler_kwargs the schedule does not take: the old schedule stays
-                self._undo(schedule)
-                raise
+        changed = apply_edits(self.config, self._applied_config, self.engine)
         for name, (old, new) in changed.items():
             self._record_change(name, old, new)
-            if name == "learning_rate":
-                self.engine.set_learning_rate(new, old)
-            if name in ("entropy_coef", "use_adaptive_entropy"):
-                self.engine.restart_entropy_weight(forget_entropy=name == "use_adaptive_entropy")
-        if set(changed) & _ADAMW_FIELDS:
-            self.engine.apply_adamw_settings()
-        self._applied_config = current
-
-    @staticmethod
-    def _fixed_fields_message(fixed: list[str]) -> str:
-        return (
-            f"{', '.join(fixed)} cannot change after the session is built (they load the model, start the "
-            "generation backend, build the optimizer, seed the run, lay out its batches or set the process's "
-            "memory allocator); the edit was undone. Build a new GRPOSession with the new value."
-        )
+        self._applied_config = self.config.to_dict()
 
     def _record_change(self, name: str, old, new) -> None:
         """Add an edit to ``config_changes``, or, where no stage has run since the field's last
@@ -371,10 +283,6 @@ class GRPOSession:
         change = {"step": self.global_step + 1, "field": name, "old": old, "new": new}
         self.config_changes.append(change)
         self._unused_changes[name] = (change, self._stages_run)
-
-    def _undo(self, names: list[str]) -> None:
-        for name in names:
-            setattr(self.config, name, self._applied_config[name])
 
     # ------------------------------------------------------------------ stages
     @_drives_stages
@@ -542,7 +450,7 @@ class GRPOSession:
                 return result
 
     def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
-        """Run ``n`` optimizer steps; Ctrl-C (or Stop) ends cleanly between stages, nothing lost."""
+        """Run ``n`` optimizer steps; Ctrl-C (interrupting the kernel) ends cleanly between stages, nothing lost."""
         from grpo_lab.progress import progress_bar
 
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
@@ -581,20 +489,21 @@ class GRPOSession:
         return Dashboard(self)
 
     def completions_view(self):
-        """The current batch by prompt group, tokens coloured by log-prob, entropy, A x ratio, clipping
-        or (with vLLM) the trainer/vLLM log-prob gap."""
+        """The current batch (or the last trained one) by prompt group, tokens coloured by probability,
+        entropy, A x ratio, clipping or (with vLLM) the trainer/vLLM log-prob gap."""
         from grpo_lab.views.completions import CompletionsView
 
         return CompletionsView(self)
 
     def rewards_view(self):
-        """Per reward function statistics, correlations and logged extras of the last score()."""
+        """Per reward function statistics, pass rates, correlations, reward strips per group, the
+        advantage histogram and logged extras of the batch shown (marked when older than the session's)."""
         from grpo_lab.views.rewards import RewardsView
 
         return RewardsView(self)
 
     def curves(self):
-        """Training curves, updated in place after every update()."""
+        """Training curves, redrawn from the whole history after every update()."""
         from grpo_lab.views.curves import CurvesView
 
         return CurvesView(self)
@@ -614,6 +523,18 @@ class GRPOSession:
         return export_session(self, path)
 
     # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        """Copies of everything this session needs to continue exactly as it would from here:
+        weights (or adapter), optimizer, scheduler, random states, sampler position, the half-used
+        batch, history and config (see :mod:`grpo_lab.state`). Training on leaves it unchanged."""
+        return session_state_dict(self)
+
+    @_drives_stages
+    def load_state_dict(self, state: dict) -> None:
+        """Return to ``state`` from :meth:`state_dict` of this session (or one built like it); a loss()
+        not yet used by update() is dropped, so the next stage is what the saved batch needs next."""
+        load_session_state_dict(self, state)
+
     @_drives_stages
     def save(self, path, *, overwrite: bool = False) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
@@ -715,8 +636,8 @@ class GRPOSession:
         own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
         saved = per_process_states(state)
         half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
-        built = _rebuilt_fields(
-            directory, extra, kwargs["args"].to_dict(), own_optimizer, own_scheduler,
+        built = rebuilt_fields(
+            directory, extra["applied_config"], kwargs["args"].to_dict(), own_optimizer, own_scheduler,
             given_model=model is not None, half_used=half_used,
         )
         model_dir = directory / MODEL_DIR
@@ -782,68 +703,6 @@ def _without_remote_code(config: GRPOConfig, directory: Path) -> GRPOConfig:
         config.trust_remote_code = False
         config.model_init_kwargs = init_kwargs or None
     return config
-
-
-def _rebuilt_fields(
-    directory: Path, extra: dict, built: dict, own_optimizer: bool, own_scheduler: bool, given_model: bool,
-    half_used: bool,
-) -> dict:
-    """Build-time fields whose value in ``built`` (the config a session is about to be built with)
-    differs from the saved run's, as ``{name: (old, new)}``; they are in effect from the next step.
-
-    Refused, before anything is loaded: new seeds, prompt order or optimizer (the saved state carries
-    the old ones; an optimizer given in ``optimizers=`` is the caller's), new settings of a model given
-    to load into (it was built with the old ones), a new schedule shape for a scheduler given in
-    ``optimizers=`` (grpo_lab cannot rebuild it), and a new batch layout for a half-used batch
-    (``half_used``: the saved run stopped inside a generation batch that the loaded one continues).
-    """
-    saved = extra["applied_config"]
-    schedule = sorted(name for name in _SCHEDULE_ONLY_FIELDS if saved.get(name) != built[name]) if own_scheduler else []
-    if schedule:
-        raise ValueError(
-            f"{', '.join(f'{name}={built[name]!r}' for name in schedule)}: {directory} was saved with "
-            f"{', '.join(f'{name}={saved.get(name)!r}' for name in schedule)}; these configure the schedule grpo_lab "
-            "builds, and the scheduler given in optimizers=(optimizer, scheduler) does not read them, so the change "
-            "would have no effect. Load it with the saved values (your scheduler continues from its saved state; "
-            "max_steps and num_train_epochs can change)."
-        )
-    changed = {name: (saved.get(name), built[name]) for name in sorted(_BUILD_TIME_FIELDS) if saved.get(name) != built[name]}
-    carried = [
-        name for name in sorted(set(changed) & _SAVED_STATE_FIELDS)
-        if _in_effect(name, saved) != _in_effect(name, built) and (name != "optim" or not own_optimizer)
-    ]
-    if carried:
-        raise ValueError(
-            f"{', '.join(f'{name}={changed[name][1]!r}' for name in carried)}: {directory} was saved with "
-            f"{', '.join(f'{name}={changed[name][0]!r}' for name in carried)}, which its random state, prompt order and "
-            "optimizer state carry, so a loaded run cannot change them. Load it with the saved values, or start a new "
-            f"run from its weights ({directory / MODEL_DIR})."
-        )
-    kept = sorted(set(changed) & _MODEL_FIELDS) if given_model else []
-    if kept:
-        raise ValueError(
-            f"{', '.join(kept)} changed, but the model given to load {directory} into (by a trainer: its own model, "
-            "which the optimizer passed in optimizers= holds) was built with the saved values and keeps them. Load it "
-            "with the saved values, or without model= (a new model is built with the new ones)."
-        )
-    layout = sorted(set(changed) & _BATCH_LAYOUT_FIELDS)
-    if layout and half_used:
-        raise ValueError(
-            f"{directory} was saved in the middle of a generation batch, and {', '.join(layout)} changed, so the rest "
-            "of that batch cannot be fed. Load it with the saved values, finish the batch (or discard_batch()) and "
-            "save again, then change them."
-        )
-    return changed
-
-
-def _in_effect(name: str, config: dict):
-    """The value of ``name`` that the engine acts on, given the config fields ``config``: prompt order
-    is seeded by ``seed`` without a ``data_seed`` and shuffled unless ``shuffle_dataset`` is False."""
-    if name == "data_seed":
-        return config.get("seed") if config.get("data_seed") is None else config["data_seed"]
-    if name == "shuffle_dataset":
-        return config.get("shuffle_dataset") is not False
-    return config.get(name)
 
 
 def _unreferenced(saved, directory: Path, what: str, argument: str):

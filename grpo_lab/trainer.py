@@ -19,7 +19,8 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from grpo_lab import host_memory, notices
+from grpo_lab import notices
+from grpo_lab.accel import release_freed_memory
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
@@ -84,41 +85,54 @@ class GRPOTrainer:
             )
         fresh = not resume_from_checkpoint and self.session.global_step == 0  # not this trainer's own run, continued
         if fresh and self.accelerator.is_main_process:
-            earlier = [p.name for p in trainer_checkpoints(self.output_dir)] + [
-                name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
-            ]
-            if earlier:
-                notices.warn(
-                    f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
-                    "metrics.jsonl and replaces checkpoints of the same step. To continue that run, pass "
-                    "resume_from_checkpoint=True (a script: --resume_from with its newest checkpoint-N); else give a "
-                    "new output_dir.",
-                )
+            self._warn_about_an_earlier_run()
         if resume_from_checkpoint:
-            path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
-            check_complete(path)  # a wrong path fails here, with this trainer still whole
-            kept = self._release_session() if self.session is not None else None
-            try:
-                model = None if kept is None else kept.model
-                self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
-            except BaseException:
-                self.session = kept  # None where the model was released: only a resume can follow
-                raise
+            self._resume(resume_from_checkpoint)
         total = self.session.engine.total_steps()
-        main = self.accelerator.is_main_process
         if resume_from_checkpoint:
-            on_main(self.accelerator, "drop metrics.jsonl rows the resumed steps replace", self._drop_logged_steps_after)
+            on_main(self.accelerator, "drop metrics.jsonl rows the resumed steps replace",
+                    self._drop_logged_steps_after)
         if self.session.global_step >= total:
-            if main:
+            if self.accelerator.is_main_process:
                 notices.warn(
                     f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
                     "(or num_train_epochs) in trainer.args to train further.",
                 )
             return self.session.last_metrics
+        return self._train_steps(total)
+
+    def _warn_about_an_earlier_run(self) -> None:
+        """Warn when a fresh run starts in an ``output_dir`` where an earlier run left checkpoints or metrics."""
+        earlier = [p.name for p in trainer_checkpoints(self.output_dir)] + [
+            name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
+        ]
+        if earlier:
+            notices.warn(
+                f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
+                "metrics.jsonl and replaces checkpoints of the same step. To continue that run, pass "
+                "resume_from_checkpoint=True (a script: --resume_from with its newest checkpoint-N); else give a "
+                "new output_dir.",
+            )
+
+    def _resume(self, resume_from_checkpoint: str | bool) -> None:
+        """Replace the session by the one saved in the checkpoint (True: the newest in ``output_dir``)."""
+        path = self._latest_checkpoint() if resume_from_checkpoint is True else Path(resume_from_checkpoint)
+        check_complete(path)  # a wrong path fails here, with this trainer still whole
+        kept = self._release_session() if self.session is not None else None
+        try:
+            model = None if kept is None else kept.model
+            self.session = GRPOSession.load(path, model=model, args=self.args, **self._resume_kwargs)
+        except BaseException:
+            self.session = kept  # None where the model was released: only a resume can follow
+            raise
+
+    def _train_steps(self, total: int) -> dict:
+        """Step until ``total``, logging every step and checkpointing every ``save_steps`` and at the
+        end; returns the last metrics row."""
         save_every = steps_between(self.args.save_steps, total)
         log_every = steps_between(self.args.logging_steps, total)
         row: dict = {}
-        shown = main and self.args.disable_tqdm is not True
+        shown = self.accelerator.is_main_process and self.args.disable_tqdm is not True
         # The trackers live on the main process; opening them, logging a step and closing them go
         # through on_main, so that a failure there stops every process with its cause.
         closing, sinks = ExitStack(), []
@@ -139,7 +153,8 @@ class GRPOTrainer:
             if row and row["step"] % save_every:
                 self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
         except BaseException as error:
-            closing.__exit__(type(error), error, error.__traceback__)  # what was logged reaches the trackers, marked failed
+            # what was logged reaches the trackers, marked failed
+            closing.__exit__(type(error), error, error.__traceback__)
             raise
         on_main(self.accelerator, "close the trackers", closing.close)
         return row
@@ -189,7 +204,8 @@ class GRPOTrainer:
         for column in ["prompt", "completion", *reward_columns, "advantage"]:
             table.add_column(column.removeprefix("rewards/"))
         for _, r in rows.iterrows():
-            table.add_row(str(r["prompt"]), str(r["completion"]), *[f"{r[c]:.3g}" for c in reward_columns], f"{r['advantage']:.3g}")
+            rewards = [f"{r[c]:.3g}" for c in reward_columns]
+            table.add_row(str(r["prompt"]), str(r["completion"]), *rewards, f"{r['advantage']:.3g}")
         console = Console()
         if not (console.is_terminal or console.is_jupyter or "COLUMNS" in os.environ):
             console = Console(width=160)  # a log file: 80 columns would wrap every completion over several lines
@@ -221,7 +237,7 @@ class GRPOTrainer:
         del session
         accelerator.free_memory()  # accelerate keeps the prepared model, which holds the process group
         gc.collect()  # the engine and its generation backend refer to each other
-        host_memory.release_freed_memory()  # what the model and optimizer held
+        release_freed_memory()  # what the model and optimizer held
         accelerator.end_training()
 
     def _release_session(self):

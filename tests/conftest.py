@@ -155,3 +155,19 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not item.get_closest_marker("vllm")]
+
+
+def pause_at(session, event: str, global_step: int):
+    """Hold the thread that emits ``event`` at ``global_step`` until ``resume`` is set: returns
+    (paused, resume), two Events. Subscribe after a view, so that it has refreshed by then."""
+    import threading
+
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause(name, payload):
+        if name == event and session.global_step == global_step and not paused.is_set():
+            paused.set()
+            resume.wait(120)
+
+    session.on(pause)
+    return paused, resume

@@ -19,9 +19,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from grpo_lab import compact_forward
+from grpo_lab.accel import compact_forward
+from grpo_lab.accel.prefix_sharing import PrefixSharing, full_logits
 from grpo_lab.models import load_tokenizer
-from grpo_lab.prefix_sharing import PrefixSharing, full_logits
 
 SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)

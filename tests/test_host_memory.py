@@ -14,7 +14,7 @@ import pytest
 ALLOCATIONS = """
 import json, os, resource, sys
 import torch
-from grpo_lab import host_memory
+from grpo_lab.accel import host_memory
 
 def resident_mib():
     with open("/proc/self/statm") as statm:
@@ -40,7 +40,7 @@ print(json.dumps({"made": made, "rounds": rounds, "released_mib": held - residen
 SESSION = """
 import sys
 from grpo_lab import GRPOConfig, GRPOSession
-from grpo_lab.host_memory import keep_freed_memory
+from grpo_lab.accel.host_memory import keep_freed_memory
 from grpo_lab.tasks import default_task
 
 task = default_task()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from grpo_lab import prefix_sharing
+from grpo_lab.accel import prefix_sharing
+from grpo_lab.accel.prefix_sharing import PrefixSharing, distinct_prompts, full_logits
 from grpo_lab.models import enable_gradient_checkpointing, load_tokenizer, prepare_tokenizer
-from grpo_lab.prefix_sharing import PrefixSharing, distinct_prompts, full_logits
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
 
@@ -270,7 +270,7 @@ def test_rotary_scaling_that_depends_on_the_call_length_runs_the_plain_pass(monk
     completion_ids = torch.randint(3, 290, (2 * GROUP, 6))
     args = (model, prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids))
     sharing = PrefixSharing()
-    assert sharing._skip_reason(model) == (
+    assert sharing.skip_reason(model) == (
         "dynamic rotary scaling depends on each call's length (a prompt run alone is scaled otherwise)"
     )
     with torch.no_grad():

@@ -6,25 +6,12 @@ import threading
 import pytest
 
 from grpo_lab.ownership import SessionBusyError
+from tests.conftest import pause_at
 
 
 @pytest.fixture
 def session(make_session):
     return make_session()
-
-
-def pause_at(session, event: str, global_step: int):
-    """Hold the thread that emits ``event`` at ``global_step`` until ``resume`` is set: returns
-    (paused, resume), two Events."""
-    paused, resume = threading.Event(), threading.Event()
-
-    def pause(name, payload):
-        if name == event and session.global_step == global_step and not paused.is_set():
-            paused.set()
-            resume.wait(120)
-
-    session.on(pause)
-    return paused, resume
 
 
 def test_a_call_from_another_thread_during_a_run_is_refused_with_what_runs_and_how_to_stop(session):

@@ -87,37 +87,53 @@ def compute_advantages(
     rewards_BF = rewards_BF.float()
     weights_F = torch.ones(num_funcs) if reward_weights_F is None else reward_weights_F.float()
     weights_F = weights_F.to(rewards_BF.device)
-    G = num_generations
     if multi_objective_aggregation == "sum_then_normalize":
-        rewards_B = torch.nansum(rewards_BF * weights_F, dim=1)
-        grouped_NG = rewards_B.view(-1, G)
-        mean_grouped_B = grouped_NG.mean(dim=1).repeat_interleave(G)
-        tied_B = _tied(grouped_NG, dim=1).repeat_interleave(G)
-        if scale_rewards in ("group", "none"):
-            std_B = grouped_NG.std(dim=1).repeat_interleave(G)
-        elif scale_rewards == "batch":
-            std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
-        else:
-            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
-        advantages_B = (rewards_B - mean_grouped_B).masked_fill(tied_B, 0.0)
-        if scale_rewards != "none":
-            advantages_B = advantages_B / (std_B + STD_EPSILON)
-    elif multi_objective_aggregation == "normalize_then_sum":
-        grouped_NGF = rewards_BF.view(-1, G, num_funcs)
-        mean_N1F = torch.nanmean(grouped_NGF, dim=1, keepdim=True)
-        std_N1F = nanstd(grouped_NGF, dim=1, keepdim=True)
-        deviations_NGF = (grouped_NGF - mean_N1F).masked_fill(_tied(grouped_NGF, dim=1, keepdim=True), 0.0)
-        normalized_BF = (deviations_NGF / (std_N1F + STD_EPSILON)).view(-1, num_funcs)
-        rewards_B = torch.nansum(normalized_BF * weights_F, dim=1)
+        return _sum_then_normalize(rewards_BF, weights_F, num_generations, scale_rewards)
+    if multi_objective_aggregation == "normalize_then_sum":
+        return _normalize_then_sum(rewards_BF, weights_F, num_generations)
+    raise ValueError(
+        "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', "
+        f"got {multi_objective_aggregation!r}."
+    )
+
+
+def _sum_then_normalize(
+    rewards_BF: torch.Tensor, weights_F: torch.Tensor, num_generations: int, scale_rewards: str
+) -> AdvantageStats:
+    """TRL's default: the weighted sum of each completion's rewards, normalized within its group
+    (``scale_rewards``: by the group's std, the batch's, or not at all)."""
+    num_completions, G = rewards_BF.shape[0], num_generations
+    rewards_B = torch.nansum(rewards_BF * weights_F, dim=1)
+    grouped_NG = rewards_B.view(-1, G)
+    mean_grouped_B = grouped_NG.mean(dim=1).repeat_interleave(G)
+    tied_B = _tied(grouped_NG, dim=1).repeat_interleave(G)
+    if scale_rewards in ("group", "none"):
+        std_B = grouped_NG.std(dim=1).repeat_interleave(G)
+    elif scale_rewards == "batch":
         std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
-        mean_grouped_B = rewards_B.mean().expand_as(rewards_B)
-        advantages_B = (rewards_B - mean_grouped_B).masked_fill(_tied(rewards_B, dim=0), 0.0) / (std_B + STD_EPSILON)
     else:
-        raise ValueError(
-            "multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', "
-            f"got {multi_objective_aggregation!r}."
-        )
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
+    advantages_B = (rewards_B - mean_grouped_B).masked_fill(tied_B, 0.0)
+    if scale_rewards != "none":
+        advantages_B = advantages_B / (std_B + STD_EPSILON)
     is_std_zero_B = torch.isclose(std_B, torch.zeros_like(std_B))
-    if multi_objective_aggregation == "sum_then_normalize" and scale_rewards != "batch":
+    if scale_rewards != "batch":
         is_std_zero_B |= tied_B  # a rounding step's spread is no spread
+    return AdvantageStats(advantages_B, rewards_B, mean_grouped_B, std_B, is_std_zero_B)
+
+
+def _normalize_then_sum(rewards_BF: torch.Tensor, weights_F: torch.Tensor, num_generations: int) -> AdvantageStats:
+    """GDPO: each function's rewards normalized within the group, weighted and summed, then the sums
+    normalized over the batch."""
+    (num_completions, num_funcs), G = rewards_BF.shape, num_generations
+    grouped_NGF = rewards_BF.view(-1, G, num_funcs)
+    mean_N1F = torch.nanmean(grouped_NGF, dim=1, keepdim=True)
+    std_N1F = nanstd(grouped_NGF, dim=1, keepdim=True)
+    deviations_NGF = (grouped_NGF - mean_N1F).masked_fill(_tied(grouped_NGF, dim=1, keepdim=True), 0.0)
+    normalized_BF = (deviations_NGF / (std_N1F + STD_EPSILON)).view(-1, num_funcs)
+    rewards_B = torch.nansum(normalized_BF * weights_F, dim=1)
+    std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
+    mean_grouped_B = rewards_B.mean().expand_as(rewards_B)
+    advantages_B = (rewards_B - mean_grouped_B).masked_fill(_tied(rewards_B, dim=0), 0.0) / (std_B + STD_EPSILON)
+    is_std_zero_B = torch.isclose(std_B, torch.zeros_like(std_B))
     return AdvantageStats(advantages_B, rewards_B, mean_grouped_B, std_B, is_std_zero_B)

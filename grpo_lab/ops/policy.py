@@ -1,26 +1,27 @@
-"""The per-token GRPO policy objective, its KL penalty, its aggregation, and clipping diagnostics.
+"""The GRPO policy loss of a micro-batch (:func:`policy_loss`), its KL penalty, its entropy bonus, and
+clipping diagnostics; the entry points to the functions a loss type is made of
+(:func:`per_token_objective`, :func:`aggregate_loss`), which :data:`~grpo_lab.ops.registry.LOSSES`
+picks by ``loss_type``.
 
 Shapes: B completions, T completion positions. ``ratio`` is the importance ratio
 ``pi_theta / pi_old`` per token (B, T), or per sequence (B, 1) with ``importance_sampling_level=
 "sequence"``. Losses are to be minimised (the negative of the surrogate objective).
 
-Papers: GRPO arXiv:2402.03300; DAPO (decoupled clipping, token-level normalisation) arXiv:2503.14476;
-Dr. GRPO arXiv:2503.20783; GSPO (sequence-level ratio) arXiv:2507.18071; INTELLECT-2 (two-sided
-clipping, delta) arXiv:2505.07291; CISPO (MiniMax-M1) arXiv:2506.13585; SAPO arXiv:2511.20347;
-k3 KL estimator: J. Schulman, "Approximating KL divergence" (2020); bias-corrected KL and off-policy
-sequence masking: DeepSeek-V3.2 (arXiv:2512.02556); entropy bonus: the entropy regulariser of A3C
-and PPO (arXiv:1602.01783, arXiv:1707.06347).
+Papers: GRPO arXiv:2402.03300; GSPO (sequence-level ratio) arXiv:2507.18071; the loss types' own
+papers are in :mod:`grpo_lab.ops.losses`; k3 KL estimator: J. Schulman, "Approximating KL
+divergence" (2020); bias-corrected KL and off-policy sequence masking: DeepSeek-V3.2
+(arXiv:2512.02556); entropy bonus: the entropy regulariser of A3C and PPO (arXiv:1602.01783,
+arXiv:1707.06347).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-"""Loss types with PPO's clipped surrogate ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``."""
+from grpo_lab.ops.losses import CLIP_MASKS, LOSS_AGGREGATIONS, OBJECTIVES
+from grpo_lab.ops.registry import GLOBAL_NORMALIZER_LOSSES, LOSSES, LossSettings, loss_spec
 
 
 @dataclass
@@ -66,39 +67,6 @@ def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Ten
     return torch.exp(d_BT) - d_BT - 1
 
 
-@torch.no_grad()
-def vespo_weights(
-    log_ratio_BT: torch.Tensor,
-    advantages_B: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    k_pos: float,
-    lambda_pos: float,
-    k_neg: float,
-    lambda_neg: float,
-    importance_sampling_ratio_BT: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """VESPO's gamma-kernel weight of the sequence ratio, detached (a gradient scale), shape (B, 1):
-
-    ``log w = clamp(sum_t m_t clamp(log r_t, -20, 20), log 1e-8, 20)``,
-    ``phi(w) = exp(lambda + k log w - lambda w) = w^k e^{lambda (1 - w)}`` (so phi(1) = 1),
-    with (k, lambda) = (k_pos, lambda_pos) where A >= 0 and (k_neg, lambda_neg) where A < 0.
-    A vLLM importance-sampling ratio, when given, is folded into log w (its logs summed over T).
-    Non-finite weights become 0.
-    """
-    floor = math.log(1e-8)
-    log_w_B1 = (log_ratio_BT.float().clamp(-20.0, 20.0) * mask_BT.float()).sum(-1, keepdim=True)
-    if importance_sampling_ratio_BT is not None:
-        log_is = torch.log(importance_sampling_ratio_BT.float()).clamp(floor, 20.0)
-        log_w_B1 = log_w_B1 + log_is.sum(-1, keepdim=True)
-    log_w_B1 = log_w_B1.clamp(floor, 20.0)
-    nonnegative_B1 = advantages_B.reshape(-1, 1) >= 0
-    k_B1 = torch.where(nonnegative_B1, k_pos, k_neg)
-    lam_B1 = torch.where(nonnegative_B1, lambda_pos, lambda_neg).clamp(min=1e-4)
-    phi_B1 = torch.exp(lam_B1 + k_B1 * log_w_B1 - lam_B1 * torch.exp(log_w_B1))
-    return phi_B1.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def off_policy_mask(
     advantages_B: torch.Tensor,
     logprobs_BT: torch.Tensor,
@@ -136,10 +104,11 @@ def entropy_bonus(
     (``k = m x entropy_mask``, all completion tokens without ``top_entropy_quantile``), weighted so that
     the micro-batches of an optimizer step add up to an average of their kept-token means:
 
-    - dapo, cispo, vespo: ``(sum k H / max(sum k, 1)) x sum m / N`` with N the optimizer step's tokens
-      (as in :func:`aggregate_loss`): each micro-batch's kept-token mean weighted by its share of the
-      step's tokens (``sum m H / N`` when every token is kept, so over the step exactly the mean token
-      entropy; with an entropy mask, the step's kept-token mean when micro-batches keep equal shares);
+    - dapo, cispo, vespo (``GLOBAL_NORMALIZER_LOSSES``): ``(sum k H / max(sum k, 1)) x sum m / N`` with
+      N the optimizer step's tokens (as in :func:`aggregate_loss`): each micro-batch's kept-token mean
+      weighted by its share of the step's tokens (``sum m H / N`` when every token is kept, so over the
+      step exactly the mean token entropy; with an entropy mask, the step's kept-token mean when
+      micro-batches keep equal shares);
     - every other loss type: ``sum k H / max(sum k, 1)``, this micro-batch's mean (the caller averages
       micro-batches as it averages their losses).
 
@@ -148,7 +117,7 @@ def entropy_bonus(
     mask_BT = mask_BT.to(entropies_BT.dtype)
     kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT.to(entropies_BT.dtype)
     mean = (entropies_BT * kept_BT).sum() / kept_BT.sum().clamp(min=1.0)
-    if loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
+    if loss_type in GLOBAL_NORMALIZER_LOSSES and num_items_in_batch is not None:
         return mean * mask_BT.sum() / torch.as_tensor(num_items_in_batch).clamp(min=1.0)
     return mean
 
@@ -162,7 +131,8 @@ def applied_entropy_coef(coef: float, last_entropy: float | None, *, adaptive: b
     return coef
 
 
-def adapt_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, coef_min: float, coef_max: float) -> float:
+def adapt_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, coef_min: float,
+                       coef_max: float) -> float:
     """One step of the adaptive entropy weight, from the step's mean token entropy H:
     ``c' = min(c + delta, c_max)`` if ``H <= target``, else ``max(c - delta, c_min)``."""
     if entropy <= target:
@@ -170,20 +140,27 @@ def adapt_entropy_coef(coef: float, entropy: float, *, target: float, delta: flo
     return max(coef - delta, coef_min)
 
 
+def _settings(settings: LossSettings | None, values: dict) -> LossSettings:
+    """``settings``, or one made of the fields given as keywords (the form the notebooks use)."""
+    if settings is None:
+        return LossSettings(**values)
+    if values:
+        raise TypeError(f"Give settings or its fields ({', '.join(values)}) as keywords, not both.")
+    return settings
+
+
 def per_token_objective(
     logprobs_BT: torch.Tensor,
     ratio_BT: torch.Tensor,
     advantages_B1: torch.Tensor,
     *,
-    loss_type: str,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
+    settings: LossSettings | None = None,
     vespo_weight_B1: torch.Tensor | None = None,
+    **setting_values,
 ) -> torch.Tensor:
-    """Per-token loss (before KL, masks and aggregation) for ``loss_type``. A = advantage, r = ratio.
+    """Per-token loss (before KL, masks and aggregation) for ``loss_type``, by its objective
+    (``LOSSES[loss_type].objective``, a function of :mod:`grpo_lab.ops.losses`). A = advantage,
+    r = ratio.
 
     - clipped surrogate (grpo, bnpo, dr_grpo, dapo, luspo):
       ``-min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A)`` (``min(r, delta)`` only when
@@ -191,26 +168,16 @@ def per_token_objective(
     - cispo: ``-sg(min(r, eps_high)) A log pi`` (sg = stop-gradient; eps_high is an absolute cap);
     - sapo: ``-(4 / tau) sigmoid(tau (r - 1)) A`` with tau = tau_pos if A > 0 else tau_neg; its
       gradient is ``-A r sigmoid'(tau (r - 1)) 4 d log pi``, equal to the unclipped one at r = 1;
-    - vespo: ``-sg(phi(w)) A log pi`` with phi from :func:`vespo_weights`.
+    - vespo: ``-sg(phi(w)) A log pi`` with phi the weight ``vespo_weight_B1`` of :func:`vespo_weights`.
+
+    Settings: ``settings`` (:class:`LossSettings`) or its fields as keywords (``loss_type="grpo",
+    epsilon_low=0.2, epsilon_high=0.28``).
 
     Shapes: logprobs (B, T); ratio (B, T) or (B, 1); advantages (B, 1). Returns (B, T) or (B, 1).
     """
-    if loss_type in CLIP_LOSSES:
-        clipped = torch.clamp(ratio_BT, 1 - epsilon_low, 1 + epsilon_high)
-        unclipped = ratio_BT if delta is None else torch.clamp(ratio_BT, max=delta)
-        return -torch.min(unclipped * advantages_B1, clipped * advantages_B1)
-    if loss_type == "cispo":
-        weight = torch.clamp(ratio_BT, max=epsilon_high).detach()
-        return -weight * advantages_B1 * logprobs_BT
-    if loss_type == "sapo":
-        tau = torch.where(advantages_B1 > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio_BT.dtype)
-        gate = torch.sigmoid(tau * (ratio_BT - 1)) * 4 / tau
-        return -gate * advantages_B1
-    if loss_type == "vespo":
-        if vespo_weight_B1 is None:
-            raise ValueError("loss_type='vespo' needs vespo_weight_B1 (see vespo_weights).")
-        return -vespo_weight_B1 * advantages_B1 * logprobs_BT
-    raise ValueError(f"Unknown loss_type {loss_type!r}.")
+    settings = _settings(settings, setting_values)
+    objective = OBJECTIVES[settings.spec.objective]
+    return objective.per_token(logprobs_BT, ratio_BT, advantages_B1, settings, vespo_weight_B1)
 
 
 def aggregate_loss(
@@ -221,7 +188,9 @@ def aggregate_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token losses to a scalar; m = mask, L = per-token loss, |y_b| = sum_t m_bt.
+    """Reduce per-token losses to a scalar with the loss type's aggregation (``LOSSES[loss_type]
+    .aggregation``, a function of :mod:`grpo_lab.ops.losses`); m = mask, L = per-token loss,
+    |y_b| = sum_t m_bt:
 
     - grpo, sapo: ``mean_b( sum_t m L / max(|y_b|, 1) )`` (per-sequence mean; length-biased);
     - bnpo: ``sum m L / max(sum m, 1)`` (tokens of this micro-batch);
@@ -234,23 +203,44 @@ def aggregate_loss(
 
     A (B, 1) loss (sequence-level ratio, no per-token term) is broadcast over the tokens first.
     """
+    aggregate = LOSS_AGGREGATIONS[loss_spec(loss_type).aggregation]
     mask_BT = mask_BT.to(per_token_loss_BT.dtype)
-    lengths_B1 = mask_BT.sum(-1, keepdim=True)
     masked_BT = per_token_loss_BT.expand_as(mask_BT) * mask_BT
-    if loss_type == "luspo":
-        return masked_BT.sum(-1).mean()
-    if loss_type in ("grpo", "sapo"):
-        return (masked_BT.sum(-1) / lengths_B1.squeeze(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return masked_BT.sum() / mask_BT.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        if not max_completion_length:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length.")
-        return masked_BT.sum() / (mask_BT.shape[0] * max_completion_length)
-    if loss_type in ("dapo", "cispo", "vespo"):
-        normalizer = mask_BT.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
-        return masked_BT.sum() / normalizer.clamp(min=1.0)
-    raise ValueError(f"Unknown loss_type {loss_type!r}.")
+    return aggregate(masked_BT, mask_BT, loss_type=loss_type, max_completion_length=max_completion_length,
+                     num_items_in_batch=num_items_in_batch)
+
+
+def _policy_term(logprobs_BT, old_logprobs_BT, ratio, advantages_B, mask_BT, settings: LossSettings, *,
+                 off_policy_mask_B1, entropy_mask_BT, importance_sampling_ratio_BT) -> torch.Tensor:
+    """Steps 2 and 3 of :func:`policy_loss`: the loss type's per-token objective (after its sequence
+    weight, where it has one), times the off-policy mask, the entropy mask and the vLLM
+    importance-sampling ratio, in that order; a sequence weight folds that ratio in instead."""
+    objective = OBJECTIVES[settings.spec.objective]
+    weight_B1 = None
+    if objective.sequence_weight is not None:
+        weight_B1 = objective.sequence_weight(
+            logprobs_BT - old_logprobs_BT, advantages_B, mask_BT, settings, importance_sampling_ratio_BT,
+        ).to(logprobs_BT.dtype)
+        importance_sampling_ratio_BT = None
+    advantages_B1 = advantages_B.reshape(-1, 1).to(logprobs_BT.dtype)
+    per_token = objective.per_token(logprobs_BT, ratio, advantages_B1, settings, weight_B1)
+    if off_policy_mask_B1 is not None:
+        per_token = per_token * off_policy_mask_B1
+    if entropy_mask_BT is not None:
+        per_token = per_token * entropy_mask_BT
+    if importance_sampling_ratio_BT is not None:
+        per_token = per_token * importance_sampling_ratio_BT
+    return per_token
+
+
+def _kl_BT(logprobs_BT, ref_logprobs_BT, ratio, settings: LossSettings) -> torch.Tensor | None:
+    """(B, T) k3 KL to the reference policy (times the ratio when bias-corrected); None when beta = 0."""
+    if settings.beta == 0.0:
+        return None
+    if ref_logprobs_BT is None:
+        raise ValueError("beta > 0 needs ref_logprobs_BT (log-probs under the reference model).")
+    kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
+    return kl_BT * ratio if settings.use_bias_correction_kl else kl_BT
 
 
 def policy_loss(
@@ -259,27 +249,15 @@ def policy_loss(
     advantages_B: torch.Tensor,
     mask_BT: torch.Tensor,
     *,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
+    settings: LossSettings | None = None,
     ref_logprobs_BT: torch.Tensor | None = None,
-    beta: float = 0.0,
-    use_bias_correction_kl: bool = False,
     entropy_mask_BT: torch.Tensor | None = None,
     importance_sampling_ratio_BT: torch.Tensor | None = None,
-    max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     off_policy_mask_B1: torch.Tensor | None = None,
     entropies_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    **setting_values,
 ) -> PolicyLossOutput:
     """The GRPO loss of one micro-batch, in TRL's order of operations:
 
@@ -294,51 +272,32 @@ def policy_loss(
     6. minus ``entropy_coef x H`` (:func:`entropy_bonus`, over the tokens the entropy mask keeps)
        when ``entropy_coef`` is not 0; ``entropies`` must then carry their gradient.
 
+    Settings: ``settings`` (:class:`LossSettings`: loss_type, epsilon_low, epsilon_high, delta,
+    importance_sampling_level, the sapo and vespo shapes, beta, use_bias_correction_kl,
+    max_completion_length), or its fields as keywords (``loss_type="grpo", epsilon_low=0.2``).
+
     Shapes: logprobs, old/ref logprobs, mask, entropy mask, entropies (B, T); advantages (B,);
     importance_sampling_ratio (B, T) or (B, 1); off-policy mask (B, 1).
     """
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+    settings = _settings(settings, setting_values)
     old_logprobs_BT = logprobs_BT.detach() if old_logprobs_BT is None else old_logprobs_BT
-    advantages_B1 = advantages_B.reshape(-1, 1).to(logprobs_BT.dtype)
-    log_ratio_BT = logprobs_BT - old_logprobs_BT
-    log_weights = log_importance_weights(logprobs_BT, old_logprobs_BT, mask_BT, level=importance_sampling_level)
-    ratio = torch.exp(log_weights)
-    vespo_weight_B1 = None
-    if loss_type == "vespo":
-        vespo_weight_B1 = vespo_weights(
-            log_ratio_BT, advantages_B, mask_BT, k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos,
-            k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg, importance_sampling_ratio_BT=importance_sampling_ratio_BT,
-        ).to(logprobs_BT.dtype)
-    per_token = per_token_objective(
-        logprobs_BT, ratio, advantages_B1, loss_type=loss_type, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_weight_B1=vespo_weight_B1,
+    level = settings.importance_sampling_level
+    ratio = torch.exp(log_importance_weights(logprobs_BT, old_logprobs_BT, mask_BT, level=level))
+    per_token = _policy_term(
+        logprobs_BT, old_logprobs_BT, ratio, advantages_B, mask_BT, settings, off_policy_mask_B1=off_policy_mask_B1,
+        entropy_mask_BT=entropy_mask_BT, importance_sampling_ratio_BT=importance_sampling_ratio_BT,
     )
-    if off_policy_mask_B1 is not None:
-        per_token = per_token * off_policy_mask_B1
-    if entropy_mask_BT is not None:
-        per_token = per_token * entropy_mask_BT
-    if importance_sampling_ratio_BT is not None and loss_type != "vespo":
-        per_token = per_token * importance_sampling_ratio_BT
-    kl_BT = None
-    if beta != 0.0:
-        if ref_logprobs_BT is None:
-            raise ValueError("beta > 0 needs ref_logprobs_BT (log-probs under the reference model).")
-        kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
-        if use_bias_correction_kl:
-            kl_BT = kl_BT * ratio
-        per_token = per_token + beta * kl_BT
-    loss = aggregate_loss(
-        per_token, mask_BT, loss_type=loss_type, max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-    )
+    kl_BT = _kl_BT(logprobs_BT, ref_logprobs_BT, ratio, settings)
+    if kl_BT is not None:
+        per_token = per_token + settings.beta * kl_BT
+    loss = aggregate_loss(per_token, mask_BT, loss_type=settings.loss_type,
+                          max_completion_length=settings.max_completion_length, num_items_in_batch=num_items_in_batch)
     bonus = None
     if entropy_coef != 0.0:
         if entropies_BT is None:
             raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
-        bonus = entropy_bonus(
-            entropies_BT, mask_BT, loss_type=loss_type, num_items_in_batch=num_items_in_batch, entropy_mask_BT=entropy_mask_BT,
-        )
+        bonus = entropy_bonus(entropies_BT, mask_BT, loss_type=settings.loss_type,
+                              num_items_in_batch=num_items_in_batch, entropy_mask_BT=entropy_mask_BT)
         loss = loss - entropy_coef * bonus
     return PolicyLossOutput(
         loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT, entropy_bonus=bonus,
@@ -354,7 +313,8 @@ def clip_diagnostics(
     epsilon_high: float,
     loss_type: str,
 ) -> ClipDiagnostics:
-    """Tokens whose gradient the clip removed (TRL's clip_ratio metrics):
+    """Tokens whose gradient the clip removed (TRL's clip_ratio metrics), by the loss type's
+    clipping (``LOSSES[loss_type].clipping``, masks in :data:`~grpo_lab.ops.losses.CLIP_MASKS`):
 
     - clipped surrogate: low = ``r < 1 - eps_low and A < 0``; high = ``r > 1 + eps_high and A > 0``;
     - cispo: high = ``r > eps_high and A > 0`` (the weight is capped there); no low side;
@@ -364,14 +324,10 @@ def clip_diagnostics(
     """
     valid_BT = mask_BT.bool()
     ratio_BT = ratio_BT.expand(valid_BT.shape)
-    advantages_B1 = advantages_B.reshape(-1, 1)
-    if loss_type in CLIP_LOSSES:
-        low = (ratio_BT < 1 - epsilon_low) & (advantages_B1 < 0)
-        high = (ratio_BT > 1 + epsilon_high) & (advantages_B1 > 0)
-    elif loss_type == "cispo":
-        low = torch.zeros_like(valid_BT)
-        high = (ratio_BT > epsilon_high) & (advantages_B1 > 0)
-    else:
+    clip_masks = CLIP_MASKS.get(LOSSES[loss_type].clipping) if loss_type in LOSSES else None
+    if clip_masks is None:
         low = high = torch.zeros_like(valid_BT)
+    else:
+        low, high = clip_masks(ratio_BT, advantages_B.reshape(-1, 1), epsilon_low, epsilon_high)
     low, high = low & valid_BT, high & valid_BT
     return ClipDiagnostics(is_low_clipped_BT=low, is_high_clipped_BT=high, is_region_clipped_BT=low | high)

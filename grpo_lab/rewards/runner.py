@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from numbers import Real
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from grpo_lab import notices
 from grpo_lab.config import REWARD_TIMEOUT
+from grpo_lab.rewards.preparation import (  # noqa: F401  (grpo_lab.engine imports these from here)
+    CALL_KEYWORDS, check_column_names, check_reward_weights,
+)
 from grpo_lab.rollout.prompts import is_conversational
 
 
@@ -46,129 +49,6 @@ class RewardLogs:
 
     extras: dict[str, list] = field(default_factory=dict)
     metrics: dict[str, list[float]] = field(default_factory=dict)
-
-
-def reward_func_name(func) -> str:
-    if isinstance(func, PreTrainedModel):
-        return str(func.config._name_or_path).rstrip("/").split("/")[-1] or type(func).__name__
-    return getattr(func, "__name__", type(func).__name__)
-
-
-CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
-"""Keyword arguments every reward function call receives, besides the dataset's other columns."""
-
-
-def check_reward_signature(func, name: str, columns: list[str]) -> None:
-    """Raise a TypeError now, naming the fix, if ``func`` cannot take the keyword arguments every call
-    passes (``CALL_KEYWORDS`` and the dataset ``columns``), instead of failing after generation."""
-    try:  # the signature of what is called: a decorator's wrapper, not the function it wraps
-        parameters = inspect.signature(func, follow_wrapped=False).parameters.values()
-    except (TypeError, ValueError):  # builtins and some C callables have no signature to read
-        return
-    passed = [*CALL_KEYWORDS, *columns]
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        accepted = set(passed)
-    else:
-        accepted = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    unexpected = [k for k in passed if k not in accepted]
-    missing = [
-        p.name for p in parameters
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY) and p.default is p.empty
-        and (p.name not in passed or p.kind is p.POSITIONAL_ONLY)
-    ]
-    if not unexpected and not missing:
-        return
-    problems = []
-    if unexpected:
-        problems.append(f"does not accept {', '.join(unexpected)}")
-    if missing:
-        problems.append(f"requires {', '.join(missing)}, which no call passes")
-    raise TypeError(
-        f"Reward function {name!r} {' and '.join(problems)}. Every call passes the keyword arguments "
-        f"{', '.join(passed)}: take the ones you need and end the signature with **kwargs, e.g. "
-        f"def {name}(completions, **kwargs)."
-    )
-
-
-def check_column_names(dataset, dataset_name: str) -> None:
-    """Refuse a dataset column named like a keyword argument reward functions already receive: the
-    column could never reach them."""
-    clashing = [column for column in getattr(dataset, "column_names", None) or () if column in CALL_KEYWORDS]
-    if clashing:
-        renames = "".join(f".rename_column({c!r}, '{c}_column')" for c in clashing)
-        raise ValueError(
-            f"{dataset_name} has a column named {', '.join(map(repr, clashing))}, a name reward functions "
-            f"already receive as a keyword argument ({', '.join(CALL_KEYWORDS)}), so the column cannot reach "
-            f"them. Rename it, e.g. {dataset_name} = {dataset_name}{renames}, and read it under that name."
-        )
-
-
-def check_reward_weights(reward_weights: list[float] | None, reward_funcs) -> None:
-    """Refuse ``reward_weights`` without one weight per reward function, before anything is generated."""
-    count = len(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else 1
-    if reward_weights is not None and len(reward_weights) != count:
-        raise ValueError(
-            f"reward_weights has {len(reward_weights)} entries ({reward_weights}) but there are {count} reward "
-            "functions. Give one weight per function, in the order of reward_funcs, or None to weight them all by 1."
-        )
-
-
-def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None, columns=()):
-    """Normalise ``reward_funcs`` to a list; load reward models given by path; pair tokenizers; check
-    that each function takes the keyword arguments its calls pass (``columns``: the dataset's
-    columns besides the prompt).
-
-    Returns ``(funcs, processing_classes, names)``.
-    """
-    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not funcs:
-        raise ValueError("reward_funcs is empty: give at least one reward function or reward model.")
-    classes = reward_processing_classes
-    if classes is None or not isinstance(classes, (list, tuple)):
-        classes = [classes] * len(funcs) if len(funcs) == 1 or classes is None else None
-    if classes is None or len(classes) != len(funcs):
-        raise ValueError(
-            f"reward_processing_classes must have one entry per reward function ({len(funcs)}); "
-            "use None for plain functions."
-        )
-    loaded, tokenizers = [], []
-    for func, tokenizer in zip(funcs, classes, strict=True):
-        if isinstance(func, str):
-            try:
-                func = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **(model_init_kwargs or {}))
-            except OSError as error:
-                raise ValueError(
-                    f"The reward function {func!r} is a string, which is loaded as a reward model (a local "
-                    f"directory or a Hugging Face Hub id), and loading it failed: {error} Pass the function "
-                    "itself, not its name, to use a Python function."
-                ) from error
-        if isinstance(func, PreTrainedModel):
-            func.eval().requires_grad_(False)
-            if tokenizer is None:
-                remote_code = bool((model_init_kwargs or {}).get("trust_remote_code"))  # from config.model_kwargs()
-                tokenizer = AutoTokenizer.from_pretrained(func.config._name_or_path, trust_remote_code=remote_code)
-            if tokenizer.pad_token is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            func.config.pad_token_id = tokenizer.pad_token_id
-        elif not callable(func):
-            raise TypeError(f"A reward function must be callable, a model path or a PreTrainedModel; got {func!r}.")
-        loaded.append(func)
-        tokenizers.append(tokenizer)
-    names = [reward_func_name(f) for f in loaded]
-    if len(set(names)) != len(names):
-        names = [f"{name}_{i}" if names.count(name) > 1 else name for i, name in enumerate(names)]
-    check_reward_signatures(loaded, names, columns)
-    return loaded, tokenizers, names
-
-
-def check_reward_signatures(funcs, names, columns) -> None:
-    """:func:`check_reward_signature` for each reward function (models take no keyword arguments);
-    nothing while ``columns`` is None (not known yet)."""
-    if columns is None:
-        return
-    for func, name in zip(funcs, names, strict=True):
-        if not isinstance(func, PreTrainedModel):
-            check_reward_signature(func, name, list(columns))
 
 
 @torch.no_grad()
@@ -325,6 +205,63 @@ def _validate(name: str, values, kwargs: dict) -> list[float]:
     return checked
 
 
+class _Scoring:
+    """One call of ``score_completions``: the functions, the inputs they share, and what each logged
+    (``logs_F``, one ``RewardLogs`` per function)."""
+
+    def __init__(self, funcs, processing_classes, names, kwargs: dict, trainer_state, timeout: float | None):
+        self.funcs, self.processing_classes, self.names = funcs, processing_classes, names
+        self.kwargs, self.trainer_state, self.timeout = kwargs, trainer_state, timeout
+        self.logs_F = [RewardLogs() for _ in funcs]
+
+    def extras(self, logs: RewardLogs) -> dict:
+        """The keyword arguments a call receives besides the inputs: ``trainer_state`` and the two
+        callbacks, which log into ``logs``."""
+
+        def log_extra(column: str, values: list) -> None:
+            logs.extras[column] = list(values)
+
+        def log_metric(metric: str, value: float) -> None:
+            logs.metrics.setdefault(metric, []).append(float(value))
+
+        return dict(trainer_state=self.trainer_state, log_extra=log_extra, log_metric=log_metric)
+
+    def attempt(self, indices) -> dict[int, _Outcome]:
+        """Call the functions at ``indices``, each on its own copies of the inputs."""
+        for index in indices:
+            self.logs_F[index] = RewardLogs()  # a failed call's logs are dropped with it
+        calls = {
+            i: _caller(self.funcs[i], self.processing_classes[i], self.kwargs, self.extras(self.logs_F[i]))
+            for i in indices
+        }
+        return _call_all(calls, self.timeout)
+
+    def retry(self, failed: dict[int, Exception]) -> dict[int, _Outcome]:
+        """Call the ``failed`` functions (index -> the first call's error) once more; a second failure
+        raises, naming the first sample that fails on its own, a success is warned about."""
+        outcomes = {}
+        for index, outcome in self.attempt(failed).items():
+            name, first = self.names[index], failed[index]
+            if outcome.timed_out:
+                raise _timeout_error(name, self.kwargs, self.timeout)
+            if outcome.error is not None:
+                error = outcome.error
+                sample = _find_failing_sample(self.funcs[index], self.processing_classes[index], self.kwargs,
+                                              self.extras(RewardLogs()), self.timeout)
+                raise RewardFunctionError(
+                    f"Reward function {name!r} raised {type(error).__name__}: {error}. It raised twice on the whole "
+                    f"batch (first {type(first).__name__}: {first}). Offending input: {sample}. Fix the function; "
+                    f"{_KEPT}"
+                ) from error
+            notices.warn(
+                f"Reward function {name!r} raised {type(first).__name__}: {first}, and succeeded when called again "
+                "on the same completions; the second call's rewards are used. If it fails often, make it retry "
+                "(or fail) on its own."
+            )
+            outcomes[index] = outcome
+        return outcomes
+
+
 def score_completions(
     funcs: list,
     processing_classes: list,
@@ -346,51 +283,16 @@ def score_completions(
     plain functions run in this thread, where they cannot be interrupted, and are not bounded.
     """
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    logs_F = [RewardLogs() for _ in funcs]
-
-    def extras(logs: RewardLogs) -> dict:
-        def log_extra(column: str, values: list) -> None:
-            logs.extras[column] = list(values)
-
-        def log_metric(metric: str, value: float) -> None:
-            logs.metrics.setdefault(metric, []).append(float(value))
-
-        return dict(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
-
-    def attempt(indices) -> dict[int, _Outcome]:
-        for index in indices:
-            logs_F[index] = RewardLogs()  # a failed call's logs are dropped with it
-        return _call_all({i: _caller(funcs[i], processing_classes[i], kwargs, extras(logs_F[i])) for i in indices},
-                         reward_timeout)
-
-    outcomes = attempt(range(len(funcs)))
+    scoring = _Scoring(funcs, processing_classes, names, kwargs, trainer_state, reward_timeout)
+    outcomes = scoring.attempt(range(len(funcs)))
     for index, outcome in outcomes.items():
         if outcome.timed_out:
             raise _timeout_error(names[index], kwargs, reward_timeout)
     failed = {i: outcome.error for i, outcome in outcomes.items() if outcome.error is not None}
     if failed:
-        retried = attempt(failed)
-        for index, outcome in retried.items():
-            name, first = names[index], failed[index]
-            if outcome.timed_out:
-                raise _timeout_error(name, kwargs, reward_timeout)
-            if outcome.error is not None:
-                error = outcome.error
-                sample = _find_failing_sample(funcs[index], processing_classes[index], kwargs, extras(RewardLogs()),
-                                              reward_timeout)
-                raise RewardFunctionError(
-                    f"Reward function {name!r} raised {type(error).__name__}: {error}. It raised twice on the whole "
-                    f"batch (first {type(first).__name__}: {first}). Offending input: {sample}. Fix the function; "
-                    f"{_KEPT}"
-                ) from error
-            notices.warn(
-                f"Reward function {name!r} raised {type(first).__name__}: {first}, and succeeded when called again "
-                "on the same completions; the second call's rewards are used. If it fails often, make it retry "
-                "(or fail) on its own."
-            )
-            outcomes[index] = outcome
+        outcomes.update(scoring.retry(failed))
     logs = RewardLogs()
-    for part in logs_F:
+    for part in scoring.logs_F:
         logs.extras.update(part.extras)
         for metric, values in part.metrics.items():
             logs.metrics.setdefault(metric, []).extend(values)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_lab.rollout.prompt_tokens import tokenize_prompts
+
 
 @dataclass
 class GeneratedBatch:
@@ -82,8 +84,6 @@ def batch_from_token_lists(
 def prompt_token_lists(tokenizer, prompts: list[str] | list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Left-padded prompt tensors (as the trainer sees them) and the unpadded token lists an
     inference engine is given, so that both sides condition on exactly the same tokens."""
-    from grpo_lab.rollout.hf import tokenize_prompts
-
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, "cpu")
     lists = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids_BP, prompt_mask_BP, strict=True)]
     return prompt_ids_BP, prompt_mask_BP, lists

@@ -38,7 +38,7 @@ import torch
 
 from grpo_lab import notices
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
-from grpo_lab.rollout.hf import left_pad
+from grpo_lab.rollout.prompt_tokens import left_pad
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 _OWN_KEYS = (*REQUIRED_KEYS, "env_mask", "completions")
@@ -69,7 +69,8 @@ def check_rollout_func(func) -> None:
         signature.bind(None, None)
     except TypeError:
         raise TypeError(
-            f"rollout_func must take two arguments, (prompts, session); {getattr(func, '__name__', 'it')}{signature} does not."
+            "rollout_func must take two arguments, (prompts, session); "
+            f"{getattr(func, '__name__', 'it')}{signature} does not."
         ) from None
 
 
@@ -140,8 +141,8 @@ def _aligned(output: dict, key: str, completion_ids: list[list[int]], check) -> 
         if not isinstance(values, (list, tuple)) or len(values) != len(ids) or not all(check(v) for v in values):
             raise ValueError(
                 f"rollout_func returned {key}[{index}] = {values!r:.80}: it must have one "
-                f"{'log-prob (a finite float)' if key == 'logprobs' else 'flag (0 or 1)'} per token of completion_ids[{index}] "
-                f"({len(ids)} tokens)."
+                f"{'log-prob (a finite float)' if key == 'logprobs' else 'flag (0 or 1)'} "
+                f"per token of completion_ids[{index}] ({len(ids)} tokens)."
             )
     return [list(values) for values in lists]
 
@@ -157,15 +158,7 @@ def call_rollout_func(
     unbounded). Every problem raises a ValueError or TypeError that names the key, the entry and what
     was expected. The function gets a copy of ``prompts``: what it changes there stays its own.
     """
-    output = func(copy.deepcopy(prompts), session)
-    if not isinstance(output, dict):
-        raise TypeError(f"rollout_func must return a dict with the keys {', '.join(REQUIRED_KEYS)}; got {type(output).__name__}.")
-    missing = [key for key in REQUIRED_KEYS if key not in output]
-    if missing:
-        raise ValueError(
-            f"rollout_func returned no {', '.join(repr(k) for k in missing)}: it must return the keys "
-            f"{', '.join(REQUIRED_KEYS)} (logprobs may be None)."
-        )
+    output = _checked_output(func(copy.deepcopy(prompts), session))
     count = len(prompts)
     prompt_ids = _token_lists(output, "prompt_ids", count, vocab_size, allow_empty=False)
     completion_ids = _token_lists(output, "completion_ids", count, vocab_size, allow_empty=True)
@@ -173,28 +166,68 @@ def call_rollout_func(
     if output["logprobs"] is not None:
         logprobs = _aligned(output, "logprobs", completion_ids,
                             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-    env_mask_BT = None
-    if output.get("env_mask") is not None:
-        env_mask = _aligned(output, "env_mask", completion_ids, lambda v: v in (0, 1))
-        width = max(1, max(len(ids) for ids in completion_ids))
-        env_mask_BT = torch.zeros((count, width), dtype=torch.long)
-        for row, flags in enumerate(env_mask):
-            env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
-        if any(completion_ids) and not env_mask_BT.any():
-            notices.warn("rollout_func's env_mask marks no token of this batch as the model's (all 0): the batch trains nothing.")
+    env_mask_BT = None if output.get("env_mask") is None else _env_mask(output, completion_ids)
+    _check_unpadded(completion_ids, pad_token_id, eos_token_ids)
+    _check_context(prompt_ids, completion_ids, context)
+    completions = None if output.get("completions") is None else _per_completion(output, "completions", count)
+    extra = _extra_columns(output, count, reserved)
+    prompt_ids_BP, prompt_mask_BP = left_pad(prompt_ids, pad_token_id)
+    batch = batch_from_token_lists(
+        prompt_ids_BP.to(device), prompt_mask_BP.to(device), completion_ids, logprobs,
+        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
+    )
+    return CustomBatch(batch, None if env_mask_BT is None else env_mask_BT.to(device), extra, completions)
+
+
+def _checked_output(output) -> dict:
+    """``output``, refused unless it is a dict with every required key."""
+    if not isinstance(output, dict):
+        raise TypeError(
+            f"rollout_func must return a dict with the keys {', '.join(REQUIRED_KEYS)}; got {type(output).__name__}."
+        )
+    missing = [key for key in REQUIRED_KEYS if key not in output]
+    if missing:
+        raise ValueError(
+            f"rollout_func returned no {', '.join(repr(k) for k in missing)}: it must return the keys "
+            f"{', '.join(REQUIRED_KEYS)} (logprobs may be None)."
+        )
+    return output
+
+
+def _env_mask(output: dict, completion_ids: list[list[int]]) -> torch.Tensor:
+    """The returned ``env_mask`` as a (B, T) tensor of 0 and 1, right padded with 0."""
+    env_mask = _aligned(output, "env_mask", completion_ids, lambda v: v in (0, 1))
+    width = max(1, max(len(ids) for ids in completion_ids))
+    env_mask_BT = torch.zeros((len(completion_ids), width), dtype=torch.long)
+    for row, flags in enumerate(env_mask):
+        env_mask_BT[row, :len(flags)] = torch.tensor(flags, dtype=torch.long)
+    if any(completion_ids) and not env_mask_BT.any():
+        notices.warn(
+            "rollout_func's env_mask marks no token of this batch as the model's (all 0): the batch trains nothing."
+        )
+    return env_mask_BT
+
+
+def _check_unpadded(completion_ids: list[list[int]], pad_token_id: int, eos_token_ids: set[int]) -> None:
     padded = next((row for row, ids in enumerate(completion_ids) if ids and ids[-1] == pad_token_id), None)
     if padded is not None and pad_token_id not in eos_token_ids:
         raise ValueError(
             f"rollout_func returned completion_ids[{padded}] ending with the pad token ({pad_token_id}): return each "
             "completion without padding (a pad token would count as a completion token)."
         )
+
+
+def _check_context(prompt_ids: list[list[int]], completion_ids: list[list[int]], context: int | None) -> None:
     for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
         if context is not None and len(prompt) + len(completion) > context:
             raise ValueError(
                 f"rollout_func returned a sequence of {len(prompt)} prompt and {len(completion)} completion tokens "
                 f"(entry {row}), more than the model's {context} positions. Keep conversations within the context."
             )
-    completions = None if output.get("completions") is None else _per_completion(output, "completions", count)
+
+
+def _extra_columns(output: dict, count: int, reserved: set[str]) -> dict[str, list]:
+    """The returned keys beyond the rollout's own, one value per completion, for the reward functions."""
     extra = {key: _per_completion(output, key, count) for key in output if key not in _OWN_KEYS}
     for key in ("tool_calls", "tool_failures"):
         bad = [n for n in extra.get(key, []) if not isinstance(n, int) or isinstance(n, bool) or n < 0]
@@ -210,9 +243,4 @@ def call_rollout_func(
             f"rollout_func returned {', '.join(repr(k) for k in clashes)}, which reward functions already receive "
             f"(from the dataset or every call: {', '.join(sorted(reserved))}). Rename the key."
         )
-    prompt_ids_BP, prompt_mask_BP = left_pad(prompt_ids, pad_token_id)
-    batch = batch_from_token_lists(
-        prompt_ids_BP.to(device), prompt_mask_BP.to(device), completion_ids, logprobs,
-        pad_token_id=pad_token_id, eos_token_ids=eos_token_ids,
-    )
-    return CustomBatch(batch, None if env_mask_BT is None else env_mask_BT.to(device), extra, completions)
+    return extra

@@ -13,13 +13,12 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationConfig
 
-from grpo_lab import compact_forward, dist, notices
+from grpo_lab import dist, notices
+from grpo_lab.accel import TRANSFORMERS_CHANGED, SpeedPaths
 from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
-from grpo_lab.prefix_sharing import PrefixSharing
-from grpo_lab.rollout import decoding
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
-from grpo_lab.rollout.kv_buffer import buffer_cache
+from grpo_lab.rollout.prompt_tokens import tokenize_prompts
 
 
 def sampling_config(
@@ -64,48 +63,6 @@ def check_cache_device(cache_implementation: str | None, device: torch.device) -
         )
 
 
-def tokenize_prompts(tokenizer, prompts: list[str] | list[list[int]], device, multiple: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(ids, mask)`` of prompts given as texts or as token ids (kept as they are), their
-    width a multiple of ``multiple`` where given."""
-    if tokenizer.padding_side != "left":
-        raise ValueError(
-            f"The tokenizer pads on the {tokenizer.padding_side!r}; generation needs left padding so that "
-            "every prompt ends where its completion starts. Set tokenizer.padding_side = 'left'."
-        )
-    keys = [prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts]
-    distinct = list(dict.fromkeys(keys))  # each prompt once; the copies of a group are rows of it
-    if all(isinstance(key, str) for key in distinct):
-        encoded = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False,
-                            pad_to_multiple_of=multiple)
-        ids_UP, mask_UP = encoded["input_ids"], encoded["attention_mask"]
-    else:
-        ids_UP, mask_UP = left_pad(distinct, tokenizer.pad_token_id, multiple)
-    row_of = {key: row for row, key in enumerate(distinct)}
-    row_B = torch.tensor([row_of[key] for key in keys], dtype=torch.long)
-    return ids_UP[row_B].to(device), mask_UP[row_B].to(device)
-
-
-def left_pad(token_lists, pad_token_id: int, multiple: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, mask)`` of token-id sequences padded on the left to the longest (rounded up to a
-    multiple of ``multiple`` where given): ``(len, width)``."""
-    bad = next((ids for ids in token_lists if not ids or not all(isinstance(t, int) for t in ids)), None)
-    if bad is not None:
-        raise ValueError(
-            f"A prompt given as token ids must be a non-empty sequence of ints; got {list(bad)[:8]!r}. Pass texts, "
-            "or lists of token ids from the tokenizer."
-        )
-    size = max(len(ids) for ids in token_lists)
-    if multiple:
-        size = -(-size // multiple) * multiple
-    ids_BP = torch.full((len(token_lists), size), pad_token_id, dtype=torch.long)
-    mask_BP = torch.zeros((len(token_lists), size), dtype=torch.long)
-    for row, ids in enumerate(token_lists):
-        ids_BP[row, size - len(ids):] = torch.tensor(list(ids), dtype=torch.long)
-        mask_BP[row, size - len(ids):] = 1
-    return ids_BP, mask_BP
-
-
 def check_context_fits(model, prompt_length: int, max_new_tokens: int) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and prompt_length + max_new_tokens > limit:
@@ -135,13 +92,30 @@ def _reuses_a_given_cache(model, generation_config: GenerationConfig) -> bool:
     )
 
 
-def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing) -> torch.Tensor:
-    """(B, T) completion tokens from ``model.generate``, continuing a shared prompt cache where it can."""
-    cache = None
-    if prefix_sharing is not None and _reuses_a_given_cache(model, generation_config):
+def _shared_prompt_cache(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing,
+                         speed_paths: SpeedPaths):
+    """A cache of the distinct prompts for ``model.generate`` to continue, taking each decoding step's
+    keys and values in place (``accel.kv_buffer``); None where it cannot be shared."""
+    if prefix_sharing is None or not _reuses_a_given_cache(model, generation_config):
+        return None
+    try:
         cache = prefix_sharing.prompt_cache(model, prompt_ids_BP, prompt_mask_BP)
-        if cache is not None:
-            buffer_cache(cache, new_tokens=generation_config.max_new_tokens)
+    except TRANSFORMERS_CHANGED as error:
+        speed_paths.turn_off("prefix_sharing", error)
+        return None
+    kv_buffer = None if cache is None else speed_paths.module("kv_buffer")
+    if kv_buffer is not None:
+        try:
+            kv_buffer.buffer_cache(cache, new_tokens=generation_config.max_new_tokens)
+        except TRANSFORMERS_CHANGED as error:  # the layers not yet replaced concatenate, as transformers' own do
+            speed_paths.turn_off("kv_buffer", error)
+    return cache
+
+
+def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing,
+                    speed_paths: SpeedPaths) -> torch.Tensor:
+    """(B, T) completion tokens from ``model.generate``, continuing a shared prompt cache where it can."""
+    cache = _shared_prompt_cache(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths)
     sequences = model.generate(
         input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
         **({} if cache is None else {CACHE: cache}),
@@ -149,35 +123,56 @@ def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, pre
     return sequences[:, prompt_ids_BP.shape[1]:]
 
 
+def _loop_sample(model, prompt_ids_BP, prompt_mask_BP, generation_config, *, share_prompts: bool,
+                 speed_paths: SpeedPaths, on_fallback) -> torch.Tensor | None:
+    """(B, T) completion tokens from grpo_lab's sampling loop (``accel.decoding``); None where the
+    model or settings keep generation on ``model.generate`` (after ``on_fallback(model, reason)``), or
+    where the loop does not work with this transformers (turned off for the run)."""
+    decoding = speed_paths.module("decoding")
+    if decoding is None:
+        return None
+    try:
+        reason = decoding.unsupported_reason(model, generation_config)
+        if reason is None:
+            return decoding.sample(model, prompt_ids_BP, prompt_mask_BP, generation_config, share_prompts=share_prompts)
+    except TRANSFORMERS_CHANGED as error:
+        speed_paths.turn_off("decoding", error)
+        return None
+    if on_fallback is not None:
+        on_fallback(model, reason)
+    return None
+
+
 @torch.no_grad()
 def generate(
     model, tokenizer, prompts: list[str] | list[list[int]], generation_config: GenerationConfig,
-    prefix_sharing: PrefixSharing | None = None, *, compact: bool = False,
-    on_fallback: Callable[[Any, str], None] | None = None, pad_to_multiple_of: int | None = None,
+    prefix_sharing=None, *, compact: bool = False, on_fallback: Callable[[Any, str], None] | None = None,
+    pad_to_multiple_of: int | None = None, speed_paths: SpeedPaths | None = None,
 ) -> GeneratedBatch:
     """Sample one completion per prompt, a text or token ids (repeat a prompt to get several).
 
-    With ``compact``, grpo_lab's own loop samples (``decoding``) where the model and settings allow
-    it, else ``model.generate``, after a call of ``on_fallback(model, reason)``. With
-    ``prefix_sharing``, a repeated prompt is pre-filled once and its keys and values reused by its
-    copies (for ``model.generate``, a cache that then takes each decoding step's keys and values in
-    place: ``kv_buffer``).
+    With ``compact``, grpo_lab's own loop samples (``accel.decoding``) where the model and settings
+    allow it, else ``model.generate``, after a call of ``on_fallback(model, reason)``. With
+    ``prefix_sharing`` (an ``accel.prefix_sharing.PrefixSharing``), a repeated prompt is pre-filled
+    once and its keys and values reused by its copies (for ``model.generate``, a cache that then
+    takes each decoding step's keys and values in place: ``accel.kv_buffer``). ``speed_paths``: the
+    run's, which imports those paths and turns off one that fails (a fresh one where None).
     """
+    speed_paths = SpeedPaths() if speed_paths is None else speed_paths
     device = next(model.parameters()).device
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, device, pad_to_multiple_of)
     check_context_fits(model, int(prompt_mask_BP.sum(1).max()), generation_config.max_new_tokens)
     was_training = model.training
     model.eval()
     try:
-        reason = decoding.unsupported_reason(model, generation_config) if compact else None
-        if compact and reason is None:
-            completion_ids_BT = decoding.sample(
-                model, prompt_ids_BP, prompt_mask_BP, generation_config, share_prompts=prefix_sharing is not None
+        completion_ids_BT = None if not compact else _loop_sample(
+            model, prompt_ids_BP, prompt_mask_BP, generation_config, share_prompts=prefix_sharing is not None,
+            speed_paths=speed_paths, on_fallback=on_fallback,
+        )
+        if completion_ids_BT is None:
+            completion_ids_BT = _model_generate(
+                model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths
             )
-        else:
-            if reason is not None and on_fallback is not None:
-                on_fallback(model, reason)
-            completion_ids_BT = _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing)
     finally:
         model.train(was_training)
     completion_mask_BT, is_truncated_B = completion_mask_from_ids(
@@ -237,9 +232,9 @@ class TransformersBackend:
 
     name = "transformers"
 
-    def __init__(self, model_fn, tokenizer, accelerator, prefix_sharing: PrefixSharing | None = None):
+    def __init__(self, model_fn, tokenizer, accelerator, speed_paths: SpeedPaths | None = None):
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
-        self.prefix_sharing = PrefixSharing() if prefix_sharing is None else prefix_sharing
+        self.speed_paths = SpeedPaths() if speed_paths is None else speed_paths
         self._noted: set[str] = set()
 
     def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
@@ -257,8 +252,9 @@ class TransformersBackend:
         with self.accelerator.autocast():
             return generate(
                 self._model_fn(), self.tokenizer, prompts, settings,
-                self.prefix_sharing if config.share_prompt_prefix else None, compact=config.compact_forward,
-                on_fallback=self._note_model_generate, pad_to_multiple_of=config.pad_multiple(),
+                self.speed_paths.prefix_sharing() if config.share_prompt_prefix else None,
+                compact=config.compact_forward, on_fallback=self._note_model_generate,
+                pad_to_multiple_of=config.pad_multiple(), speed_paths=self.speed_paths,
             )
 
     def _note_model_generate(self, model, reason: str) -> None:
@@ -268,7 +264,7 @@ class TransformersBackend:
         if reason in self._noted:
             return
         self._noted.add(reason)
-        if self.accelerator.is_main_process and compact_forward.unsupported_reason(model) is None:
+        if self.accelerator.is_main_process and self.speed_paths.compact_reason(model) is None:
             notices.warn(
                 f"Generation runs model.generate, not grpo_lab's faster sampling loop: {reason}. The log-prob "
                 "passes are not affected."

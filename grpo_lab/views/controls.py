@@ -20,7 +20,10 @@ from grpo_lab.ownership import SessionBusyError
 from grpo_lab.views.base import View, guarded
 
 RUN_N = "the dashboard's Run N button"
-STOP_RUN_N = "press Stop on the dashboard (it ends between stages; Finish step ends after the current update())"
+STOP_RUN_N = (
+    "press Stop on the dashboard (it ends between stages; Finish step ends after the current update()), or call "
+    "session.request_stop()"
+)
 
 
 class Controls(View):
@@ -46,15 +49,14 @@ class Controls(View):
             self.status,
         ])
         self.add_class("grpo-controls")
-        self._stop_request: str | None = None  # "stage" or "step": where Run N should end
-        self._run_active = False  # from the Run N click until its loop has ended
+        self._run_active = False  # from this view's Run N click until its loop has ended
         self._thread: threading.Thread | None = None
         for name, button in self.stage_buttons.items():
             button.on_click(functools.partial(self._press, name))
         self.step_button.on_click(functools.partial(self._press, "step"))
         self.run_button.on_click(self._start_run)
-        self.stop_button.on_click(lambda _: self._request_stop("stage"))
-        self.finish_button.on_click(lambda _: self._request_stop("step"))
+        self.stop_button.on_click(lambda _: session.request_stop("stage"))
+        self.finish_button.on_click(lambda _: session.request_stop("step"))
         self.refresh()
 
     @property
@@ -81,35 +83,34 @@ class Controls(View):
         if self._run_active or activity is not None:
             self._show_error(SessionBusyError(activity.refusal("Run N") if activity else "Run N is already running."))
             return
-        self._stop_request = None
         self._run_active = True
         self.refresh()  # disabled now, not when the thread first holds the session: a second click finds it so
         self._thread = threading.Thread(target=self._run_loop, args=(self.steps.value,), daemon=True, name="grpo_lab Run N")
         self._thread.start()
 
-    def _request_stop(self, where: str) -> None:
-        if self._stop_request != "stage":  # Stop after Finish step still ends between stages
-            self._stop_request = where
+    def _stop_request(self) -> str | None:
+        activity = self.session.activity
+        return None if activity is None else activity.stop_request
 
     def _run_loop(self, n: int) -> None:
-        done, last = 0, None
+        done, last, failure = 0, None, None
         try:
             with self.session.hold(f"Run N ({n} steps)", started_by=RUN_N, how_to_stop=STOP_RUN_N, steps=n):
-                while done < n and self._stop_request != "stage":
+                while done < n and self._stop_request() != "stage":
                     stage = self.session.next_stage
                     getattr(self.session, stage)()
                     last = stage
                     if stage == "update":
                         done += 1
-                        if self._stop_request == "step":
+                        if self._stop_request() == "step":
                             break
         except Exception as error:
+            failure = error
+        finally:  # whatever ends the loop, the buttons come back
             self._run_active = False
-            self.refresh()
-            self._show_error(error)
-            return
-        self._run_active = False
-        self.refresh(note=self._end_note(n, done, last))
+            self.refresh(note="" if failure else self._end_note(n, done, last))
+        if failure is not None:
+            self._show_error(failure)
 
     def _end_note(self, n: int, done: int, last: str | None) -> str:
         """Where Run N left the session."""
@@ -125,15 +126,15 @@ class Controls(View):
     @guarded
     def refresh(self, note: str = "") -> None:
         activity = self.session.activity
-        own_run = self._run_active
+        run_n = self._run_active or (activity is not None and activity.started_by == RUN_N)  # from any dashboard
         for button in [*self.stage_buttons.values(), self.step_button, self.run_button]:
-            button.disabled = activity is not None or own_run
-        self.stop_button.disabled = self.finish_button.disabled = not own_run
+            button.disabled = activity is not None or self._run_active
+        self.stop_button.disabled = self.finish_button.disabled = not run_n
         next_stage = self.session.next_stage
         for name, button in self.stage_buttons.items():
             button.button_style = "primary" if name == next_stage else ""
         if activity is not None:
-            stops = " Stop ends it between stages, Finish step after the current update()." if own_run else ""
+            stops = " Stop ends it between stages, Finish step after the current update()." if run_n else ""
             where = f" ({html.escape(activity.where)})" if activity.where else ""
             self.status.value = (  # the global step first, as when idle: "step (\d+)" finds it either way
                 f"step {self.session.global_step}; <b>{html.escape(activity.description)}</b> running, started by "
@@ -142,3 +143,9 @@ class Controls(View):
             return
         suffix = f" ({html.escape(note)})" if note else ""
         self.status.value = f"step {self.session.global_step}; next stage: <b>{next_stage}()</b>{suffix}"
+
+    def close(self) -> None:
+        """A closed dashboard's Run N ends between stages: no view would be left to stop it from."""
+        if self._run_active:
+            self.session.request_stop("stage")
+        super().close()

@@ -9,6 +9,7 @@ are not drawn: they are listed in one summary line instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,19 @@ import pandas as pd
 LEARNING_SIGNAL = "learning signal"
 NONZERO_ADVANTAGE = "completions with A ≠ 0"
 SHARE_RANGE = (-0.05, 1.05)  # shares of a batch, drawn on the whole of [0, 1]
+LOGGED = "logged metrics"
+
+
+def _reward_means(columns: list[str]) -> list[str]:
+    return [c for c in columns if c.startswith("rewards/") and c.endswith("/mean")]
+
+
+_DIAGNOSTIC_NAMES = ("entropy_coef", "aux_loss")
+_DIAGNOSTIC_PREFIXES = ("off_policy_mask/", "sampling/", "tools/")
+
+
+def _diagnostics(columns: list[str]) -> list[str]:
+    return [c for c in columns if c in _DIAGNOSTIC_NAMES or c.startswith(_DIAGNOSTIC_PREFIXES)]
 
 
 @dataclass(frozen=True)
@@ -26,12 +40,15 @@ class PanelSpec:
     columns: tuple[str, ...] = ()
     band: tuple[str, str] | None = None  # (centre, spread): draw centre ± spread as a band
     right: tuple[str, str] | None = None  # (column, unit) drawn on a right-hand y-axis
+    pick: Callable[[list[str]], list[str]] | None = None  # chooses its columns from the history's
+    y_range: tuple[float, float] | None = None  # a fixed range, e.g. for shares
 
 
 CURVE_PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("reward", "reward (mean)", ("reward",), band=("reward", "reward_std")),
-    PanelSpec("reward per function", "reward (mean)"),
-    PanelSpec(LEARNING_SIGNAL, "share", ("frac_reward_zero_std", NONZERO_ADVANTAGE), right=("grad_norm", "grad norm")),
+    PanelSpec("reward per function", "reward (mean)", pick=_reward_means),
+    PanelSpec(LEARNING_SIGNAL, "share", ("frac_reward_zero_std", NONZERO_ADVANTAGE), right=("grad_norm", "grad norm"),
+              y_range=SHARE_RANGE),
     PanelSpec("completion length", "tokens",
               ("completions/mean_length", "completions/min_length", "completions/max_length")),
     PanelSpec("truncated share", "share of completions", ("completions/clipped_ratio",)),
@@ -40,16 +57,31 @@ CURVE_PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("clip ratios", "share of tokens", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
     PanelSpec("loss", "loss", ("loss",)),
     PanelSpec("learning rate", "learning rate", ("learning_rate",)),
-    PanelSpec("logged metrics", "value"),
+    PanelSpec("engine diagnostics", "value", pick=_diagnostics),
+    PanelSpec(LOGGED, "value"),
 )
-"""Panels of the curves view. "reward per function" takes every ``rewards/<fn>/mean`` column and
-"logged metrics" every column a reward function added with ``log_metric``."""
+"""Panels of the curves view. "reward per function" takes every ``rewards/<fn>/mean`` column,
+"engine diagnostics" what the engine logs for some settings (the adaptive entropy weight, a MoE
+router's auxiliary loss, off-policy masking, vLLM sampling statistics, tool calls), and "logged
+metrics" every column no grpo_lab metric claims: those reward functions added with ``log_metric``."""
 
-_BOOKKEEPING = {
-    "step", "step_time", "epoch", "num_tokens", "update_skipped", "frac_reward_zero_std", "reward_std",
-    "backward_skipped_fraction", "grad_norm",
+_NOT_DRAWN = {
+    "step", "step_time", "epoch", "num_tokens", "update_skipped", "backward_skipped_fraction",
+    "completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length",
+    "clip_ratio/low_min", "clip_ratio/high_max",
 }
-_SHOWN_ELSEWHERE_PREFIXES = ("rewards/", "completions/", "clip_ratio/")
+"""grpo_lab's metrics that no panel draws (counters, and statistics a drawn series summarises)."""
+
+
+def _grpo_lab_names(columns: list[str]) -> set[str]:
+    """The columns grpo_lab itself logs, drawn or not: what is left was logged by reward functions."""
+    names = set(_NOT_DRAWN) | {"kl"} | {c for c in columns if c.startswith("rewards/")}
+    for spec in CURVE_PANELS:
+        names.update(spec.columns)
+        names.update(spec.band or ())
+        names.update(spec.right[:1] if spec.right else ())
+        names.update(spec.pick(columns) if spec.pick else ())
+    return names
 
 
 @dataclass
@@ -59,10 +91,15 @@ class Series:
     y: np.ndarray
     spread: np.ndarray | None = None  # a band: y ± spread
     right: bool = False  # drawn on the panel's right-hand axis
+    absent: np.ndarray | None = None  # True where the step did not log this metric: a plain gap
 
     def nonfinite_steps(self) -> list[float]:
-        """Steps where the value is NaN or infinite: drawn as a gap with a marker."""
-        return self.x[~np.isfinite(self.y)].tolist()
+        """Steps that logged a NaN or infinite value: drawn as a gap with a marker (a step that did
+        not log the metric at all is a plain gap)."""
+        bad = ~np.isfinite(self.y)
+        if self.absent is not None:
+            bad &= ~self.absent
+        return self.x[bad].tolist()
 
 
 @dataclass
@@ -73,6 +110,7 @@ class Panel:
     right_unit: str = ""
     note: str = ""  # said on the panel, e.g. why a loss is zero
     y_range: tuple[float, float] | None = None  # fixed range; None: follow the data
+    right_range: tuple[float, float] | None = None  # the right-hand axis's range, its 0 level with the left's
 
 
 @dataclass
@@ -95,15 +133,13 @@ def panel_columns(columns) -> list[tuple[PanelSpec, list[str]]]:
     """Which history columns each panel draws (panels with no column are left out). The learning
     signal panel is kept when the history has ``frac_reward_zero_std`` or ``grad_norm``."""
     columns = list(columns)
-    known = {name for spec in CURVE_PANELS for name in spec.columns} | {"kl"}
-    per_function = [c for c in columns if c.startswith("rewards/") and c.endswith("/mean")]
-    logged = [c for c in columns if c not in known and c not in _BOOKKEEPING and not c.startswith(_SHOWN_ELSEWHERE_PREFIXES)]
     layout = []
     for spec in CURVE_PANELS:
-        if spec.title == "reward per function":
-            chosen = per_function
-        elif spec.title == "logged metrics":
-            chosen = logged
+        if spec.title == LOGGED:
+            ours = _grpo_lab_names(columns)
+            chosen = [c for c in columns if c not in ours]
+        elif spec.pick is not None:
+            chosen = spec.pick(columns)
         else:
             chosen = [n for n in spec.columns if n in columns or n == NONZERO_ADVANTAGE and "frac_reward_zero_std" in columns]
             if spec.right and spec.right[0] in columns:
@@ -148,8 +184,9 @@ def loss_is_zero_by_construction(beta: float, steps_per_batch: int, losses) -> b
     """Whether the loss curve is rounding noise around 0: with beta 0 and one optimizer step per
     generated batch, the policy that sampled is the policy trained, every ratio is 1, and the loss
     reduces to minus a weighted mean of group-centred advantages, which is 0 when each completion
-    carries the same weight (loss_type "grpo") and small otherwise. The gradient is not zero. Said
-    only when every logged loss is below 1e-6 in absolute value."""
+    carries the same weight (loss_type "grpo") and small otherwise. Its gradient is the advantage-
+    weighted sum of log-prob gradients, which is not 0 unless every advantage is. Said only when
+    every logged loss is below 1e-6 in absolute value."""
     values = np.asarray(losses, dtype=float)
     finite = values[np.isfinite(values)]
     return beta == 0 and steps_per_batch == 1 and len(finite) > 0 and bool(np.all(np.abs(finite) < 1e-6))
@@ -157,26 +194,47 @@ def loss_is_zero_by_construction(beta: float, steps_per_batch: int, losses) -> b
 
 LOSS_ZERO_NOTE = (
     "loss ≈ 0 by construction: beta = 0 and one update per batch, so every ratio is 1 and the "
-    "group-centred advantages cancel. The gradient is not 0: watch grad norm and reward."
+    "group-centred advantages cancel in the loss value, not in its gradient: watch grad norm and reward."
 )
+
+
+def _flat(values: np.ndarray) -> bool:
+    return bool(np.ptp(values) <= 1e-12 * max(1.0, float(np.max(np.abs(values)))))
 
 
 def _is_constant(values: np.ndarray) -> bool:
     finite = values[np.isfinite(values)]
-    if len(finite) != len(values) or not len(finite):
-        return False
-    return bool(np.ptp(finite) <= 1e-12 * max(1.0, float(np.max(np.abs(finite)))))
+    return len(finite) == len(values) and len(finite) > 0 and _flat(finite)
 
 
 def _y_range(panel: Panel) -> tuple[float, float] | None:
-    """An explicit y range for a panel whose left-axis values are all equal (a plotting library
-    would centre a constant on an arbitrary span); None lets the axis follow the data."""
-    values = np.concatenate([s.y[np.isfinite(s.y)] for s in panel.series if not s.right] or [np.array([])])
-    if not len(values) or np.ptp(values) > 1e-12 * max(1.0, float(np.max(np.abs(values)))):
+    """An explicit y range for a panel whose left-axis values (a band's edges included) are all
+    equal (a plotting library would centre a constant on an arbitrary span); None lets the axis
+    follow the data."""
+    parts = []
+    for s in panel.series:
+        if not s.right:
+            parts.append(s.y)
+            if s.spread is not None:
+                parts += [s.y - s.spread, s.y + s.spread]
+    values = np.concatenate(parts or [np.array([])])
+    values = values[np.isfinite(values)]
+    if not len(values) or not _flat(values):
         return None
     centre = float(values[0])
     half = abs(centre) * 0.5 or 1.0
     return (centre - half, centre + half)
+
+
+def _right_range(panel: Panel) -> tuple[float, float] | None:
+    """The right-hand axis's range, with the same margins as the left's shares so that both zeros
+    are level (a norm of 0, no gradient at all, shows on the shares' 0)."""
+    values = np.concatenate([s.y[np.isfinite(s.y)] for s in panel.series if s.right] or [np.array([])])
+    if panel.y_range is None or not len(values):
+        return None
+    top = float(max(values.max(), 0.0)) or 1.0
+    low, high = panel.y_range
+    return (low * top, high * top)
 
 
 def _short(value) -> str:
@@ -200,20 +258,24 @@ def curve_panels(
     nonzero_advantage: tuple[np.ndarray, np.ndarray] | None = None,
     loss_zero: bool = False,
     config_changes: list[dict] = (),
+    absent: dict[str, np.ndarray] | None = None,
 ) -> Curves:
     """The curves view's data: one panel per metric group, x = optimizer step.
 
     ``nonzero_advantage``: (steps, shares) from :func:`nonzero_advantage_share`, drawn in the
     learning-signal panel. ``loss_zero``: the loss panel says so (see
     :func:`loss_is_zero_by_construction`) on a fixed range instead of magnifying rounding.
-    Panels constant over two or more steps are left out and named in ``constant``.
+    ``absent``: per column, True at the steps that did not log it (see :func:`absent_steps`), a
+    plain gap rather than a non-finite value. Panels constant over two or more steps are left out
+    and named in ``constant``.
     """
     if history.empty:
         return Curves([], [], config_marks(list(config_changes)), 0)
     steps = history["step"].to_numpy(dtype=float)
+    absent = absent or {}
     panels, constant = [], []
     for spec, names in panel_columns(history.columns):
-        panel = Panel(spec.title, spec.unit, right_unit=spec.right[1] if spec.right else "")
+        panel = Panel(spec.title, spec.unit, right_unit=spec.right[1] if spec.right else "", y_range=spec.y_range)
         for name in names:
             if name == NONZERO_ADVANTAGE:
                 if nonzero_advantage is not None and len(nonzero_advantage[0]):
@@ -223,14 +285,20 @@ def curve_panels(
             spread = None
             if spec.band and name == spec.band[0] and spec.band[1] in history:
                 spread = history[spec.band[1]].to_numpy(dtype=float)
-            panel.series.append(Series(name, steps, y, spread, right=bool(spec.right) and name == spec.right[0]))
+            right = bool(spec.right) and name == spec.right[0]
+            panel.series.append(Series(name, steps, y, spread, right=right, absent=absent.get(name)))
         if spec.title == "loss" and loss_zero:
             panel.note, panel.y_range = LOSS_ZERO_NOTE, (-1.0, 1.0)
         if len(steps) >= 2 and not panel.note and all(_is_constant(s.y) for s in panel.series):
             constant.extend(f"{s.name} = {float(s.y[0]):.4g}" for s in panel.series)
             continue
-        if spec.title == LEARNING_SIGNAL:
-            panel.y_range = SHARE_RANGE
         panel.y_range = panel.y_range or _y_range(panel)
+        panel.right_range = _right_range(panel)
         panels.append(panel)
     return Curves(panels, constant, config_marks(list(config_changes)), len(steps))
+
+
+def absent_steps(rows: list[dict], columns) -> dict[str, np.ndarray]:
+    """Per column, True at the history rows (steps) that did not log it: a metric that starts
+    mid-run (a KL term switched on, a reward function added) or that a step left out."""
+    return {name: np.fromiter((name not in row for row in rows), dtype=bool, count=len(rows)) for name in columns}

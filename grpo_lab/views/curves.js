@@ -28,7 +28,9 @@ function floats(view) {
 const LABELS = { frac_reward_zero_std: "groups with equal rewards" };
 
 function shortName(name) {
-  return LABELS[name] ?? name.replace(/^rewards\//, "").replace(/\/mean$/, "").replace(/^completions\//, "").replace(/^clip_ratio\//, "");
+  if (LABELS[name]) return LABELS[name];
+  if (/^rewards\/.*\/mean$/.test(name)) return name.slice("rewards/".length, -"/mean".length);
+  return name.replace(/^completions\//, "").replace(/^clip_ratio\//, "");
 }
 
 function wrap(text, width) {
@@ -48,7 +50,7 @@ function columnsFor(width) {
 function figure(spec, arrays, columns) {
   const data = [];
   const layout = {
-    template: "plotly_white", font: { size: 10 }, showlegend: true, hovermode: "closest",
+    font: { size: 10 }, plot_bgcolor: "white", paper_bgcolor: "white", showlegend: true, hovermode: "closest",
     margin: { l: 56, r: 56, t: 28, b: 36 }, annotations: [], shapes: [],
   };
   const panels = spec.panels;
@@ -71,13 +73,10 @@ function figure(spec, arrays, columns) {
       domain: yDomain, anchor: xa, title: { text: panel.unit, standoff: 2 }, tickformat: ".3~g", exponentformat: "e",
       ...(panel.y_range ? { range: panel.y_range, autorange: false } : { autorange: true }),
     };
-    const rightSeries = panel.series.filter((s) => s.right);
-    if (rightSeries.length) {
-      // a norm is never negative: its 0 sits level with the shares' 0, so that no gradient at all shows as such
-      const top = Math.max(0, ...rightSeries.flatMap((s) => Array.from(floats(arrays[s.y])).filter(Number.isFinite)));
+    if (panel.right_range) {
       layout[`yaxis${rightN}`] = {
         overlaying: ya, anchor: xa, side: "right", tickformat: ".3~g", showgrid: false, tickmode: "auto", nticks: 4,
-        range: [-0.05 * (top || 1), 1.05 * (top || 1)], autorange: false,
+        range: panel.right_range, autorange: false, title: { text: panel.right_unit, standoff: 2 },
       };
     }
     layout.annotations.push({
@@ -92,7 +91,7 @@ function figure(spec, arrays, columns) {
     let finiteMin = Infinity;
     panel.series.forEach((s, i) => {
       const x = floats(arrays[s.x]), y = floats(arrays[s.y]);
-      for (const v of y) if (Number.isFinite(v) && v < finiteMin && !s.right) finiteMin = v;
+      if (!s.right) for (const v of y) if (Number.isFinite(v) && v < finiteMin) finiteMin = v;
       const colour = COLOURS[i % COLOURS.length];
       const common = { xaxis: xa, yaxis: s.right ? right : ya, legend: legend || undefined, showlegend: Boolean(legend) };
       if (s.spread !== null) {

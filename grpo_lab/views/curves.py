@@ -14,7 +14,8 @@ EMPTY = "No optimizer step yet: the curves start after the first update()."
 
 class CurvesView(View):
     """Training curves, one small plot per metric group, redrawn from the full history after every
-    update(). The figure widget exists from the start, so no view of it is ever created mid-run."""
+    update(). The figure widget exists from the start and its state is the whole picture, so a view
+    of it made at any time (a reloaded page included) draws every step so far."""
 
     events = ("update",)
 
@@ -48,10 +49,7 @@ class CurvesView(View):
         )
         self.curves = curve_data.curve_panels(
             history, self.smoothing.value, nonzero_advantage=self._nonzero_advantage(), loss_zero=loss_zero,
-            config_changes=session.config_changes,
+            config_changes=session.config_changes, absent=curve_data.absent_steps(session._history, history.columns),
         )
         self.figure.show_curves(self.curves, EMPTY)
 
-    def close(self) -> None:
-        self.figure.close()
-        super().close()

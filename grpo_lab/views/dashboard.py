@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
+from grpo_lab.views.base import close_tree
 from grpo_lab.views.completions import CompletionsView
 from grpo_lab.views.controls import Controls
 from grpo_lab.views.curves import CurvesView
@@ -30,5 +31,5 @@ class Dashboard(widgets.VBox):
 
     def close(self) -> None:
         for part in (self.controls, self.curves, self.completions, self.rewards):
-            part.close()
-        super().close()
+            part.close()  # each unsubscribes from the session
+        close_tree(self)

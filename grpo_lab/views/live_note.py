@@ -19,7 +19,7 @@ function render({ model, el }) {
   const hear = () => { heard = true; el.style.display = "none"; };
   const onMessage = (message) => { if (message && message.type === "alive") hear(); };
   model.on("msg:custom", onMessage);
-  model.on("change:step", hear);
+  model.on("change:beat", hear);
   const timer = setTimeout(() => {
     if (heard) return;
     el.textContent = `Not live: no word from the kernel since this page opened (it is busy running a cell, or it `
@@ -27,22 +27,30 @@ function render({ model, el }) {
     el.style.display = "block";
   }, model.get("wait_ms"));
   model.send({ type: "hello" });
-  return () => { clearTimeout(timer); model.off("msg:custom", onMessage); model.off("change:step", hear); };
+  return () => { clearTimeout(timer); model.off("msg:custom", onMessage); model.off("change:beat", hear); };
 }
 export default { render };
 """
 
 
 class LiveNote(anywidget.AnyWidget):
-    """Hidden while the kernel answers; ``step`` is the optimizer step the view's data is from."""
+    """Hidden while the kernel answers or events arrive; ``step`` is the optimizer step the view's
+    data is from."""
 
     _esm = _ESM
     step = traitlets.Int(0).tag(sync=True)
+    beat = traitlets.Int(0).tag(sync=True)  # counts the session's events: any change means a live kernel
     wait_ms = traitlets.Int(5000).tag(sync=True)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.on_msg(self._answer)
+
+    def heard(self, step: int) -> None:
+        """The session sent an event: hide the note in every view of it, and record the step shown."""
+        with self.hold_sync():
+            self.step = step
+            self.beat += 1
 
     def _answer(self, _widget, content, _buffers) -> None:
         if isinstance(content, dict) and content.get("type") == "hello":

@@ -90,7 +90,8 @@ def curves_state(curves: Curves, empty_text: str) -> tuple[dict, list[bytes]]:
         ]
         panels.append({
             "title": panel.title, "unit": panel.unit, "right_unit": panel.right_unit, "note": panel.note,
-            "y_range": list(panel.y_range) if panel.y_range else None, "series": series,
+            "y_range": list(panel.y_range) if panel.y_range else None,
+            "right_range": list(panel.right_range) if panel.right_range else None, "series": series,
         })
     spec = {
         "panels": panels,

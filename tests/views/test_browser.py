@@ -133,13 +133,18 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
         page.reload()
         lab.wait_for_notebook(page)
         restored = wait_step_from_status(page)
-        # within two updates of the restore, the curves hold every step so far, inside their axes
-        deadline = time.time() + 120
-        while (now := wait_step_from_status(page)) < min(restored + 2, 20):
-            assert time.time() < deadline
-            time.sleep(0.25)
-        shown = wait_reward_points(page, now, timeout=10) if now < 20 else wait_reward_points(page, 20)
-        assert shown["outside"] == [], shown["outside"]
+        # within two updates of the restore, the curves hold every step so far, inside their axes:
+        # the step in the controls and the points in the plot are read in one go, as the page shows them
+        deadline, caught_up = time.time() + 120, None
+        while caught_up is None:
+            assert time.time() < deadline, "the curves did not catch up with the steps after the reload"
+            now = page.evaluate(STEP_AND_POINTS)
+            if now["step"] is not None and now["step"] <= restored + 2 and now["points"] == now["step"]:
+                caught_up = now
+            elif now["step"] is not None and now["step"] > restored + 2:
+                raise AssertionError(f"two updates after the reload at step {restored}, the page shows {now}")
+            time.sleep(0.1)
+        assert facts(page)["outside"] == []
         page.wait_for_function("() => /ran 20 step/.test(document.querySelector('.grpo-controls').innerText)", timeout=120_000)
         wait_reward_points(page, 20)
 
@@ -170,6 +175,13 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
         page.locator(".grpo-dashboard").first.screenshot(path=str(shots / "reopened_after_restart.png"))
 
 
+STEP_AND_POINTS = """() => {
+  const status = document.querySelector('.grpo-controls')?.innerText.match(/step (\\d+)/);
+  return {step: status ? Number(status[1]) : null,
+          points: document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length};
+}"""
+
+
 def wait_step_from_status(page, timeout: float = 60) -> int:
     """The step the dashboard's controls report, once they are drawn."""
     deadline = time.time() + timeout
@@ -194,7 +206,7 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
             assert time.time() < deadline, "the notebook did not finish within 10 minutes"
             shown = facts(page, 0)
             seen.append(shown["rewardPoints"] if shown else 0)
-            if not pictured and seen[-1] == 50:  # the picture in the docs: the dashboard at step 50
+            if not pictured and seen[-1] >= 50:  # the picture in the docs: the dashboard at step 50 (or 51)
                 page.evaluate("() => document.querySelector('.grpo-dashboard').scrollIntoView()")
                 page.locator(".grpo-dashboard").screenshot(path=str(shots / "dashboard.png"))
                 pictured = True

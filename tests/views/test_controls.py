@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from grpo_lab.ownership import SessionBusyError
+from tests.conftest import pause_at
 
 
 @pytest.fixture
@@ -16,20 +17,6 @@ def session(make_session):
 
 def drive_buttons(controls):
     return [*controls.stage_buttons.values(), controls.step_button, controls.run_button]
-
-
-def pause_at(session, event: str, global_step: int):
-    """Hold the thread that emits ``event`` at ``global_step`` until ``resume`` is set: returns
-    (paused, resume), two Events. Subscribe after the view, so that it has refreshed by then."""
-    paused, resume = threading.Event(), threading.Event()
-
-    def pause(name, payload):
-        if name == event and session.global_step == global_step and not paused.is_set():
-            paused.set()
-            resume.wait(120)
-
-    session.on(pause)
-    return paused, resume
 
 
 def test_controls_buttons_run_stages_and_run_n_stops_cleanly(session):
@@ -106,7 +93,7 @@ def test_a_cell_call_during_run_n_is_refused_naming_run_n_and_stop(session):
             "session.step() cannot run now: Run N (10 steps), started by the dashboard's Run N button, is running "
             "(step 2 of 10, stage loss()). A session runs one thing at a time and nothing was queued: wait for it "
             "to end, or press Stop on the dashboard (it ends between stages; Finish step ends after the current "
-            "update()); then call session.step() again."
+            "update()), or call session.request_stop(); then call session.step() again."
         )
         assert all(b.disabled for b in drive_buttons(controls))
         assert not controls.stop_button.disabled and not controls.finish_button.disabled
@@ -134,3 +121,33 @@ def test_stop_ends_between_stages_and_finish_step_after_the_update(session, butt
     assert not controls._thread.is_alive() and (session.global_step, session.next_stage) == state
     assert controls.status.value == f"step {state[0]}; next stage: <b>{state[1]}()</b> ({note})"
     assert not any(b.disabled for b in drive_buttons(controls)) and controls.stop_button.disabled
+
+
+def test_run_n_stops_from_any_dashboard_and_from_a_cell(session):
+    first, second = session.controls(), session.controls()  # e.g. show() run twice
+    paused, resume = pause_at(session, "loss", global_step=1)
+    first.steps.value = 10
+    first.run_button.click()
+    assert paused.wait(120)
+    assert not second.stop_button.disabled and not second.finish_button.disabled  # it can stop a run it did not start
+    second.stop_button.click()
+    resume.set()
+    first._thread.join(timeout=120)
+    assert (session.global_step, session.next_stage) == (1, "update")
+    first.run_button.click()
+    assert session.request_stop("step")  # a cell, while Run N holds the session
+    first._thread.join(timeout=120)
+    assert session.global_step == 2 and not session.request_stop("step")  # nothing runs now
+
+
+def test_closing_the_dashboard_that_runs_n_stops_it(session):
+    controls = session.controls()
+    paused, resume = pause_at(session, "score", global_step=0)
+    controls.steps.value = 10
+    controls.run_button.click()
+    assert paused.wait(120)
+    thread = controls._thread
+    controls.close()
+    resume.set()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and session.global_step == 0 and session.activity is None

@@ -112,9 +112,35 @@ def test_config_edits_become_marks_one_per_step():
 
 
 def test_logged_metrics_panel_holds_only_what_reward_functions_logged():
-    history = _history(reward=[0.1, 0.2], **{"my/score": [3.0, 4.0]}, step_time=[1.0, 1.0], backward_skipped_fraction=[0.0, 0.5])
+    history = _history(
+        reward=[0.1, 0.2], **{"my/score": [3.0, 4.0], "sampling/importance_sampling_ratio/mean": [1.0, 0.9]},
+        step_time=[1.0, 1.0], backward_skipped_fraction=[0.0, 0.5], entropy_coef=[0.01, 0.02], aux_loss=[0.3, 0.2],
+        **{"clip_ratio/high_max": [0.1, 0.2], "completions/mean_terminated_length": [4.0, 5.0]},
+    )
     panels = {p.title: [s.name for s in p.series] for p in curve_data.curve_panels(history).panels}
-    assert panels == {"reward": ["reward"], "logged metrics": ["my/score"]}
+    assert panels == {
+        "reward": ["reward"],
+        "engine diagnostics": ["sampling/importance_sampling_ratio/mean", "entropy_coef", "aux_loss"],
+        "logged metrics": ["my/score"],
+    }
+
+
+def test_a_metric_a_step_did_not_log_is_a_plain_gap_not_a_non_finite_value():
+    rows = [{"step": 1, "reward": 1.0}, {"step": 2, "reward": 2.0, "kl": float("nan")}, {"step": 3, "reward": 3.0, "kl": 0.5}]
+    history = pd.DataFrame(rows)  # pandas fills the missing kl of step 1 with NaN
+    curves = curve_data.curve_panels(history, absent=curve_data.absent_steps(rows, history.columns))
+    assert _panels(curves)["kl"].series[0].nonfinite_steps() == [2.0]  # step 2 logged NaN; step 1 logged nothing
+
+
+def test_ranges_hold_a_one_point_band_and_put_both_zeros_of_the_learning_signal_level():
+    one = _panels(curve_data.curve_panels(_history(reward=[0.25], reward_std=[0.4])))["reward"]
+    assert one.y_range is None  # not pinned around 0.25: the axis follows the band's edges, -0.15 and 0.65
+    flat = _panels(curve_data.curve_panels(_history(reward=[0.25], reward_std=[0.0])))["reward"]
+    assert flat.y_range == (0.125, 0.375)
+    history = _history(reward=[1.0, 2.0], frac_reward_zero_std=[0.5, 0.25], grad_norm=[0.0, 4.0])
+    signal = _panels(curve_data.curve_panels(history))[curve_data.LEARNING_SIGNAL]
+    assert signal.y_range == curve_data.SHARE_RANGE
+    assert signal.right_range == pytest.approx((-0.05 * 4.0, 1.05 * 4.0))  # 0 grad norm level with share 0
 
 
 def test_widget_state_decodes_to_the_panels_values_and_shares_the_step_buffer():

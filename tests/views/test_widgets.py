@@ -60,3 +60,16 @@ def test_completions_view_offers_the_vllm_gap_only_with_sampling_logprobs(sessio
     view.refresh()
     assert "vllm_logprob_gap" not in view.quantity.options and view.quantity.value == "logprob"
     assert view.error.value == ""
+
+
+def test_closing_a_dashboard_closes_every_widget_it_made(session):
+    from ipywidgets.widgets.widget import _instances
+
+    before = set(_instances)
+    dashboard = session.show()
+    session.step()
+    assert len(set(_instances) - before) > 40
+    dashboard.close()
+    left = [type(_instances[key]).__name__ for key in set(_instances) - before]
+    assert set(left) <= {"PlotlyLibrary"}  # plotly.js, sent once per kernel, stays for the next figure
+    assert session._listeners == []

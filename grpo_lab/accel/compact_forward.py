@@ -6,12 +6,12 @@ objects, output recording and output classes. For a small model on a CPU that wr
 as much as the arithmetic (benchmarks/README.md). Two short functions run the same modules
 (embedding, norms, projections, MLPs, rotary embedding, head):
 
-- ``forward``, for generation (``grpo_lab.rollout.decoding``): keys and values are kept in one pair
+- ``forward``, for generation (``grpo_lab.accel.decoding``): keys and values are kept in one pair
   of (B, K, S, D) buffers per layer that each call writes in place. In a decoding step on a CPU,
   the products of weights of ``WEIGHT_FIRST_MIN_BYTES`` or more are taken weight-first
   (``_linear``), which MKL runs faster for a few rows.
 - ``shared_prompt_forward``, for the log-prob passes with a shared prompt
-  (``grpo_lab.prefix_sharing``): the distinct prompts and the completion tokens in one pass, with
+  (``grpo_lab.accel.prefix_sharing``): the distinct prompts and the completion tokens in one pass, with
   only the completion positions whose logits are used going through the projections, MLPs and
   head: the padding after a completion's end, which transformers' forward (and TRL) computes and
   discards, appears only as masked positions inside attention.

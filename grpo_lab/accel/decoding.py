@@ -1,7 +1,7 @@
 """A sampling loop for Llama, Qwen2 and Qwen3 models, used in place of ``model.generate``.
 
 At every decoding step ``model.generate`` runs transformers' general machinery around the model's
-forward pass, itself wrapped (``grpo_lab.compact_forward``), then its logits processors and
+forward pass, itself wrapped (``grpo_lab.accel.compact_forward``), then its logits processors and
 stopping criteria. This loop runs the compact forward pass with:
 
 - each distinct prompt pre-filled once, its keys and values copied to its group's rows;
@@ -36,8 +36,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo_lab import compact_forward
-from grpo_lab.prefix_sharing import distinct_prompts, position_ids
+from grpo_lab.accel import compact_forward
+from grpo_lab.accel.prefix_sharing import distinct_prompts, position_ids
 
 
 _SAMPLING_FIELDS = {

@@ -4,22 +4,23 @@ The G completions of a GRPO group share their prompt, yet a plain forward pass o
 ``[prompt, completion]`` rows runs that prompt G times. With prefix sharing the prompt rows are
 run once per distinct prompt, their keys and values are indexed out to every completion of the
 group, and only the completion tokens are run on top of them: ``U x P + B x (T - 1)`` tokens
-instead of ``B x (P + T)`` (U distinct prompts, B completions; the last token predicts nothing). The gradient is the same: indexing the
-keys/values is differentiable, and the backward pass sums each completion's contribution into the
-shared prompt activations. Generation with transformers does the same for the prompt's
-pre-fill: ``prompt_cache`` runs each distinct prompt once and hands the indexed cache to
-``model.generate``. For the models ``compact_forward`` supports (``compact=True``), a log-prob pass
-is one call of ``compact_forward.shared_prompt_forward`` instead of two of transformers' forward:
-the distinct prompts and only the completion positions whose next token is kept (the padding after
-each completion's end does not go through the projections, MLPs and head), with the same logits up
-to float rounding.
+instead of ``B x (P + T)`` (U distinct prompts, B completions; the last token predicts nothing).
+The gradient is the same: indexing the keys/values is differentiable, and the backward pass sums
+each completion's contribution into the shared prompt activations. Generation with transformers
+does the same for the prompt's pre-fill: ``prompt_cache`` runs each distinct prompt once and hands
+the indexed cache to ``model.generate``. For the models ``compact_forward`` supports
+(``compact_logits``), a log-prob pass is one call of ``compact_forward.shared_prompt_forward``
+instead of two of transformers' forward: the distinct prompts and only the completion positions
+whose next token is kept (the padding after each completion's end does not go through the
+projections, MLPs and head), with the same logits up to float rounding.
 
 It applies where a model's key/value cache is a plain per-layer concatenation (transformers'
 ``DynamicCache`` with full-attention layers), its rotary embedding does not depend on the length of
 each call (not "dynamic" or "longrope" scaling) and, in training mode, the model neither checkpoints
 activations (transformers drops the cache there) nor draws anything random (the copies of a
-prompt would share one dropout or router-jitter draw). Anywhere else the plain pass runs; a cache
-that cannot be shared is named in a warning and in ``PrefixSharing.disabled_reason``. Without
+prompt would share one dropout or router-jitter draw). Anywhere else the plain pass runs
+(``grpo_lab.policy_forward.pick_path`` decides); a cache that cannot be shared is named in a warning
+and in ``PrefixSharing.disabled_reason``. Without
 gradients a checkpointing model is not switched to eval mode to share: the old-policy pass must
 take the same path as the training pass, so that the first iteration's ratio is exactly 1.
 
@@ -31,13 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from grpo_lab import compact_forward, notices
+from grpo_lab import notices
+from grpo_lab.accel import SpeedPaths
 from grpo_lab.models import CACHE, config_settings
+from grpo_lab.policy_forward import completion_logits, full_logits, position_ids, without_router_loss
 
-
-def position_ids(attention_mask_BL: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as ``generate()`` assigns them: ``cumsum(mask) - 1``, >= 0."""
-    return (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+__all__ = ["PrefixSharing", "distinct_prompts", "full_logits", "position_ids"]
 
 
 def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,32 +52,6 @@ def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) 
     rows_B = torch.arange(len(inverse_B), device=inverse_B.device)
     first_U = torch.full((int(inverse_B.max()) + 1,), len(inverse_B), device=inverse_B.device)
     return first_U.scatter_reduce(0, inverse_B, rows_B, reduce="amin"), inverse_B
-
-
-def full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, **kwargs):
-    """The model's output for one pass over ``[prompt, completion]``, its logits kept at the
-    completion's positions and the one before (``kwargs`` go to the model)."""
-    input_ids = torch.cat([prompt_ids_BP, completion_ids_BT], dim=1)
-    attention_mask = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
-    return model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-        logits_to_keep=completion_ids_BT.shape[1] + 1, use_cache=False, **kwargs,
-    )
-
-
-def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
-    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
-    args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
-    return full_forward(*args, **_without_router_loss(model)).logits[:, :-1, :]
-
-
-def _without_router_loss(model) -> dict:
-    """``output_router_logits=False`` for a mixture-of-experts model whose config turns it on: such a
-    model computes its load-balancing loss in every call, against the call's attention mask, which
-    a call that continues a cache does not match."""
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {"output_router_logits": False} if getattr(text_config, "output_router_logits", False) else {}
 
 
 def _plain_cache_reason(cache, prompt_length: int) -> str | None:
@@ -106,7 +80,8 @@ class PrefixSharing:
     def __init__(self):
         self.disabled_reason: dict[int, str] = {}
 
-    def _skip_reason(self, model) -> str | None:
+    def skip_reason(self, model) -> str | None:
+        """Why this model's log-prob passes and generation run without sharing, or None."""
         rope = _length_dependent_rope(model)
         if rope is not None:
             return f"{rope} rotary scaling depends on each call's length (a prompt run alone is scaled otherwise)"
@@ -122,7 +97,7 @@ class PrefixSharing:
         """The forward pass over distinct prompts, or None (and the reason kept) if its cache cannot be shared."""
         out = model(
             input_ids=prompt_ids_UP, attention_mask=prompt_mask_UP, position_ids=positions_UP, use_cache=True,
-            logits_to_keep=1, **_without_router_loss(model),
+            logits_to_keep=1, **without_router_loss(model),
         )
         reason = _plain_cache_reason(getattr(out, CACHE), prompt_ids_UP.shape[1])
         if reason is not None:
@@ -135,23 +110,23 @@ class PrefixSharing:
         self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True,
         compact: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits predicting the completion tokens, and where they sit: ``(logits_BTV, None)``,
-        the values of ``full_logits``, or with ``compact``, where ``compact_forward`` supports the
-        model, ``(logits_NV, slots_N)``: the logits of the N completion tokens the mask keeps, from
-        one pass over the distinct prompts and the positions that predict those tokens (the padding
-        after each completion's end does not go through the projections, MLPs and head), with
-        ``slots_N`` their flat index into the (B, T) positions (``unpack`` spreads per-token values
-        back). Those values are ``full_logits``' up to float rounding. The compact pass needs
-        right-padded completion masks (every rollout backend makes them so); a mask with a hole
-        takes the two-call pass. ``enabled=False`` always runs the plain pass."""
-        args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
-        if not enabled or self._skip_reason(model) is not None:
-            return full_logits(*args), None
+        """``grpo_lab.policy_forward.completion_logits`` with this ``PrefixSharing``: ``(logits_BTV,
+        None)``, the values of ``full_logits``, or with ``compact``, where ``compact_forward`` supports
+        the model, ``compact_logits``' ``(logits_NV, slots_N)``. ``enabled=False`` always runs the
+        plain pass."""
+        return completion_logits(
+            model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT,
+            speed_paths=SpeedPaths(prefix_sharing=self), share_prompt_prefix=enabled, compact_forward=compact,
+        )[:2]
+
+    def shared_logits(self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT):
+        """(B, T, V) logits predicting the completion tokens, from two calls of transformers' forward:
+        the distinct prompts, then the completion tokens on their keys and values; None (after a
+        warning, once per model) where the model's cache cannot be shared. The caller checks
+        ``skip_reason`` first."""
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         attention_mask_BL = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
         positions_BL = position_ids(attention_mask_BL)
-        if compact and compact_forward.unsupported_reason(model) is None and _right_padded(completion_mask_BT):
-            return _packed_logits(model, *args[1:], positions_BL, first_U, inverse_B)
         # Always the same two calls, whatever the batch holds: under DDP, FSDP or ZeRO-3 every process
         # must make as many forward calls as the others (each call may synchronise). The last
         # completion token predicts nothing; it is run only when it is the only one, so that the
@@ -162,21 +137,35 @@ class PrefixSharing:
             model, prompt_ids_BP[first_U], prompt_mask_BP[first_U], positions_BL[first_U, :prompt_length]
         )
         if prefill is None:
-            return full_logits(*args), None
+            return None
         cache = getattr(prefill, CACHE)
         _select_rows(cache, inverse_B)
         rest_BTV = model(
             input_ids=completion_ids_BT[:, : end - prompt_length], attention_mask=attention_mask_BL[:, :end],
-            position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache}, **_without_router_loss(model),
+            position_ids=positions_BL[:, prompt_length:end], use_cache=True, **{CACHE: cache},
+            **without_router_loss(model),
         ).logits
-        return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1), None
+        return torch.cat([prefill.logits.index_select(0, inverse_B), rest_BTV[:, : num_completion_tokens - 1]], dim=1)
+
+    def compact_logits(self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT):
+        """``(logits_NV, slots_N)``: the logits of the N completion tokens the mask keeps, from one pass
+        of ``compact_forward.shared_prompt_forward`` over the distinct prompts and the positions that
+        predict those tokens (the padding after each completion's end does not go through the
+        projections, MLPs and head), with ``slots_N`` their flat index into the (B, T) positions.
+        Those values are ``full_logits``' up to float rounding. The caller checks ``skip_reason``,
+        that ``compact_forward`` supports the model and that the completion mask is right padded
+        (every rollout backend makes it so; a mask with a hole takes the two-call pass)."""
+        first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+        positions_BL = position_ids(torch.cat([prompt_mask_BP, completion_mask_BT], dim=1))
+        rows = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
+        return _packed_logits(*rows, positions_BL, first_U, inverse_B)
 
     @torch.no_grad()
     def prompt_cache(self, model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
         """A key/value cache of every prompt but its last token, computed once per distinct prompt and
         indexed out to all B rows, for ``model.generate`` to continue; None where
         the cache cannot be shared or the prompts are single tokens."""
-        if self._skip_reason(model) is not None or prompt_ids_BP.shape[1] < 2:
+        if self.skip_reason(model) is not None or prompt_ids_BP.shape[1] < 2:
             return None
         first_U, inverse_B = distinct_prompts(prompt_ids_BP, prompt_mask_BP)
         ids_UP, mask_UP = prompt_ids_BP[first_U, :-1], prompt_mask_BP[first_U, :-1]
@@ -193,6 +182,8 @@ def _packed_logits(
     their flat (B x T) index: each non-empty row's first token (predicted by its prompt's last
     position), then the tokens predicted by the completion positions run, in row-major order.
     ``completion_mask_BT`` is right padded."""
+    from grpo_lab.accel import compact_forward  # on the compact path only: it imports transformers' model classes
+
     B, T = completion_ids_BT.shape
     P = prompt_ids_BP.shape[1]
     # Position j runs when token j + 1 is kept. One column is kept when T is 1, so that no shape is empty.
@@ -207,16 +198,6 @@ def _packed_logits(
     run_slots = (starts_B[:, None] + 1 + torch.arange(run_BL.shape[1], device=starts_B.device))[run_BL]
     slots = torch.cat([starts_B.index_select(0, non_empty), run_slots])
     return torch.cat([last_UV.index_select(0, inverse_B.index_select(0, non_empty)), logits_NV]), slots
-
-
-def _right_padded(mask_BT: torch.Tensor) -> bool:
-    """Whether every row of ``mask_BT`` is ones, then zeros."""
-    return bool((mask_BT[:, 1:] <= mask_BT[:, :-1]).all())
-
-
-def unpack(values_N: torch.Tensor, slots_N: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """(B, T) values: ``values_N`` at the flat positions ``slots_N``, zeros elsewhere (differentiable)."""
-    return values_N.new_zeros(B * T).index_copy(0, slots_N, values_N).view(B, T)
 
 
 def _select_rows(cache, index_B: torch.Tensor):

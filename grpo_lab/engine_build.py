@@ -1,0 +1,297 @@
+"""What building an :class:`grpo_lab.engine.Engine` does, as functions that each check or make one part.
+
+``Engine.__init__`` calls them in this module's order, which is the order that matters: the seed
+is set before the model, PEFT and the reference copy take random numbers; the model's path (for
+colocated vLLM) is read before PEFT wraps it; the reference copy is taken after every change to
+the policy (PEFT, the float32 head, dropout, checkpointing) and before ``accelerate`` prepares it.
+Each function returns what it makes; none keeps state.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+
+from grpo_lab import dist
+from grpo_lab.config import GRPOConfig
+from grpo_lab.models import (
+    cast_lm_head_to_fp32,
+    check_model_reference,
+    enable_gradient_checkpointing,
+    keep_4bit_layers_differentiable,
+    load_causal_lm,
+    load_tokenizer,
+    prepare_tokenizer,
+    router_aux_loss_weight,
+)
+from grpo_lab.rewards import prepare_reward_funcs
+from grpo_lab.rewards.runner import check_column_names, check_reward_weights
+from grpo_lab.rollout import make_backend
+from grpo_lab.rollout.batch import eos_token_ids
+from grpo_lab.rollout.custom import check_rollout_func
+from grpo_lab.rollout.hf import check_cache_device
+from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens
+from grpo_lab.rollout.tools import ToolCalling, check_tools
+from grpo_lab.sampler import PromptSampler
+
+
+def check_dataset(dataset, name: str) -> None:
+    if dataset is None:
+        raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
+    if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"{name} must be a datasets.Dataset (got {type(dataset).__name__}). Build one from rows with "
+            "datasets.Dataset.from_list(rows) or from columns with Dataset.from_dict({'prompt': [...], ...})."
+        )
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts "
+            "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty: it needs at least one prompt.")
+
+
+def checked_config(args, train_dataset, eval_dataset, reward_funcs) -> GRPOConfig:
+    """The run's config (``args``, or the defaults), once the datasets and reward weights are checked."""
+    if args is not None and not isinstance(args, GRPOConfig):
+        raise TypeError(
+            f"args must be a grpo_lab GRPOConfig (got {type(args).__name__}). Build one with "
+            "GRPOConfig(**settings), or GRPOConfig.from_dict(...) / from_yaml(...)."
+        )
+    config = args if args is not None else GRPOConfig()
+    check_dataset(train_dataset, "train_dataset")
+    if eval_dataset is not None:
+        check_dataset(eval_dataset, "eval_dataset")
+    for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        check_column_names(dataset, dataset_name)
+    check_reward_weights(config.reward_weights, reward_funcs)
+    return config
+
+
+def start_accelerator(config: GRPOConfig):
+    """The run's ``accelerate.Accelerator``, with the settings that depend on its device made."""
+    accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
+    if not config.use_vllm:
+        check_cache_device(config.cache_implementation, accelerator.device)
+    if config.keep_freed_cpu_memory and accelerator.device.type == "cpu":
+        from grpo_lab.accel import host_memory
+
+        host_memory.keep_freed_memory()
+    return accelerator
+
+
+def tokenizer_for(model, processing_class, config: GRPOConfig):
+    """``(tokenizer, name)``: the prepared tokenizer (``processing_class``, a tokenizer or its path, or
+    the model's own), and the model's path or hub id (None for a model object without one)."""
+    if isinstance(model, (str, os.PathLike)):
+        name = str(model)
+        # before its tokenizer is read from it: a directory that holds no model fails there without saying why
+        check_model_reference(name, subfolder=config.model_kwargs().get("subfolder"))
+    else:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    remote_code = config.model_kwargs()["trust_remote_code"]
+    if processing_class is None:
+        if not name:
+            raise ValueError("processing_class is required when the model has no name to load a tokenizer from.")
+        processing_class = load_tokenizer(name, trust_remote_code=remote_code)
+    elif isinstance(processing_class, (str, os.PathLike)):  # a tokenizer's directory or hub id
+        processing_class = load_tokenizer(str(processing_class), trust_remote_code=remote_code)
+    return prepare_tokenizer(processing_class), name
+
+
+def load_policy(model, config: GRPOConfig, tokenizer):
+    """The model to train (loaded where ``model`` is a path), refused where the tokenizer has ids it
+    has no embeddings for."""
+    policy = load_causal_lm(model, config.model_kwargs())
+    embeddings = policy.get_input_embeddings()
+    if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model has embeddings for only "
+            f"{embeddings.num_embeddings}: token ids from {embeddings.num_embeddings} on have none. Give the model's "
+            "own tokenizer (processing_class), or grow the model's embeddings to the tokenizer before building the "
+            "session: model.resize_token_embeddings(len(tokenizer))."
+        )
+    return policy
+
+
+def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dataset, *, custom_rollout: bool):
+    """``(context, prompt_tokens, prompt_tokens_source)``: the model's context length, and the train
+    dataset's prompt lengths with that dataset (None, None where it is too large to count now).
+
+    Every prompt is rendered and counted now, so that a bad row is named before any step; a dataset
+    too large for that is checked a batch at a time, as ``Engine._train_rows`` draws it. With a
+    rollout function or tools (``custom_rollout``) the completion's length is not known up front."""
+    context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
+    prompt_tokens = prompt_tokens_source = None
+    for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if dataset is not None and len(dataset) <= PROMPT_CHECK_ROWS:
+            tokens = dataset_prompt_tokens(dataset, tokenizer, config.chat_template_kwargs, dataset_name)
+            check_prompt_room(
+                tokens, range(len(dataset)), context=context, dataset=dataset_name,
+                max_new_tokens=None if custom_rollout else config.max_completion_length,
+                chat_template_kwargs=config.chat_template_kwargs,
+            )
+            if dataset is train_dataset:
+                prompt_tokens, prompt_tokens_source = tokens, dataset
+    return context, prompt_tokens, prompt_tokens_source
+
+
+def model_reference(model, name: str | None):
+    """How the run names its model (``export`` writes it): ``model`` as a string, or the ``name`` of a
+    transformers model object."""
+    return str(model) if not isinstance(model, PreTrainedModel) else name
+
+
+def check_policy(policy, config: GRPOConfig) -> None:
+    """Refuse a load-balancing loss weight for a model without router logits; let 4-bit layers pass
+    gradients on."""
+    router_aux_loss_weight(policy, config.router_aux_loss_coef)
+    keep_4bit_layers_differentiable(policy)
+
+
+def vllm_model_source(owner, model, policy, tokenizer, config: GRPOConfig):
+    """``(source, remove_copy)``: what colocated vLLM loads (None without it), and a call that removes
+    the copy made for it. The source is the model's path or hub id; the base model of a PEFT model
+    (its adapter follows with every request); or a copy of a model object, saved to a temporary
+    directory that is removed with ``owner`` (the engine)."""
+    if not (config.use_vllm and config.vllm_mode == "colocate"):
+        return None, lambda: None
+    if isinstance(model, (str, os.PathLike)):
+        return str(model), lambda: None
+    if hasattr(policy, "peft_config"):
+        name = next(iter(policy.peft_config.values())).base_model_name_or_path
+    elif getattr(policy, "is_quantized", False):
+        name = getattr(policy.config, "_name_or_path", "")
+    else:
+        directory = tempfile.mkdtemp(prefix="grpo_lab_vllm_model_")
+        remove_copy = weakref.finalize(owner, shutil.rmtree, directory, True)
+        policy.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return directory, remove_copy
+    if not name:
+        raise ValueError(
+            "use_vllm=True with a quantized or PEFT model object needs its base model's path: pass the "
+            "model as a path or hub id (with model_init_kwargs), or set the base model's path in its config."
+        )
+    return name, lambda: None
+
+
+def adapt_policy(policy, config: GRPOConfig, peft_config, accelerator):
+    """``(policy, is_peft)``: the policy with its PEFT adapter, float32 head, dropout and activation
+    checkpointing as the config asks, in training mode."""
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, peft_config)
+    is_peft = peft_config is not None or hasattr(policy, "disable_adapter") and hasattr(policy, "peft_config")
+    if config.cast_lm_head_to_fp32:
+        cast_head_to_fp32(policy, accelerator)  # before the reference copy, which keeps it
+    if config.disable_dropout:
+        for module in policy.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(policy, config.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        if is_peft:
+            policy.enable_input_require_grads()
+    # from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing
+    # and dropout; the policy trains in training mode (generation switches to eval and back).
+    policy.train()
+    return policy, is_peft
+
+
+def cast_head_to_fp32(policy, accelerator) -> None:
+    """``cast_lm_head_to_fp32``, refused under FSDP without mixed precision where the other trainable
+    weights are not float32."""
+    cast_lm_head_to_fp32(policy)
+    half = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if half and dist.sharding(accelerator) == "fsdp" and accelerator.mixed_precision == "no":
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True under FSDP without mixed precision, on {', '.join(half)} weights: FSDP "
+            "shards the output layer with the final norm and needs one dtype among the trainable parameters it "
+            "shards together. Train with mixed precision (bf16=True: accelerate keeps the weights in float32), "
+            "or load the model in float32."
+        )
+
+
+def reference_copy(policy, config: GRPOConfig, is_peft: bool, device):
+    """The frozen reference model of the KL term (beta > 0), or None: with PEFT the base model under
+    the adapter is the reference."""
+    if config.beta > 0 and not is_peft:
+        return copy.deepcopy(policy).eval().requires_grad_(False).to(device)
+    return None
+
+
+def adamw(policy, config: GRPOConfig) -> torch.optim.AdamW:
+    """The optimizer grpo_lab builds when none is given: AdamW over the trainable parameters."""
+    return torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+        fused=config.optim == "adamw_torch_fused",
+    )
+
+
+def custom_rollout(rollout_func, tools, tokenizer, model, train_dataset, config: GRPOConfig):
+    """``(tools, custom_rollout)``: the checked tools, and what generates the completions in place of
+    the backend (and receives ``rollout_owner``, the GRPOSession): the rollout function, the tool
+    loop, or None."""
+    check_rollout_func(rollout_func)
+    if tools is not None and rollout_func is not None:
+        raise ValueError(
+            "Give tools or rollout_func, not both: a rollout function runs its own tools "
+            "(grpo_lab.rollout.tools.ToolCalling, the loop behind tools=, is one)."
+        )
+    if tools is None:
+        return None, rollout_func
+    tools = check_tools(tools, tokenizer, train_dataset[0]["prompt"], config.chat_template_kwargs)
+    return tools, ToolCalling(tools, tokenizer, eos_token_ids(tokenizer, model), config.chat_template_kwargs)
+
+
+def prompt_sampler(config: GRPOConfig, batching, dataset_size: int) -> PromptSampler:
+    """The order prompts are drawn in: shared by all processes (the sampler's own generator)."""
+    return PromptSampler(
+        dataset_size=dataset_size,
+        prompts_per_batch=batching.generation_batch_size // config.num_generations,
+        seed=config.data_seed if config.data_seed is not None else config.seed,
+        shuffle=config.shuffle_dataset is not False,
+    )
+
+
+def reward_functions(reward_funcs, reward_processing_classes, config: GRPOConfig, columns, device):
+    """``(funcs, processing_classes, names)`` of the reward functions, reward models moved to ``device``."""
+    funcs, classes, names = prepare_reward_funcs(
+        reward_funcs, reward_processing_classes, config.model_kwargs(), columns=columns
+    )
+    for func in funcs:
+        if isinstance(func, PreTrainedModel):
+            func.to(device)
+    return funcs, classes, names
+
+
+def lora_rank(peft_config, is_peft: bool, model) -> int:
+    """The rank of the trained adapter (0: full weights), for vLLM's LoRA slots."""
+    rank = int(getattr(peft_config, "r", 0) or 0) if is_peft else 0
+    if is_peft and not rank:
+        rank = max(int(c.r) for c in model.peft_config.values())
+    return rank
+
+
+def rollout_backend(config: GRPOConfig, *, remove_model_copy, **parts):
+    """The generation backend (``rollout.make_backend`` with ``parts``); where building it fails, the
+    model copy made for it is removed first."""
+    try:
+        return make_backend(config, **parts)
+    except BaseException:
+        remove_model_copy()
+        raise
