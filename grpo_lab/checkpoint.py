@@ -45,7 +45,8 @@ def plain_values(value, *, unknown=str):
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy()) if value.dtype.kind in "biuf" else plain_values(value.tolist(), unknown=unknown)
+        return (torch.from_numpy(value.copy()) if value.dtype.kind in "biuf"
+                else plain_values(value.tolist(), unknown=unknown))
     if value is None or isinstance(value, (str, bool, int, float, bytes, torch.Tensor)):
         return value
     return unknown(value)
@@ -60,7 +61,8 @@ def safe_batch(pending: tuple):
     if rollout is not None:
         rollout.columns = plain_values(rollout.columns, unknown=keep)
     if scores is not None:
-        scores.extras, scores.metrics = plain_values(scores.extras, unknown=keep), plain_values(scores.metrics, unknown=keep)
+        scores.extras, scores.metrics = (plain_values(scores.extras, unknown=keep),
+                                         plain_values(scores.metrics, unknown=keep))
     buffer = io.BytesIO()
     torch.save(pending, buffer)
     buffer.seek(0)
@@ -86,8 +88,8 @@ def load_saved_weights(model, model_dir: Path) -> None:
     if (model_dir / "adapter_config.json").exists() != is_peft:
         saved = "a PEFT adapter" if not is_peft else "a full model"
         raise ValueError(
-            f"{model_dir} holds {saved}, but the model given to load it into is {'a PEFT' if is_peft else 'not a PEFT'} "
-            "model; pass a model built like the saved one."
+            f"{model_dir} holds {saved}, but the model given to load it into is "
+            f"{'a PEFT' if is_peft else 'not a PEFT'} model; pass a model built like the saved one."
         )
     if is_peft:
         from peft import load_peft_weights, set_peft_model_state_dict
@@ -254,8 +256,9 @@ def own_process_state(state: dict, process_index: int, num_processes: int) -> di
     if process_index == 0:
         dropped = ", and its half-finished generation batch is dropped" if saved[0]["pending"][0] is not None else ""
         notices.warn(
-            f"The checkpoint was written by {len(saved)} process(es) and is resumed on {num_processes}: the run continues, but not exactly as "
-            f"an uninterrupted run would (random states and the sharding of prompts differ){dropped}.",
+            f"The checkpoint was written by {len(saved)} process(es) and is resumed on {num_processes}: the run "
+            "continues, but not exactly as an uninterrupted run would (random states and the sharding of prompts "
+            f"differ){dropped}.",
         )
     return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None}
 

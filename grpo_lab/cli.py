@@ -170,16 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser("demo", help="train the shipped tiny model with GRPO and report held-out accuracy")
-    demo.add_argument("--steps", "--max_steps", dest="steps", type=_positive_int, default=None, help="optimizer steps (default: the task's max_steps)")
-    demo.add_argument("--output-dir", "--output_dir", dest="output_dir", default="outputs/demo", help="where the model, history and curve go")
-    demo.add_argument("--eval-size", "--eval_size", dest="eval_size", type=_positive_int, default=200, help="number of held-out problems")
+    demo.add_argument("--steps", "--max_steps", dest="steps", type=_positive_int, default=None,
+                      help="optimizer steps (default: the task's max_steps)")
+    demo.add_argument("--output-dir", "--output_dir", dest="output_dir", default="outputs/demo",
+                      help="where the model, history and curve go")
+    demo.add_argument("--eval-size", "--eval_size", dest="eval_size", type=_positive_int, default=200,
+                      help="number of held-out problems")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     demo.set_defaults(handler=cmd_demo)
 
     evaluate = commands.add_parser("eval", help="evaluate a model on the embedded task's held-out split")
     evaluate.add_argument("--model", help="model directory (default: the shipped tiny model)")
-    evaluate.add_argument("--eval-size", "--eval_size", dest="eval_size", type=_positive_int, default=200, help="number of held-out problems")
+    evaluate.add_argument("--eval-size", "--eval_size", dest="eval_size", type=_positive_int, default=200,
+                          help="number of held-out problems")
     evaluate.add_argument("--k", type=_positive_int, default=8, help="samples per problem for pass@k")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -335,12 +335,12 @@ class GRPOConfig:
         to models with a plain key/value cache and, in training mode, only without gradient checkpointing
         (transformers drops the cache there) or dropout (and router jitter); otherwise the plain pass runs.""")
     compact_forward: bool = setting(True, "live", """grpo_lab only: for Llama, Qwen2 and Qwen3 models (LoRA adapters
-        included), run the model's modules through grpo_lab's compact forward pass (``grpo_lab/accel/compact_forward.py``)
-        instead of transformers' forward, in transformers generation (a sampling loop that draws the tokens
-        ``model.generate`` draws) and in the log-prob passes that share the prompt, which then run and score only
-        the completion tokens the mask keeps (not the padding after each end): the same log-probs up to float
-        rounding, without transformers' per-call machinery. Other models, a model wrapped for DDP, sharded,
-        quantized or offloaded weights, and generation_kwargs beyond temperature, top_k, top_p and min_p take
+        included), run the model's modules through grpo_lab's compact forward pass
+        (``grpo_lab/accel/compact_forward.py``) instead of transformers' forward, in transformers generation (a sampling
+        loop that draws the tokens ``model.generate`` draws) and in the log-prob passes that share the prompt, which
+        then run and score only the completion tokens the mask keeps (not the padding after each end): the same
+        log-probs up to float rounding, without transformers' per-call machinery. Other models, a model wrapped for DDP,
+        sharded, quantized or offloaded weights, and generation_kwargs beyond temperature, top_k, top_p and min_p take
         transformers' path (a warning says why, once; not for DDP).""")
     skip_zero_advantage_backward: bool = setting(True, "live", """grpo_lab only: a micro-batch whose advantages are
         all exactly zero (e.g. every completion of its groups got the same reward) runs its forward pass, for the
@@ -354,8 +354,8 @@ class GRPOConfig:
         process; DeepSpeed and mixture-of-experts models run them all. Logged as ``backward_skipped_fraction``.
         Micro-batches of one group (``per_device_train_batch_size == num_generations``, TRL's default) benefit most.""")
     keep_freed_cpu_memory: bool = built(True, "process", """grpo_lab only: training on a CPU with glibc, keep the
-        memory each step frees for the next step instead of returning it to the OS (``grpo_lab/accel/host_memory.py``), as
-        PyTorch's CUDA allocator does on a GPU: otherwise every step's activations come back as fresh pages that the
+        memory each step frees for the next step instead of returning it to the OS (``grpo_lab/accel/host_memory.py``),
+        as PyTorch's CUDA allocator does on a GPU: otherwise every step's activations come back as fresh pages that the
         kernel zeroes on first touch. It tunes glibc's malloc for the rest of the process, from the first session or
         trainer built with it, so the process's resident memory stays near its peak; ``close()`` hands the free part
         back. Not set where another allocator is loaded or glibc's malloc is tuned through the environment

@@ -159,8 +159,8 @@ def cast_lm_head_to_fp32(model) -> None:
     if head is None or type(head) not in (torch.nn.Linear, Float32Head):
         raise ValueError(
             f"cast_lm_head_to_fp32=True needs the model's output layer to be a plain torch.nn.Linear, and it is "
-            f"{type(head).__module__}.{type(head).__qualname__}. If an adapter or a quantization wraps it, leave it out "
-            "of the adapter's target_modules and of quantization; otherwise set cast_lm_head_to_fp32=False."
+            f"{type(head).__module__}.{type(head).__qualname__}. If an adapter or a quantization wraps it, leave it "
+            "out of the adapter's target_modules and of quantization; otherwise set cast_lm_head_to_fp32=False."
         )
     if embeddings is not None and head.weight is embeddings.weight:
         raise ValueError(

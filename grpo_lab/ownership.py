@@ -96,7 +96,8 @@ class OwnerGuard:
         """Ask what holds the session to end ``where`` ("stage" or "step"; a stage request is never
         weakened to a step one). Returns whether anything was holding it."""
         if where not in ("stage", "step"):
-            raise ValueError(f"where must be 'stage' (between stages) or 'step' (after the current update()), got {where!r}.")
+            raise ValueError("where must be 'stage' (between stages) or 'step' (after the current update()), "
+                             f"got {where!r}.")
         with self._lock:
             if self._activity is None:
                 return False

@@ -79,6 +79,7 @@ def progress_bar(total: int, *, done: int = 0, enabled: bool = True, description
 
         # The metrics text takes what is left of the line and is cut, never the bar or the counts.
         columns = (TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[metrics]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)))
+                   TextColumn("{task.fields[metrics]}",
+                              table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)))
         with Progress(*columns, transient=False, expand=True) as progress:
             yield _RichBar(progress, progress.add_task(description, total=total, completed=done, metrics=""))

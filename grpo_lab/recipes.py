@@ -69,7 +69,8 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
         raise ValueError(f"{recipe_path}: unknown key {key!r}; did you mean {meant!r}?")
     task = default_task()
     setup = {key: recipe.pop(key, None) for key in RECIPE_KEYS}
-    config = GRPOConfig.from_args(argv or [], base=task.config(**recipe) if setup["model"] is None else GRPOConfig(**recipe))
+    config = GRPOConfig.from_args(argv or [],
+                                  base=task.config(**recipe) if setup["model"] is None else GRPOConfig(**recipe))
     search = (Path(recipe_path).resolve().parent, Path.cwd())
     if isinstance(setup["reward_funcs"], str):
         raise ValueError(
@@ -86,10 +87,11 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
             hint = ""
             if isinstance(reference, dict) and len(reference) == 1:
                 [(module, function)] = reference.items()
-                hint = f" (YAML reads '- {module}: {function}' as a mapping: write '- {module}:{function}', without the space)"
+                hint = (f" (YAML reads '- {module}: {function}' as a mapping: write '- {module}:{function}', "
+                        "without the space)")
             raise ValueError(
-                f"{recipe_path}: reward_funcs entry #{index} ({reference!r}) is {_article(type(reference).__name__)}, not a "
-                f"string; give each entry as 'module:function' text, e.g. '- my_rewards:length_reward'{hint}."
+                f"{recipe_path}: reward_funcs entry #{index} ({reference!r}) is {_article(type(reference).__name__)}, "
+                f"not a string; give each entry as 'module:function' text, e.g. '- my_rewards:length_reward'{hint}."
             )
     funcs = [import_object(r, search) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
     return GRPOTrainer(

@@ -24,7 +24,8 @@ def check_writable(directory: Path, action: str) -> None:
         raise FileExistsError(f"Cannot {action} {directory}: it is a file. Give a directory path.")
     blocked = _unwritable(directory)
     if blocked is not None:
-        raise PermissionError(f"Cannot {action} {directory}: {blocked} is not writable. Give a directory you can write to.")
+        raise PermissionError(f"Cannot {action} {directory}: {blocked} is not writable. "
+                              "Give a directory you can write to.")
 
 
 def _unwritable(directory: Path) -> Path | None:
@@ -143,10 +144,12 @@ def check_target(target: Path, own_entries: frozenset[str], *, overwrite: bool =
         )
     foreign = sorted(p.name for p in target.iterdir() if p.name not in own_entries) if target.is_dir() else []
     if foreign and not overwrite:
-        held = "a grpo_lab save and other files" if (target / "COMPLETE").exists() else "other files than a grpo_lab save"
+        held = ("a grpo_lab save and other files" if (target / "COMPLETE").exists()
+                else "other files than a grpo_lab save")
         raise FileExistsError(
             f"{target} is a directory that holds {held} ({_listing(foreign)}); saving there would delete them. Give a "
-            "new or empty directory, move them out, or pass overwrite=True to replace the directory and everything in it."
+            "new or empty directory, move them out, or pass overwrite=True to replace the directory "
+            "and everything in it."
         )
     blocked = _unwritable(target.parent)  # where the new save is built, then renamed into place
     if blocked is not None:

@@ -101,7 +101,8 @@ def engine_counters(engine) -> dict:
         "num_input_tokens_seen": engine.num_input_tokens_seen,
         "entropy_control": {"coef": engine.entropy_coef, "last_step_entropy": engine.last_step_entropy},
         # which parameters a backward pass reaches, once known (skip_zero_advantage_backward)
-        "trained_parameters": None if engine.trained_parameter_names is None else sorted(engine.trained_parameter_names),
+        "trained_parameters": (None if engine.trained_parameter_names is None
+                               else sorted(engine.trained_parameter_names)),
     }
 
 
@@ -150,7 +151,8 @@ def load_engine_state_dict(engine, state: dict) -> None:
             engine.ref_model.load_state_dict(state["ref_model"])
     engine.model.zero_grad(set_to_none=True)  # gradients of a loss() after the state was taken do not carry over
     engine.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-    load_engine_counters(engine, copy.deepcopy({k: v for k, v in state.items() if k not in ("model", "optimizer", "ref_model")}))
+    load_engine_counters(engine, copy.deepcopy({k: v for k, v in state.items()
+                                                if k not in ("model", "optimizer", "ref_model")}))
     engine.publish_weights()
 
 
@@ -193,5 +195,6 @@ def load_session_state_dict(session, state: dict) -> None:
     session.batch_step, session._last_stage = records["batch_step"], records["last_stage"]
     for name, value in copy.deepcopy(state["config"]).items():
         setattr(session.config, name, value)
-    session.rollout, session.scores, session.advantages_result = on_device(state["pending"], session.engine.accelerator.device)
+    session.rollout, session.scores, session.advantages_result = on_device(
+        state["pending"], session.engine.accelerator.device)
     session.loss_result = None

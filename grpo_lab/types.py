@@ -186,8 +186,10 @@ class LossResult(_Table):
     backward pass, which adds nothing to the gradient, did not run (``skip_zero_advantage_backward``)."""
 
     def summary(self) -> str:
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items() if k in {"entropy", "clip_ratio/region_mean", "kl"})
-        skipped = (f"; {self.backward_skipped} of {self.micro_batches} micro-batches had zero advantages and no backward pass"
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items()
+                          if k in {"entropy", "clip_ratio/region_mean", "kl"})
+        skipped = (f"; {self.backward_skipped} of {self.micro_batches} micro-batches had zero advantages "
+                   "and no backward pass"
                    if self.backward_skipped else "")
         return f"loss {self.loss:.6g} over {len(self.sample_index_B)} completions; {shown}{skipped}"
 

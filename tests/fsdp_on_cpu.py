@@ -17,10 +17,11 @@ Modes:
                                       micro-batches, a checkpoint every 2,
                                       then ``save_model(OUT/final)``; the main process writes
                                       OUT/result.json, each process OUT/losses-RANK.json (its
-                                      skipped backward passes, its all-zero micro-batches). The full model trains with a KL term against
-                                      a reference mixed towards it every step (TR-DPO); --lora
-                                      trains a rank-8 adapter instead (beta 0); --ddp leaves
-                                      accelerate's own choice on CPU, plain data parallel
+                                      skipped backward passes, its all-zero micro-batches). The full
+                                      model trains with a KL term against a reference mixed towards it
+                                      every step (TR-DPO); --lora trains a rank-8 adapter instead
+                                      (beta 0); --ddp leaves accelerate's own choice on CPU, plain
+                                      data parallel
     optimizer CHECKPOINT OUT          load CHECKPOINT and write the optimizer state gathered from the
                                       shards, keyed by parameter name, to OUT (torch.save)
     fp32head MODEL OUT                build a session on MODEL (bfloat16 weights) with
@@ -150,12 +151,14 @@ def run_with_tools(model: str, out: str) -> None:
     task = default_task()
     config = GRPOConfig(output_dir=out, max_steps=2, save_steps=10, per_device_train_batch_size=8, num_generations=4,
                         max_completion_length=64, top_k=1, learning_rate=1e-3, seed=0, disable_tqdm=True)
-    tokenizer = AutoTokenizer.from_pretrained(model)  # its chat template renders tools, its response_template parses calls
-    trainer = GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset, processing_class=tokenizer,
-                          tools=[add])
+    # its chat template renders tools, its response_template parses calls
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    trainer = GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          processing_class=tokenizer, tools=[add])
     steps = []
     trainer.session.on(lambda stage, rollout: steps.append(
-        [rollout.columns["tool_calls"], int((rollout.env_mask_BT == 0).logical_and(rollout.completion_mask_BT.bool()).sum())]
+        [rollout.columns["tool_calls"],
+         int((rollout.env_mask_BT == 0).logical_and(rollout.completion_mask_BT.bool()).sum())]
     ) if stage == "generate" else None)
     trainer.train()
     with open(f"{out}/tools-{trainer.accelerator.process_index}.json", "w") as handle:

@@ -34,7 +34,8 @@ def test_a_directory_holding_other_files_or_a_file_is_never_saved_over(make_sess
     folder = tmp_path / "thesis"
     folder.mkdir()
     (folder / "thesis.tex").write_text("years of work")
-    with pytest.raises(FileExistsError, match=r"thesis is a directory that holds other files.*thesis.tex.*overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"thesis is a directory that holds other files.*"
+                                              r"thesis.tex.*overwrite=True"):
         session.save(folder)
     assert (folder / "thesis.tex").read_text() == "years of work"
     notes = tmp_path / "notes.txt"
@@ -116,7 +117,8 @@ def test_a_trainer_removes_what_killed_checkpoint_writes_left(task, tmp_path):
     leftover = output / ".checkpoint-3.x1y2"
     leftover.mkdir(parents=True)
     (leftover / PARTIAL_MARKER).write_text("")
-    trainer = GRPOTrainer(task.model, task.reward_funcs, args=task.config(**{**SMALL, "output_dir": str(output), "max_steps": 1}),
+    trainer = GRPOTrainer(task.model, task.reward_funcs,
+                          args=task.config(**{**SMALL, "output_dir": str(output), "max_steps": 1}),
                           train_dataset=task.train_dataset)
     trainer.train()
     assert not leftover.exists() and (output / "checkpoint-1" / "COMPLETE").exists()
@@ -189,7 +191,8 @@ def test_a_checkpoint_config_cannot_turn_on_remote_code(make_session, tmp_path):
     config = (target / "config.yaml").read_text()
     assert "trust_remote_code: false" in config
     (target / "config.yaml").write_text(config.replace("trust_remote_code: false", "trust_remote_code: true"))
-    with pytest.warns(UserWarning, match=r"sets trust_remote_code, which a checkpoint cannot turn on.*trust_remote_code=True"):
+    with pytest.warns(UserWarning, match=r"sets trust_remote_code, which a checkpoint cannot turn on.*"
+                                         r"trust_remote_code=True"):
         loaded = GRPOSession.load(target)
     assert loaded.config.trust_remote_code is False
     assert GRPOSession.load(target, trust_remote_code=True).config.trust_remote_code is True
@@ -218,7 +221,8 @@ def test_values_a_checkpoint_cannot_hold_safely_never_make_it_unloadable(make_se
 
     def logs_numpy_and_objects(completions, log_extra, log_metric, **kwargs):
         log_extra("judge", np.arange(len(completions)))  # numpy: stored as plain values
-        log_extra("exact", [fractions.Fraction(1, 3)] * len(completions))  # no safe form: the half-used batch is left out
+        # no safe form: the half-used batch is left out
+        log_extra("exact", [fractions.Fraction(1, 3)] * len(completions))
         log_metric("judge_mean", np.float32(0.5))
         return [0.0] * len(completions)
 
@@ -242,7 +246,8 @@ def test_a_function_reference_is_never_imported_from_inside_the_checkpoint(make_
     state["extra"]["reward_funcs"]["functions"] = ["shipped_rewards:reward"]
     torch.save(state, target / STATE_FILE)
     monkeypatch.syspath_prepend(str(target / "code"))  # e.g. a notebook started inside the checkpoint
-    with pytest.raises(ValueError, match=r"cannot be found .*imported from inside the checkpoint.*reward_funcs=\[\.\.\.\]"):
+    with pytest.raises(ValueError, match=r"cannot be found .*imported from inside the checkpoint.*"
+                                         r"reward_funcs=\[\.\.\.\]"):
         GRPOSession.load(target)
     assert not marker.exists()
 
@@ -253,7 +258,9 @@ def test_a_checkpoint_config_cannot_fetch_code_through_model_init_kwargs(make_se
     assert "model_init_kwargs: null" in config
     (target / "config.yaml").write_text(config.replace(
         "model_init_kwargs: null",
-        "model_init_kwargs:\n  attn_implementation: kernels-community/flash-attn\n  use_kernels: true\n  dtype: float32"))
-    with pytest.warns(UserWarning, match=r"model_init_kwargs\['use_kernels'\], model_init_kwargs\['attn_implementation'\]"):
+        "model_init_kwargs:\n  attn_implementation: kernels-community/flash-attn\n"
+        "  use_kernels: true\n  dtype: float32"))
+    with pytest.warns(UserWarning, match=r"model_init_kwargs\['use_kernels'\], "
+                                         r"model_init_kwargs\['attn_implementation'\]"):
         loaded = GRPOSession.load(target)
     assert loaded.config.model_init_kwargs == {"dtype": "float32"}

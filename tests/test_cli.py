@@ -14,7 +14,8 @@ def test_demo_trains_saves_and_reports_with_config_style_option_names(tmp_path, 
     assert main(["demo", "--max_steps", "2", "--eval_size", "8", "--output_dir", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["steps"] == 2 and report["before"]["num_prompts"] == 8 == report["after"]["num_prompts"]
-    assert report["improvement_points"] == pytest.approx(100 * (report["greedy_accuracy_after"] - report["greedy_accuracy_before"]), abs=0.01)
+    assert report["improvement_points"] == pytest.approx(
+        100 * (report["greedy_accuracy_after"] - report["greedy_accuracy_before"]), abs=0.01)
     assert len(pd.read_csv(report["history"])) == 2
     assert (out / "model" / "config.json").exists() and (out / "reward_curve.html").exists()
 
@@ -70,7 +71,8 @@ def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_
     # a directory that is not a checkpoint is one line, said before the model loads (this recipe's
     # model does not exist: loading it would fail with another error)
     (recipes / "no_model.yaml").write_text(f"model: {tmp_path / 'no_model'}\n")
-    usage = subprocess.run([command[0], "train", str(recipes / "no_model.yaml"), "--resume_from", str(tmp_path / "out")],
+    usage = subprocess.run([command[0], "train", str(recipes / "no_model.yaml"),
+                            "--resume_from", str(tmp_path / "out")],
                            cwd=tmp_path, env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
     assert usage.stderr.splitlines()[-1].startswith(f"grpo-lab train: error: {tmp_path / 'out'} is not a complete")
@@ -100,8 +102,8 @@ def test_export_into_a_folder_that_cannot_be_written_is_one_line_naming_it_and_t
             assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
             written = output if output.count("/") == 1 else "readonly/scripts"  # the folder the export would create
             assert done.stderr == (
-                f"grpo-lab export: error: Cannot write {written} (permission denied): give -o a path in a folder you can "
-                f"write to (grpo-lab export n.ipynb -o DIR/train.py), or make {tmp_path / 'readonly'} writable.\n"
+                f"grpo-lab export: error: Cannot write {written} (permission denied): give -o a path in a folder you "
+                f"can write to (grpo-lab export n.ipynb -o DIR/train.py), or make {tmp_path / 'readonly'} writable.\n"
             )
         assert os.listdir(tmp_path / "readonly") == []
     finally:

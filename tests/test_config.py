@@ -90,7 +90,8 @@ TRL_1_16_TRAINING_DEFAULTS = {"learning_rate": 1e-06, "gradient_checkpointing": 
 
 def test_at_least_90_percent_of_trl_grpo_fields_are_accepted_with_trl_defaults():
     config = GRPOConfig()
-    same = [name for name, default in TRL_1_16_GRPO_DEFAULTS.items() if hasattr(config, name) and getattr(config, name) == default]
+    same = [name for name, default in TRL_1_16_GRPO_DEFAULTS.items()
+            if hasattr(config, name) and getattr(config, name) == default]
     missing = sorted(set(TRL_1_16_GRPO_DEFAULTS) - set(same))
     assert len(same) / len(TRL_1_16_GRPO_DEFAULTS) >= 0.9, missing
     for name, default in TRL_1_16_TRAINING_DEFAULTS.items():
@@ -122,7 +123,8 @@ def test_default_config_builds_on_cpu_and_resolves_to_fp32():
         ({"delta": 1.1}, ValueError, ["delta must be greater than 1 + epsilon_high = 1.2"]),
         ({"generation_batch_size": 16, "steps_per_generation": 2}, ValueError, ["cannot both be set"]),
         ({"per_device_train_batch_size": 6}, ValueError, ["multiple of num_generations (8)"]),
-        ({"generation_batch_size": 20, "per_device_train_batch_size": 8, "num_generations": 4}, ValueError, ["multiple of per_device_train_batch_size"]),
+        ({"generation_batch_size": 20, "per_device_train_batch_size": 8, "num_generations": 4}, ValueError,
+         ["multiple of per_device_train_batch_size"]),
         ({"bf16": True, "fp16": True}, ValueError, ["cannot both be True"]),
         ({"max_steps": 0}, ValueError, ["max_steps must be a positive number"]),
         ({"reward_weights": [1.0, "a"]}, ValueError, ["reward_weights must be a list of numbers"]),
@@ -130,7 +132,8 @@ def test_default_config_builds_on_cpu_and_resolves_to_fp32():
         ({"report_to": "tensorbord"}, ValueError, ["Did you mean 'tensorboard'"]),
         ({"optim": "adamw_8bit"}, ValueError, ["optim='adamw_8bit'", "'adamw_torch_fused'", "optimizers="]),
         ({"cache_implementation": "statc"}, ValueError, ["cache_implementation='statc'", "Did you mean 'static'"]),
-        ({"cache_implementation": "static", "use_vllm": True}, ValueError, ["use_vllm=True", "cache_implementation=None"]),
+        ({"cache_implementation": "static", "use_vllm": True}, ValueError, ["use_vllm=True",
+                                                                            "cache_implementation=None"]),
     ],
 )
 def test_bad_values_raise_at_construction_with_the_fix(kwargs, error, fragments):
@@ -146,10 +149,12 @@ INF, NAN = float("inf"), float("nan")
 @pytest.mark.parametrize(
     ("kwargs", "fragments"),
     [
-        ({"temperature": INF}, ["temperature must be > 0 and finite (got inf)", "Set temperature to a number > 0, e.g. its default 1.0"]),
+        ({"temperature": INF}, ["temperature must be > 0 and finite (got inf)",
+                                "Set temperature to a number > 0, e.g. its default 1.0"]),
         ({"temperature": NAN}, ["temperature must be > 0 and finite (got nan)", "Set temperature"]),
         ({"temperature": -0.5}, ["temperature must be > 0", "(got -0.5)", "Set temperature"]),
-        ({"learning_rate": INF}, ["learning_rate must be >= 0 and finite (got inf)", "Set learning_rate to a number >= 0"]),
+        ({"learning_rate": INF}, ["learning_rate must be >= 0 and finite (got inf)",
+                                  "Set learning_rate to a number >= 0"]),
         ({"learning_rate": NAN}, ["learning_rate must be >= 0 and finite (got nan)", "Set learning_rate"]),
         ({"learning_rate": -1e-5}, ["learning_rate must be >= 0", "(got -1e-05)", "e.g. its default 1e-06"]),
         ({"reward_weights": [1.0, NAN]}, ["reward_weights must be finite numbers, got nan at index 1",
@@ -159,16 +164,19 @@ INF, NAN = float("inf"), float("nan")
         ({"loss_type": "cispo"}, ["loss_type='cispo' caps the importance ratio at epsilon_high itself",
                                   "epsilon_high is None, which falls back to epsilon: a cap of 0.2",
                                   "Set epsilon_high=5.0"]),
-        ({"loss_type": "cispo", "epsilon_high": 0.28}, ["epsilon_high is 0.28", "Set epsilon_high=5.0", "any cap >= 1"]),
+        ({"loss_type": "cispo", "epsilon_high": 0.28}, ["epsilon_high is 0.28", "Set epsilon_high=5.0",
+                                                        "any cap >= 1"]),
         ({"loss_type": "sapo", "epsilon_high": 0.28}, ["loss_type='sapo' replaces clipping with a soft gate",
                                                        "epsilon_high=0.28 would be ignored", "Set epsilon_high=None"]),
-        ({"loss_type": "sapo", "delta": 4.0}, ["delta=4.0 would be ignored", "Set delta=None", "choose a clipped loss"]),
-        ({"loss_type": "cispo", "epsilon_high": 5.0, "delta": 6.0}, ["loss_type='cispo' caps the ratio at epsilon_high only",
-                                                                     "delta=6.0 would be ignored", "Set delta=None"]),
+        ({"loss_type": "sapo", "delta": 4.0}, ["delta=4.0 would be ignored", "Set delta=None",
+                                               "choose a clipped loss"]),
+        ({"loss_type": "cispo", "epsilon_high": 5.0, "delta": 6.0},
+         ["loss_type='cispo' caps the ratio at epsilon_high only", "delta=6.0 would be ignored", "Set delta=None"]),
         ({"generation_kwargs": {"max_tokens": 2}}, ["generation_kwargs has 'max_tokens'", "use_vllm=False",
                                                     "use max_completion_length", "max_new_tokens"]),
-        ({"generation_kwargs": {"presence_penalty": 0.5, "top_a": 1}}, ["'presence_penalty': a vLLM setting; use repetition_penalty",
-                                                                        "'top_a': not a transformers GenerationConfig setting", "Drop them"]),
+        ({"generation_kwargs": {"presence_penalty": 0.5, "top_a": 1}},
+         ["'presence_penalty': a vLLM setting; use repetition_penalty",
+          "'top_a': not a transformers GenerationConfig setting", "Drop them"]),
         ({"seed": "abc"}, ["seed must be an int", "got 'abc', a str", "Set seed=42"]),
         ({"seed": 1.5}, ["seed must be an int", "got 1.5, a float"]),
         ({"seed": -1}, ["seed must be an int in [0, 2**32 - 1] (got -1)"]),
@@ -177,9 +185,9 @@ INF, NAN = float("inf"), float("nan")
         ({"reward_timeout": INF}, ["reward_timeout must be > 0 and finite (got inf)", "None to wait without limit"]),
     ],
     ids=["temperature-inf", "temperature-nan", "temperature-negative", "lr-inf", "lr-nan", "lr-negative",
-         "weights-nan", "weights-inf", "weights-empty", "cispo-no-epsilon-high", "cispo-cap-below-1", "sapo-epsilon-high",
-         "sapo-delta", "cispo-delta", "vllm-max-tokens", "unknown-generation-keys", "seed-str", "seed-float",
-         "seed-negative", "data-seed-str", "timeout-zero", "timeout-inf"],
+         "weights-nan", "weights-inf", "weights-empty", "cispo-no-epsilon-high", "cispo-cap-below-1",
+         "sapo-epsilon-high", "sapo-delta", "cispo-delta", "vllm-max-tokens", "unknown-generation-keys", "seed-str",
+         "seed-float", "seed-negative", "data-seed-str", "timeout-zero", "timeout-inf"],
 )
 def test_values_that_would_go_wrong_later_are_refused_naming_the_value_and_the_fix(kwargs, fragments):
     with pytest.raises(ValueError) as raised:
@@ -344,7 +352,8 @@ def test_values_are_normalised_so_that_checkpoints_can_write_them(tmp_path):
 def test_a_config_file_is_merged_before_validation_and_may_restore_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("per_device_train_batch_size: 6\nbeta: 0.0\nlearning_rate: 1e-6\n")
-    config = GRPOConfig.from_args(["--config", str(path), "--num_generations", "6"], base=GRPOConfig(beta=0.04, learning_rate=1e-5))
+    config = GRPOConfig.from_args(["--config", str(path), "--num_generations", "6"],
+                                  base=GRPOConfig(beta=0.04, learning_rate=1e-5))
     assert (config.per_device_train_batch_size, config.num_generations) == (6, 6)
     assert (config.beta, config.learning_rate) == (0.0, 1e-6)
 
@@ -352,13 +361,15 @@ def test_a_config_file_is_merged_before_validation_and_may_restore_defaults(tmp_
 @pytest.mark.parametrize("name, message", [("beta", ">= 0"), ("router_aux_loss_coef", ">= 0"), ("entropy_coef", ">= 0"),
                                            ("temperature", "> 0"), ("epsilon", "> 0")])
 def test_a_weight_or_scale_that_is_not_a_number_is_refused(name, message):
-    with pytest.raises(ValueError, match=f"{name} must be {message} and finite \\(got nan\\)\\. Set {name} to a number"):
+    with pytest.raises(ValueError, match=f"{name} must be {message} and finite \\(got nan\\)\\. "
+                                         f"Set {name} to a number"):
         GRPOConfig(**{name: float("nan")})
 
 
 def test_pad_to_multiple_of_takes_trls_spellings():
     assert GRPOConfig().pad_multiple() is None and GRPOConfig(pad_to_multiple_of=None).pad_multiple() is None
-    assert GRPOConfig(pad_to_multiple_of="64").pad_multiple() == 64 and GRPOConfig(pad_to_multiple_of="none").pad_to_multiple_of is None
+    assert GRPOConfig(pad_to_multiple_of="64").pad_multiple() == 64
+    assert GRPOConfig(pad_to_multiple_of="none").pad_to_multiple_of is None
     for bad in (0, -8, "x", True, 2.5):
         with pytest.raises(ValueError, match="pad_to_multiple_of must be an int >= 1, None or 'auto'"):
             GRPOConfig(pad_to_multiple_of=bad)

@@ -25,7 +25,8 @@ def offset_reward(completions, **kwargs):
 
 
 def _run(args, cwd, **env):
-    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
     assert done.returncode == 0, f"{' '.join(map(str, args))} failed:\n{done.stderr[-6000:]}"
     return done
 
@@ -68,7 +69,8 @@ def test_a_reward_from_a_module_only_the_working_directory_holds_is_named_when_e
     module = importlib.import_module("project_rewards")
     monkeypatch.setitem(sys.modules, "project_rewards", module)  # forgotten again after the test
     session = make_session(reward_funcs=[module.length_reward, *task.reward_funcs], max_steps=1)
-    with pytest.warns(UserWarning, match="imports length_reward from project_rewards, which this process finds in ") as caught:
+    with pytest.warns(UserWarning, match="imports length_reward from project_rewards, "
+                                         "which this process finds in ") as caught:
         script = session.export_script(tmp_path / "runs" / "train.py")
     assert f"Copy project_rewards.py beside the script, put {project} on PYTHONPATH" in str(caught[0].message)
     # the advice works: the script fails without it and runs with it
@@ -90,7 +92,8 @@ def test_an_exported_lora_session_trains_the_same_adapter(task, tmp_path):
 
     config = task.config(**{**SMALL, "max_steps": 1, "output_dir": str(tmp_path / "out")})
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora)
     script = session.export_script(tmp_path / "train.py")
     first = session.step()
     assert "peft_config=PeftConfig.from_pretrained" in script.read_text()
@@ -177,23 +180,28 @@ def test_notebook_names_that_no_exported_cell_defines_are_refused_at_export(tmp_
         "TARGET = 4",  # interactive only: not exported
         "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()",
         "# export\ndef near_target(completions, **kwargs):\n    return [-abs(len(c) - TARGET) for c in completions]",
-        "# export\nsession = GRPOSession(task.model, [near_target], args=task.config(), train_dataset=task.train_dataset)",
+        "# export\nsession = GRPOSession(task.model, [near_target], args=task.config(), "
+        "train_dataset=task.train_dataset)",
     ]:
         notebook.cells.append(nbformat.v4.new_code_cell(source))
     nbformat.write(notebook, tmp_path / "n.ipynb")
-    with pytest.raises(ExportError, match=r"no exported cell defines: TARGET \(in function near_target, cell 2\).*export"):
+    with pytest.raises(ExportError, match=r"no exported cell defines: "
+                                          r"TARGET \(in function near_target, cell 2\).*export"):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
     assert not (tmp_path / "t.py").exists()
     notebook.cells.insert(0, nbformat.v4.new_code_cell("WIDTH = 3"))
-    notebook.cells.append(nbformat.v4.new_code_cell("# export\nsizes = [n * WIDTH for n in range(3)]\nlimit = SCALE * 2"))
+    notebook.cells.append(nbformat.v4.new_code_cell("# export\nsizes = [n * WIDTH for n in range(3)]\n"
+                                                    "limit = SCALE * 2"))
     nbformat.write(notebook, tmp_path / "n.ipynb")
     with pytest.raises(ExportError, match=r"WIDTH \(in top-level code, cell 5\); SCALE \(in top-level code, cell 5\)"):
         export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py")
 
 
 SESSION_CELLS = [
-    "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()\nSTEPS = 40",
-    "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=task.config(), train_dataset=task.train_dataset)",
+    "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\n"
+    "task = default_task()\nSTEPS = 40",
+    "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=task.config(), "
+    "train_dataset=task.train_dataset)",
 ]
 
 
@@ -267,7 +275,8 @@ def test_notebook_names_local_to_a_function_or_comprehension_are_not_the_session
         notebook.cells.append(nbformat.v4.new_code_cell(source))
     nbformat.write(notebook, tmp_path / "n.ipynb")
     text = export_notebook(tmp_path / "n.ipynb", tmp_path / "t.py").read_text()
-    assert "    steps = [session for session in range(3)]\n    config = task.config()\n    config.max_steps = 9\n" in text
+    assert ("    steps = [session for session in range(3)]\n    config = task.config()\n    config.max_steps = 9\n"
+            in text)
 
 
 def test_notebook_undefined_name_read_at_the_top_level_is_placed_in_the_cell_that_reads_it_there(tmp_path):
@@ -301,7 +310,8 @@ def test_notebook_script_creates_and_trains_the_trainer_only_when_run_as_main(tm
     )
     script = export_notebook(notebook, tmp_path / "t.py")
     text = script.read_text()
-    assert 'if __name__ == "__main__":' in text and "args=_cli_config(task.config(), {'max_steps': STEPS + 10, 'beta': 0.0})" in text
+    assert ('if __name__ == "__main__":' in text
+            and "args=_cli_config(task.config(), {'max_steps': STEPS + 10, 'beta': 0.0})" in text)
     assert text.endswith(
         "    session.train(resume_from_checkpoint=_RESUME_FROM)\n    session.save_model()\n"
         "    session.close()  # frees the model and ends the process group of an accelerate launch\n"
@@ -324,10 +334,12 @@ def test_notebook_without_exported_session_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("cells, message", [
     (["# export\nimport math\nx = (1,\ny = 2"], "not valid Python in cell 0, line 3: '(' was never closed."),
-    (["print(1)", "# export\n\n\nimport math\ndef f(:\n    pass"], "not valid Python in cell 1, line 5: invalid syntax."),
+    (["print(1)", "# export\n\n\nimport math\ndef f(:\n    pass"],
+     "not valid Python in cell 1, line 5: invalid syntax."),
     (["# export\n!ls"], "Cell 0 is exported but uses IPython magics or shell lines (% or !), which a script cannot "
                         "run. Move them to a cell that is not exported"),
-    (["# export\nfrom grpo_lab import GRPOSession\na = GRPOSession('m', [], args=None)", "# export\n\nb = GRPOSession('m', [])"],
+    (["# export\nfrom grpo_lab import GRPOSession\na = GRPOSession('m', [], args=None)",
+      "# export\n\nb = GRPOSession('m', [])"],
      "The exported cells create 2 sessions (cell 0 line 3; cell 1 line 3); a script trains one."),
     (["#export\nx = 1", "print(x)", "# Export\ny = 2"],
      "has no exported cells. Tag the cells that define imports, data, reward functions, config and the session with "
@@ -350,7 +362,8 @@ DDP_OPTIONS = ("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no
 def test_two_process_ddp_run_of_an_exported_script_tracks_one_process(make_session, tmp_path):
     session = make_session(per_device_train_batch_size=8, max_steps=3, save_steps=3)
     script = session.export_script(tmp_path / "train.py")
-    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "ddp"), "--per_device_train_batch_size", "4"],
+    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "ddp"),
+          "--per_device_train_batch_size", "4"],
          cwd=tmp_path)
     _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one")], cwd=tmp_path)
     ddp, one = _rows(tmp_path / "ddp" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
@@ -381,7 +394,8 @@ def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninter
     # on one process the half-finished batch cannot be split again: it is dropped, with a warning, and
     # step 4 is the first pass over a new batch (policy ratios all 1, nothing clipped) instead of the
     # second pass over the saved one
-    one = _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "8",
+    one = _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one"),
+                "--per_device_train_batch_size", "8",
                 "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
     assert "written by 2 process(es) and is resumed on 1" in one.stderr and "batch is dropped" in one.stderr
     one_rows = _rows(tmp_path / "one" / "metrics.jsonl")
@@ -402,7 +416,8 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
         cli_config(base, ["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: ") and "[--resume_from DIR] [--FIELD VALUE ...]" in out.splitlines()[0]
-    assert "--resume_from DIR" in out and "--learning_rate (default: 5e-05)" in out and "--max_steps (default: 100)" in out
+    assert ("--resume_from DIR" in out and "--learning_rate (default: 5e-05)" in out
+            and "--max_steps (default: 100)" in out)
     with pytest.raises(SystemExit) as stopped:
         cli_config(base, [], edits={"temperature": -1.0})  # a notebook edit the config refuses
     assert stopped.value.code == 2 and capsys.readouterr().err.startswith("error: temperature")
@@ -421,15 +436,18 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
     assert stopped.value.code == 2 and capsys.readouterr().err == "error: --max_steps: cannot read 'three' as int.\n"
     with pytest.raises(SystemExit) as stopped:
         cli_config(base, ["--report_to", "clearml"])
-    assert stopped.value.code == 2 and capsys.readouterr().err.startswith("error: report_to='clearml' is not supported. Allowed")
+    assert (stopped.value.code == 2
+            and capsys.readouterr().err.startswith("error: report_to='clearml' is not supported. Allowed"))
     with pytest.raises(SystemExit) as stopped:  # a missing --config file is named as such, not as --resume_from
         cli_config(base, ["--config", str(tmp_path / "missing.yaml")])
-    assert capsys.readouterr().err == f"error: --config {tmp_path / 'missing.yaml'}: no such file (give a YAML file of GRPOConfig fields).\n"
+    assert capsys.readouterr().err == (f"error: --config {tmp_path / 'missing.yaml'}: no such file "
+                                       "(give a YAML file of GRPOConfig fields).\n")
     (tmp_path / "bad.yaml").write_text("learning_rate: [1e-5,\n")
     with pytest.raises(SystemExit) as stopped:
         cli_config(base, ["--config", str(tmp_path / "bad.yaml")])
     error = capsys.readouterr().err
-    assert stopped.value.code == 2 and error.startswith(f"error: {tmp_path / 'bad.yaml'} is not valid YAML: ") and error.count("\n") == 1
+    assert (stopped.value.code == 2 and error.startswith(f"error: {tmp_path / 'bad.yaml'} is not valid YAML: ")
+            and error.count("\n") == 1)
 
 
 def test_the_example_recipe_trains(tmp_path):
@@ -506,7 +524,8 @@ def test_session_export_writes_no_secret_and_its_script_reads_them_from_the_envi
     first = session.step()
     # without the variables the script stops at once, naming the one it reads
     failed = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "none")], cwd=tmp_path,
-                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+                            capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
     assert failed.returncode != 0 and "KeyError: 'OPENAI_API_KEY'" in failed.stderr
     monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
@@ -562,7 +581,8 @@ def test_notebook_export_writes_no_secret_and_its_script_runs_with_them_in_the_e
     for source in [
         "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()\n"
         f"OPENAI_API_KEY = \"{OPENAI_KEY}\"",
-        "# export\ndef judged_reward(completions, **kwargs):\n    return [len(OPENAI_API_KEY) / 100 for c in completions]",
+        "# export\ndef judged_reward(completions, **kwargs):\n"
+        "    return [len(OPENAI_API_KEY) / 100 for c in completions]",
         "# export\nconfig = task.config(max_steps=1, per_device_train_batch_size=8, num_generations=4,\n"
         f"                     max_completion_length=8, model_init_kwargs={{\"token\": \"{HF_TOKEN}\"}})",
         "# export\nsession = GRPOSession(task.model, [judged_reward], args=config, train_dataset=task.train_dataset)",
@@ -578,7 +598,8 @@ def test_notebook_export_writes_no_secret_and_its_script_runs_with_them_in_the_e
         assert secret not in exported.stderr and secret not in text
     assert text.startswith("# AUTOGENERATED") and "\nimport os  # secrets are read from the environment\n" in text
     assert 'OPENAI_API_KEY = os.environ["OPENAI_API_KEY"]' in text
-    _run([sys.executable, "train.py", "--output_dir", "out"], cwd=tmp_path, OPENAI_API_KEY=OPENAI_KEY, HF_TOKEN=HF_TOKEN)
+    _run([sys.executable, "train.py", "--output_dir", "out"], cwd=tmp_path,
+         OPENAI_API_KEY=OPENAI_KEY, HF_TOKEN=HF_TOKEN)
     (row,) = _rows(tmp_path / "out" / "metrics.jsonl")
     assert row["rewards/judged_reward/mean"] == pytest.approx(len(OPENAI_KEY) / 100)
 
@@ -613,7 +634,8 @@ def test_credentials_in_comments_are_redacted_on_the_same_lines(tmp_path):
     for source in [
         "# export\nfrom grpo_lab import GRPOSession\nfrom grpo_lab.tasks import default_task\ntask = default_task()\n"
         "# token for the judge: ghp_0123456789abcdefghijABCDEFGHIJ",
-        "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=task.config(), train_dataset=task.train_dataset)",
+        "# export\nsession = GRPOSession(task.model, task.reward_funcs, args=task.config(), "
+        "train_dataset=task.train_dataset)",
     ]:
         notebook.cells.append(nbformat.v4.new_code_cell(source))
     nbformat.write(notebook, tmp_path / "n.ipynb")

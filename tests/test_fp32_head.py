@@ -50,7 +50,8 @@ def test_a_step_keeps_the_float32_head_in_the_policy_the_reference_and_a_reloade
 
 
 def test_a_tied_output_layer_is_refused_with_the_fix(task, tmp_path):
-    with pytest.raises(ValueError, match=r"ties it to the input embeddings.*tie_word_embeddings=False.*cast_lm_head_to_fp32=False"):
+    with pytest.raises(ValueError, match=r"ties it to the input embeddings.*tie_word_embeddings=False.*"
+                                         r"cast_lm_head_to_fp32=False"):
         _session(task, task.model, tmp_path, cast_lm_head_to_fp32=True)
 
 
@@ -58,6 +59,7 @@ def test_an_adapter_on_the_output_layer_is_refused_with_the_fix(task, untied_bf1
     from peft import LoraConfig
 
     config = task.config(**{**SMALL, "output_dir": str(tmp_path), "cast_lm_head_to_fp32": True})
-    with pytest.raises(ValueError, match=r"plain torch.nn.Linear, and it is peft\.tuners\.lora\..*Linear\. If an adapter.*target_modules"):
+    with pytest.raises(ValueError, match=r"plain torch.nn.Linear, and it is peft\.tuners\.lora\..*Linear\. "
+                                         r"If an adapter.*target_modules"):
         GRPOSession(untied_bf16, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                     peft_config=LoraConfig(r=4, target_modules=["lm_head"], task_type="CAUSAL_LM"))

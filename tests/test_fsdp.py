@@ -85,10 +85,13 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
         assert all(torch.allclose(final[name], final_ddp[name], rtol=0, atol=1e-5) for name in final)
         # the reference, mixed towards the policy after every step, is checkpointed whole: every name
         # of its state dict, as without sharding
-        ref, ref_ddp = (torch.load(tmp_path / run / "checkpoint-2" / "trainer_state.pt", weights_only=False)["ref_model"]
-                        for run in ("whole", "ddp"))
+        ref, ref_ddp = (
+            torch.load(tmp_path / run / "checkpoint-2" / "trainer_state.pt", weights_only=False)["ref_model"]
+            for run in ("whole", "ddp")
+        )
         assert {n: t.shape for n, t in ref.items()} == {n: t.shape for n, t in ref_ddp.items()}
-        assert ref.keys() == original.keys() and not torch.equal(ref["model.norm.weight"], original["model.norm.weight"])
+        assert ref.keys() == original.keys()
+        assert not torch.equal(ref["model.norm.weight"], original["model.norm.weight"])
         assert all(torch.allclose(ref[name], ref_ddp[name], rtol=0, atol=1e-5) for name in ref)
 
     # an FSDP checkpoint opens on one process: the optimizer state, saved by parameter name, lands on

@@ -30,7 +30,8 @@ for _ in range(2):  # a step's activations: 64 blocks of 2 MiB, all freed at the
     blocks = [torch.ones(2**19) for _ in range(64)]
     peak = resident_mib()
     del blocks
-    rounds.append({"faults": faults() - before_faults, "grown_mib": peak - before, "returned_mib": peak - resident_mib()})
+    rounds.append({"faults": faults() - before_faults, "grown_mib": peak - before,
+                   "returned_mib": peak - resident_mib()})
 held = resident_mib()
 os.environ["LD_PRELOAD"] = "libtcmalloc.so.4"  # as vLLM sets it for its workers: this process's malloc is still glibc's
 host_memory.release_freed_memory()
@@ -74,7 +75,8 @@ def test_freed_memory_stays_for_the_next_step_until_it_is_released():
     # With it they come from the heap, which keeps them: the second step reuses most of them
     # (measured: 3,600 faults against 32,800 in the first step, and 32,800 again without the setting).
     assert kept["rounds"][0]["returned_mib"] < 10, kept
-    assert kept["rounds"][1]["faults"] * 4 < min(kept["rounds"][0]["faults"], plain["rounds"][1]["faults"]), (kept, plain)
+    assert kept["rounds"][1]["faults"] * 4 < min(kept["rounds"][0]["faults"], plain["rounds"][1]["faults"]), (
+        kept, plain)
     assert kept["released_mib"] > 100, kept  # release_freed_memory() (close()) hands them back
 
 

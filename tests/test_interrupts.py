@@ -140,7 +140,8 @@ def test_an_interrupt_inside_update_waits_for_the_whole_update(make_session, ref
         handles.append(optimizer.optimizer.register_step_post_hook(lambda *args: ctrl_c()))
     # AdamW creates each parameter's moments on its first step (zeros_like twice; an interrupt between
     # the two broke every later update) and updates them with fused or foreach kernels later
-    interrupt = InterruptOnce("zeros_like") if point == "inside_first_adamw_step" else InterruptOnce("_fused_adam", "_foreach_")
+    interrupt = (InterruptOnce("zeros_like") if point == "inside_first_adamw_step"
+                 else InterruptOnce("_fused_adam", "_foreach_"))
     with interrupt.mode() if point.startswith("inside") else contextlib.nullcontext(), pytest.raises(KeyboardInterrupt):
         session.update()
     for handle in handles:

@@ -30,7 +30,8 @@ def test_every_adapter_gets_a_gradient_after_a_generation_on_any_cpu(tmp_path):
         layer.support_avx512bf16_for_cpu = True
     config = task.config(**{**SMALL, "output_dir": str(tmp_path)})
     session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
-                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
     session.generate(), session.score(), session.advantages(), session.loss()
     assert layers and not any(getattr(layer.weight.quant_state, "packing_format_for_cpu", False) for layer in layers)
     without_gradient = [n for n, p in session.model.named_parameters() if "lora_B" in n and not p.grad.abs().sum() > 0]

@@ -111,7 +111,8 @@ def test_a_transient_failure_is_retried_as_one_whole_call_and_its_result_kept():
             raise ConnectionError("connection reset")
         return [float(i) for i in range(len(completions))]
 
-    with pytest.warns(UserWarning, match=r"'flaky' raised ConnectionError: connection reset, and succeeded when called again"):
+    with pytest.warns(UserWarning, match=r"'flaky' raised ConnectionError: connection reset, "
+                                         r"and succeeded when called again"):
         rewards_BF, logs = _score([flaky], _batch())
     assert sizes == [B, B]  # the whole batch again, not one completion at a time
     assert rewards_BF[:, 0].tolist() == [float(i) for i in range(B)]

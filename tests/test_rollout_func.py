@@ -53,7 +53,8 @@ def test_a_rollout_function_sampling_like_the_backend_trains_identically(task, t
     rows = [plain.step() for _ in range(2)]
     custom = _session(task, tmp_path / "b", single_turn)
     for row in rows:
-        assert {k: v for k, v in row.items() if k != "step_time"} == {k: v for k, v in custom.step().items() if k != "step_time"}
+        assert ({k: v for k, v in row.items() if k != "step_time"}
+                == {k: v for k, v in custom.step().items() if k != "step_time"})
     assert plain.completions_log.equals(custom.completions_log)
     for p, q in zip(plain.model.parameters(), custom.model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -80,11 +81,13 @@ def test_environment_tokens_are_context_but_not_trained(task, tmp_path):
     mask = torch.cat([rollout.prompt_mask_BP, rollout.completion_mask_BT], 1)
     P = rollout.prompt_ids_BP.shape[1]
     logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
-    logprobs = torch.log_softmax(logits[:, P - 1:-1].float() / 3.0, -1).gather(-1, rollout.completion_ids_BT[..., None])[..., 0]
+    logprobs = (torch.log_softmax(logits[:, P - 1:-1].float() / 3.0, -1)
+                .gather(-1, rollout.completion_ids_BT[..., None])[..., 0])
     generated = rollout.generated_mask_BT.float()
     by_hand = -(advantages.advantages_B[:, None] * logprobs * generated).sum() / generated.sum()
     by_hand.backward()
-    assert result.loss == pytest.approx(-float((advantages.advantages_B * generated.sum(1)).sum() / generated.sum()), abs=1e-6)
+    assert result.loss == pytest.approx(-float((advantages.advantages_B * generated.sum(1)).sum() / generated.sum()),
+                                        abs=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     values = data.token_values(session, 0, "logprob")
@@ -109,11 +112,13 @@ def test_sample_takes_token_ids_as_it_takes_texts(task, tmp_path):
         session.sample([[5, 6], "12+3="])
     with pytest.raises(ValueError, match=r"wrap one prompt's token ids in a list, sample\(\[ids\]\)"):
         session.sample(from_ids["prompt_ids"][0])
-    with pytest.raises(ValueError, match=r"prompt 1, whose token id 999 at position 1 is outside the model's vocabulary"):
+    with pytest.raises(ValueError, match=r"prompt 1, whose token id 999 at position 1 "
+                                         r"is outside the model's vocabulary"):
         session.sample([[5, 6], [7, 999]])
     with pytest.raises(ValueError, match=r"prompt 0 is a float: '1.5'"):
         session.sample([1.5])
-    with pytest.raises(ValueError, match=r"max_new_tokens must be an int from 1 to max_completion_length \(8\); got True"):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int from 1 to max_completion_length \(8\); "
+                                         r"got True"):
         session.sample(["12+3="], max_new_tokens=True)
 
 
@@ -128,15 +133,18 @@ def _returning(**output):
     (dict(prompt_ids=lambda b: b["prompt_ids"][1:]), r"'prompt_ids' with 7 entries; it must hold one entry per prompt"),
     (dict(completion_ids=lambda b: [c + [10**6] for c in b["completion_ids"]]),
      r"completion_ids\[0\], whose token id 1000000 at position \d+ is outside the model's vocabulary \[0, 286\)"),
-    (dict(completion_ids=lambda b: torch.ones(8, 6, dtype=torch.long)), r"'completion_ids' as a 2-D Tensor: return one list per"),
-    (dict(completion_ids=lambda b: [c + [0, 0] for c in b["completion_ids"]]), r"completion_ids\[0\] ending with the pad token \(0\)"),
+    (dict(completion_ids=lambda b: torch.ones(8, 6, dtype=torch.long)),
+     r"'completion_ids' as a 2-D Tensor: return one list per"),
+    (dict(completion_ids=lambda b: [c + [0, 0] for c in b["completion_ids"]]),
+     r"completion_ids\[0\] ending with the pad token \(0\)"),
     (dict(prompt_ids=lambda b: [[]] * 8), r"prompt_ids\[0\] = \[\]: each entry must be a non-empty list"),
     (dict(logprobs=lambda b: [[0.0]] * 8), r"logprobs\[0\].*one log-prob \(a finite float\) per token"),
     (dict(env_mask=lambda b: [[2] * len(c) for c in b["completion_ids"]]), r"env_mask\[0\].*flag \(0 or 1\)"),
     (dict(answer=lambda b: ["1"] * 8), r"returned 'answer', which reward functions already receive"),
     (dict(logprobs=lambda b: [[float("nan")] * len(c) for c in b["completion_ids"]]), r"logprobs\[0\].*a finite float"),
     (dict(tool_calls=lambda b: [[{"name": "add"}]] * 8), r"'tool_calls' with \[\{'name': 'add'\}\]: it is a count"),
-    (dict(completion_ids=lambda b: [[5] * 130] * 8), r"130 completion tokens \(entry 0\), more than the model's 128 positions"),
+    (dict(completion_ids=lambda b: [[5] * 130] * 8),
+     r"130 completion tokens \(entry 0\), more than the model's 128 positions"),
 ])
 def test_bad_output_is_refused_and_the_batch_is_not_lost(task, tmp_path, output, message):
     session = _session(task, tmp_path, _returning(**output))
@@ -187,7 +195,8 @@ def test_missing_keys_and_non_dicts_are_refused(task, tmp_path):
         _session(task, tmp_path, lambda prompts: {})
     session = _session(task, tmp_path, calls_generate)
     sampler = session.engine.sampler.state_dict()
-    with pytest.raises(RuntimeError, match=r"called from inside the rollout function: sample .* session.sample\(prompts\)"):
+    with pytest.raises(RuntimeError, match=r"called from inside the rollout function: "
+                                           r"sample .* session.sample\(prompts\)"):
         session.generate()
     assert session.engine.sampler.state_dict() == sampler
 
@@ -215,7 +224,8 @@ def test_save_load_keeps_an_importable_rollout_function(task, tmp_path):
 
     local = _session(task, tmp_path / "local", _returning())
     local.save(tmp_path / "local_saved")
-    with pytest.raises(ValueError, match=r"rollout function saved in .* could not be stored.*pass it again.*rollout_func=\.\.\."):
+    with pytest.raises(ValueError, match=r"rollout function saved in .* could not be stored.*"
+                                         r"pass it again.*rollout_func=\.\.\."):
         GRPOSession.load(tmp_path / "local_saved")
     assert GRPOSession.load(tmp_path / "local_saved", rollout_func=single_turn).rollout_func is single_turn
 
@@ -227,21 +237,25 @@ def test_save_load_keeps_an_importable_rollout_function(task, tmp_path):
         _session(task, tmp_path / "gone", scratch.gone).save(tmp_path / "gone_saved")
     finally:
         del sys.modules["scratch_rollouts"]
-    with pytest.raises(ValueError, match=r"cannot be found in this process .*pass it again: GRPOSession.load\(path, rollout_func=\.\.\.\)"):
+    with pytest.raises(ValueError, match=r"cannot be found in this process .*"
+                                         r"pass it again: GRPOSession.load\(path, rollout_func=\.\.\.\)"):
         GRPOSession.load(tmp_path / "gone_saved")
 
 
 def test_a_half_used_batch_with_environment_tokens_resumes_exactly(task, tmp_path):
-    whole = _session(task, tmp_path / "whole", two_turns, reward_funcs=[second_answer_digits], temperature=3.0, num_iterations=2)
+    whole = _session(task, tmp_path / "whole", two_turns, reward_funcs=[second_answer_digits],
+                     temperature=3.0, num_iterations=2)
     rows = [whole.step() for _ in range(2)]
     assert whole.batch_step == 0  # both updates used the one batch
-    first = _session(task, tmp_path / "half", two_turns, reward_funcs=[second_answer_digits], temperature=3.0, num_iterations=2)
+    first = _session(task, tmp_path / "half", two_turns, reward_funcs=[second_answer_digits],
+                     temperature=3.0, num_iterations=2)
     first.step()
     assert first.batch_step == 1 and first.rollout.env_mask_BT is not None  # the batch is kept for its second update
     first.save(tmp_path / "half_saved")
     resumed = GRPOSession.load(tmp_path / "half_saved")
     second = resumed.step()
-    assert {k: v for k, v in second.items() if k != "step_time"} == {k: v for k, v in rows[1].items() if k != "step_time"}
+    assert ({k: v for k, v in second.items() if k != "step_time"}
+            == {k: v for k, v in rows[1].items() if k != "step_time"})
 
 
 def test_trainer_takes_a_rollout_function_and_resumes_with_it(task, tmp_path):
@@ -268,4 +282,5 @@ def test_export_carries_the_rollout_function(task, tmp_path):
     assert "rollout_func=two_turns," in text and "from tests.test_rollout_func import" in text
     assert run_exported_step(script, tmp_path) == {k: v for k, v in first.items() if k != "step_time"}
     with pytest.raises(ExportError, match=r"Rollout function is a lambda.*def my_rollout\(prompts, session\)"):
-        _session(task, tmp_path / "l", lambda prompts, session: single_turn(prompts, session)).export_script(tmp_path / "x.py")
+        _session(task, tmp_path / "l",
+                 lambda prompts, session: single_turn(prompts, session)).export_script(tmp_path / "x.py")

@@ -25,7 +25,9 @@ def _own_aux_losses(session, micro_batches: list) -> list[float]:
     return losses
 
 
-def test_the_load_balancing_loss_is_added_with_its_weight_over_the_accumulation_steps_and_logged(make_session, tiny_moe):
+def test_the_load_balancing_loss_is_added_with_its_weight_over_the_accumulation_steps_and_logged(
+    make_session, tiny_moe
+):
     session = make_session(model=tiny_moe, reward_funcs=[constant_reward], num_generations=4,
                            per_device_train_batch_size=4, gradient_accumulation_steps=2)
     session.generate(), session.score()
@@ -75,7 +77,9 @@ def test_a_weight_set_between_steps_on_a_model_without_router_logits_is_undone(m
     assert "loss" in session.step()
 
 
-def test_a_weighted_model_that_returns_no_load_balancing_loss_fails_the_loss_stage_with_the_fix(make_session, task, tmp_path):
+def test_a_weighted_model_that_returns_no_load_balancing_loss_fails_the_loss_stage_with_the_fix(
+    make_session, task, tmp_path
+):
     # Llama 4's text model declares router logits and a weight but returns no aux_loss
     from transformers import AutoTokenizer, Llama4ForCausalLM, Llama4TextConfig
 
@@ -94,12 +98,15 @@ def test_a_weighted_model_that_returns_no_load_balancing_loss_fails_the_loss_sta
     assert "aux_loss" not in session.loss().metrics
 
 
-def test_zero_advantage_micro_batches_run_their_backward_pass_while_the_load_balancing_loss_is_weighted(make_session, tiny_moe):
+def test_zero_advantage_micro_batches_run_their_backward_pass_while_the_load_balancing_loss_is_weighted(
+    make_session, tiny_moe
+):
     # its gradient does not vanish with the advantages; the model's experts are not what stops the skip here
     skipped = {}
     for weight in (None, 0.0):
         session = make_session(model=tiny_moe, reward_funcs=[constant_reward], num_generations=4,
-                               per_device_train_batch_size=4, gradient_accumulation_steps=4, router_aux_loss_coef=weight)
+                               per_device_train_batch_size=4, gradient_accumulation_steps=4,
+                               router_aux_loss_coef=weight)
         session.engine._routes_to_experts = False
         session.generate(), session.score(), session.advantages()
         skipped[weight] = session.loss().backward_skipped

@@ -21,13 +21,15 @@ def test_stages_return_numbers_that_match_an_independent_recomputation(make_sess
     # each prompt appears num_generations (4) times in a row
     assert rollout.prompts[0:4] == [rollout.prompts[0]] * 4 and rollout.prompts[4] != rollout.prompts[0]
     assert rollout.group_index_B.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    mask_BT, truncated_B = ops.completion_mask_from_ids(rollout.completion_ids_BT, eos_token_id=session.tokenizer.eos_token_id)
+    mask_BT, truncated_B = ops.completion_mask_from_ids(rollout.completion_ids_BT,
+                                                        eos_token_id=session.tokenizer.eos_token_id)
     torch.testing.assert_close(rollout.completion_mask_BT, mask_BT)
     torch.testing.assert_close(rollout.is_truncated_B, truncated_B)
     assert rollout.old_logprobs_BT is None and rollout.ref_logprobs_BT is None  # not needed here
 
     scores = session.score()
-    expected = [func(prompts=rollout.prompts, completions=rollout.completions, **rollout.columns) for func in task.reward_funcs]
+    expected = [func(prompts=rollout.prompts, completions=rollout.completions, **rollout.columns)
+                for func in task.reward_funcs]
     torch.testing.assert_close(scores.rewards_BF, torch.tensor(expected).T)
 
     advantages = session.advantages()
@@ -218,8 +220,11 @@ def test_entropy_bonus_subtracts_coef_times_mean_token_entropy_from_the_step_los
     assert session.history["entropy_coef"].tolist() == [0.3]
 
 
-@pytest.mark.parametrize(("target", "applied", "internal"), [(100.0, [0.02, 0.03, 0.04], 0.05), (0.0, [0.02, 0.0, 0.0], 0.0)])
-def test_adaptive_entropy_weight_follows_the_target_and_survives_save_and_load(make_session, tmp_path, target, applied, internal):
+@pytest.mark.parametrize(("target", "applied", "internal"),
+                         [(100.0, [0.02, 0.03, 0.04], 0.05), (0.0, [0.02, 0.0, 0.0], 0.0)])
+def test_adaptive_entropy_weight_follows_the_target_and_survives_save_and_load(
+    make_session, tmp_path, target, applied, internal
+):
     session = make_session(entropy_coef=0.02, use_adaptive_entropy=True, entropy_target=target, entropy_coef_delta=0.01)
     session.run(3, progress=False)
     # Entropy at most the target (100 nats): up by delta every step. Above it (0): the weight falls
@@ -289,7 +294,8 @@ def test_a_scheduler_given_in_optimizers_goes_on_when_the_run_lengthens_and_its_
     assert session.engine.total_steps() == 3 and session.engine.scheduler is scheduler
     warmup = session.config.warmup_ratio
     session.config.warmup_ratio, session.config.max_steps = 0.5, 4
-    with pytest.raises(ValueError, match="warmup_ratio: these configure the schedule grpo_lab builds.*no effect; it was undone"):
+    with pytest.raises(ValueError, match="warmup_ratio: these configure the schedule grpo_lab builds.*"
+                                         "no effect; it was undone"):
         session.step()
     assert (session.config.warmup_ratio, session.config.max_steps) == (warmup, 3)
 

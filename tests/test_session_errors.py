@@ -26,7 +26,8 @@ def test_dataset_without_prompt_column(task, tmp_path):
 
 
 def test_an_offloaded_cache_on_a_cpu_is_refused_with_the_fix(make_session):
-    with pytest.raises(ValueError, match="moves a GPU's key/value cache.*generates on a CPU.*cache_implementation=None"):
+    with pytest.raises(ValueError, match="moves a GPU's key/value cache.*generates on a CPU.*"
+                                         "cache_implementation=None"):
         make_session(cache_implementation="offloaded")
     session = make_session()
     session.config.cache_implementation = "offloaded_static"  # between steps: refused before generation runs
@@ -49,9 +50,11 @@ def test_model_path_that_does_not_exist(task):
 
 def test_a_saved_session_given_as_model_or_a_missing_one_to_load_is_explained(make_session, tmp_path):
     saved = make_session().save(tmp_path / "saved")
-    with pytest.raises(FileNotFoundError, match=r"is a grpo_lab checkpoint or saved session.*its model is in .*saved/model"):
+    with pytest.raises(FileNotFoundError, match=r"is a grpo_lab checkpoint or saved session.*"
+                                                r"its model is in .*saved/model"):
         make_session(model=str(saved))
-    with pytest.raises(FileNotFoundError, match=r"no_such_run does not exist\. Give a directory written by session.save"):
+    with pytest.raises(FileNotFoundError, match=r"no_such_run does not exist\. "
+                                                r"Give a directory written by session.save"):
         GRPOSession.load(tmp_path / "no_such_run")
 
 
@@ -73,7 +76,8 @@ def needs_label(completions, label, **kwargs):
 @pytest.mark.parametrize(
     ("func", "message"),
     [
-        (short, r"'short' does not accept prompts, completion_ids, trainer_state, log_extra, log_metric, answer\. .*\*\*kwargs"),
+        (short, r"'short' does not accept prompts, completion_ids, trainer_state, log_extra, log_metric, answer\. "
+                r".*\*\*kwargs"),
         (needs_label, r"'needs_label' requires label, which no call passes"),
     ],
 )
@@ -125,7 +129,8 @@ def test_raising_reward_function_names_itself_and_the_sample(make_session, task)
 
     session = make_session(reward_funcs=[fragile])
     rollout = session.generate()
-    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample \d+: prompt=.*call session.score\(\)"):
+    with pytest.raises(RewardFunctionError, match=r"'fragile' raised ZeroDivisionError.*sample \d+: prompt=.*"
+                                                  r"call session.score\(\)"):
         session.score()
     assert session.rollout is rollout and session.next_stage == "score"  # completions kept
     session.reward_funcs = task.reward_funcs
@@ -184,8 +189,9 @@ def test_tokenizer_without_pad_token_or_with_right_padding(task, tmp_path):
 
 def test_prompts_longer_than_the_context(make_session, task):
     long = Dataset.from_dict({"prompt": ["1+" * 80 + "1="] * 8 + ["1+1="] * 8, "answer": ["81"] * 8 + ["2"] * 8})
-    with pytest.raises(ValueError, match=r"train_dataset row 0: the prompt is 162 tokens long \(rendered\), longer than the "
-                                         r"model's context of 128 positions\. 7 more rows cannot be used either \(1, 2, 3, 4, 5, \.\.\.\)"
+    with pytest.raises(ValueError, match=r"train_dataset row 0: the prompt is 162 tokens long \(rendered\), "
+                                         r"longer than the model's context of 128 positions\. "
+                                         r"7 more rows cannot be used either \(1, 2, 3, 4, 5, \.\.\.\)"
                                          r".*filter\(lambda row, index: index not in \{0, 1, 2, 3, 4, 5, 6, 7\}"):
         make_session(train_dataset=long, shuffle_dataset=False)  # refused when built, before any step
     _steps_fine(make_session(train_dataset=long.select(range(8, 16))))
@@ -306,7 +312,8 @@ def test_beta_switched_on_for_an_adapter_scores_against_the_base_model(task, tmp
 
     config = task.config(**{**SMALL, "output_dir": str(tmp_path), "learning_rate": 5e-2})
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora)
     session.step()  # built with beta=0: the adapter moves, and no reference copy exists
     session.config.beta = 0.04  # the base model (adapter disabled) is the reference
     session.step()
@@ -325,7 +332,8 @@ def test_schedule_fields_rebuild_the_schedule_at_the_current_step(make_session):
     session.config.learning_rate = 5e-4
     session.step()
     assert session.history["learning_rate"].iloc[-1] == pytest.approx(5e-4)
-    assert [(c["step"], c["field"]) for c in session.config_changes] == [(4, "max_steps"), (5, "learning_rate"), (5, "lr_scheduler_type")]
+    assert [(c["step"], c["field"]) for c in session.config_changes] == [
+        (4, "max_steps"), (5, "learning_rate"), (5, "lr_scheduler_type")]
 
 
 def test_a_learning_rate_set_from_zero_takes_the_schedules_current_factor(make_session):
@@ -395,7 +403,8 @@ def _long_prompt(tokens: int):
     [
         (None, r"the prompt is None \(a missing value\)"),
         ("", r"the prompt is an empty string"),
-        (_long_prompt(202), r"the prompt is 202 tokens long \(rendered\), longer than the model's context of 128 positions"),
+        (_long_prompt(202), r"the prompt is 202 tokens long \(rendered\), "
+                            r"longer than the model's context of 128 positions"),
     ],
     ids=["none", "empty", "longer_than_the_context"],
 )
@@ -452,9 +461,11 @@ def test_chat_content_given_as_text_parts_is_rendered_as_its_text(task, make_ses
              for row in rows]
     session = make_session(train_dataset=Dataset.from_list(parts))
     # the shipped template prints message['content'] as it is: the parts' text, not the list's repr
-    assert render_prompts([parts[0]["prompt"]], session.tokenizer) == render_prompts([rows[0]["prompt"]], session.tokenizer)
+    assert (render_prompts([parts[0]["prompt"]], session.tokenizer)
+            == render_prompts([rows[0]["prompt"]], session.tokenizer))
     two = [{"role": "user", "content": [{"type": "text", "text": "1+1"}, {"type": "text", "text": "="}]}]
-    assert render_prompts([two], session.tokenizer) == render_prompts([[{"role": "user", "content": "1+1\n="}]], session.tokenizer)
+    assert (render_prompts([two], session.tokenizer)
+            == render_prompts([[{"role": "user", "content": "1+1\n="}]], session.tokenizer))
     rollout = session.generate()
     text = rollout.prompts[0][0]["content"][0]["text"]  # e.g. "40+93="
     assert session.tokenizer.decode(rollout.prompt_ids_BP[0], skip_special_tokens=True) == f"user\n{text}\nassistant\n"
@@ -465,7 +476,8 @@ def test_chat_content_given_as_text_parts_is_rendered_as_its_text(task, make_ses
     ("message", "problem"),
     [
         ({"role": "user", "content": [{"type": "image", "image": "cat.png"}]},
-         r"the prompt has a content part of type 'image' in message 0 \(user\): only text parts .*Drop the other parts"),
+         r"the prompt has a content part of type 'image' in message 0 \(user\): only text parts .*"
+         r"Drop the other parts"),
         ({"role": "user", "content": None}, r"the prompt has a user message \(message 0\) with no content \(None\)"),
     ],
     ids=["image_part", "no_content"],
@@ -475,14 +487,16 @@ def test_chat_content_that_cannot_be_rendered_is_refused_naming_the_row(task, ma
             for row in _rows(task)]
     rows[20]["prompt"] = [message]
     broken = Dataset.from_list(rows)
-    with pytest.raises(ValueError, match=rf"train_dataset row 20: {problem}.*filter\(lambda row, index: index not in \{{20\}}"):
+    with pytest.raises(ValueError, match=rf"train_dataset row 20: {problem}.*"
+                                         rf"filter\(lambda row, index: index not in \{{20\}}"):
         make_session(train_dataset=broken)
 
 
 @pytest.mark.parametrize("column", ["completions", "trainer_state", "prompts"])
 def test_a_column_named_like_a_reward_function_keyword_is_refused_at_build(task, make_session, column):
     clashing = task.train_dataset.select(range(64)).add_column(column, ["x"] * 64)
-    with pytest.raises(ValueError, match=rf"train_dataset has a column named '{column}', a name reward functions already "
+    with pytest.raises(ValueError, match=rf"train_dataset has a column named '{column}', "
+                                         r"a name reward functions already "
                                          rf"receive .*train_dataset\.rename_column\('{column}', '{column}_column'\)"):
         make_session(train_dataset=clashing)
     _steps_fine(make_session(train_dataset=clashing.rename_column(column, f"{column}_column")))
@@ -510,8 +524,9 @@ def test_a_model_directory_without_config_json_is_named(task, make_session, tmp_
     copy = tmp_path / "model"
     shutil.copytree(task.model, copy)
     (copy / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match=rf"{copy} holds no config\.json \(it holds .*model\.safetensors.*\), so it "
-                                                r"is not a model directory.*Copy the model's config\.json into it"):
+    with pytest.raises(FileNotFoundError, match=rf"{copy} holds no config\.json \(it holds .*model\.safetensors.*\), "
+                                                r"so it is not a model directory.*"
+                                                r"Copy the model's config\.json into it"):
         make_session(model=str(copy))
     shutil.copy(f"{task.model}/config.json", copy)
     _steps_fine(make_session(model=str(copy)))
@@ -525,16 +540,19 @@ def test_a_truncated_safetensors_file_is_named_with_the_cause(task, make_session
     weights = copy / "model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(OSError, match=rf"The weights file {weights} is damaged: its tensors need {len(whole)} bytes but the "
-                                      rf"file holds only {len(whole) // 2}\. .*cut short.*Download it again, or save the model again"):
+    with pytest.raises(OSError, match=rf"The weights file {weights} is damaged: its tensors need {len(whole)} bytes "
+                                      rf"but the file holds only {len(whole) // 2}\. .*cut short.*"
+                                      r"Download it again, or save the model again"):
         make_session(model=str(copy))
     weights.write_bytes(whole[:100])  # the header itself cut
-    with pytest.raises(OSError, match=r"model\.safetensors is damaged: its header claims \d+ bytes but the file holds 100"):
+    with pytest.raises(OSError, match=r"model\.safetensors is damaged: "
+                                      r"its header claims \d+ bytes but the file holds 100"):
         make_session(model=str(copy))
 
 
 def test_reward_weights_of_the_wrong_length_are_refused_when_the_session_is_built(task, make_session):
-    with pytest.raises(ValueError, match=r"reward_weights has 3 entries .* but there are 2 reward functions\. Give one weight"):
+    with pytest.raises(ValueError, match=r"reward_weights has 3 entries .* but there are 2 reward functions\. "
+                                         r"Give one weight"):
         make_session(reward_weights=[1.0, 0.5, 2.0])
     session = make_session(reward_weights=[1.0, 0.5])
     _steps_fine(session)

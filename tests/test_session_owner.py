@@ -29,7 +29,8 @@ def test_a_call_from_another_thread_during_a_run_is_refused_with_what_runs_and_h
             "session.step() again."
         )
         for call in (session.generate, session.update, session.evaluate, session.discard_batch):
-            with pytest.raises(SessionBusyError, match=rf"session.{call.__name__}\(\) cannot run now: session.run\(3\)"):
+            with pytest.raises(SessionBusyError, match=rf"session.{call.__name__}\(\) cannot run now: "
+                                                       r"session.run\(3\)"):
                 call()
         with pytest.raises(SessionBusyError, match=r"session.run\(1\) cannot run now"):
             session.run(1, progress=False)
@@ -46,7 +47,8 @@ def test_a_call_from_another_thread_during_a_run_is_refused_with_what_runs_and_h
 
 def test_the_owning_thread_nests_its_calls_and_busy_idle_come_once_per_outermost_call(session):
     events = []
-    session.on(lambda name, payload: events.append((name, None if payload is None else str(payload)) if name in ("busy", "idle") else name))
+    session.on(lambda name, payload: events.append((name, None if payload is None else str(payload))
+                                                   if name in ("busy", "idle") else name))
     session.run(2, progress=False)  # run -> step -> each stage: nested holds of one thread
     stages = ["generate", "score", "advantages", "loss", "update"]
     assert events == [("busy", "session.run(2), started by a cell: step 1 of 2"), *stages, *stages, ("idle", None)]

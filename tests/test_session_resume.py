@@ -70,7 +70,8 @@ def test_loading_a_half_used_batch_with_other_reward_functions_says_which_scored
     original = make_session(num_iterations=2)
     original.step()  # the batch feeds one more optimizer step
     original.save(tmp_path / "half")
-    with pytest.warns(UserWarning, match=r"inside a generation batch scored by \['correctness_reward', 'format_reward'\]; "
+    with pytest.warns(UserWarning, match=r"inside a generation batch scored by "
+                                         r"\['correctness_reward', 'format_reward'\]; "
                                          r"its remaining 1 optimizer step\(s\) train on those scores"):
         loaded = GRPOSession.load(tmp_path / "half", reward_funcs=[*task.reward_funcs, _constant_reward])
     assert loaded.scores.reward_names == ["correctness_reward", "format_reward"]
@@ -88,7 +89,8 @@ def test_a_checkpoint_that_pickled_its_state_is_refused_with_how_to_go_on(make_s
     state = torch.load(target / STATE_FILE, weights_only=True)
     state["per_process"][0]["rng"]["numpy"] = np.random.get_state()
     torch.save(state, target / STATE_FILE)
-    with pytest.raises(ValueError, match=r"holds objects other than tensors.*numpy.*GRPOSession\('.*old/model', \.\.\.\)"):
+    with pytest.raises(ValueError, match=r"holds objects other than tensors.*numpy.*"
+                                         r"GRPOSession\('.*old/model', \.\.\.\)"):
         GRPOSession.load(target)
 
 
@@ -141,7 +143,8 @@ def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_s
     untied.save_pretrained(untied_dir)
     tied = AutoModelForCausalLM.from_pretrained(task.model)
     before = _weights(tied)
-    with pytest.raises(ValueError, match=r"stores lm_head.weight and model.embed_tokens.weight separately, but the model given to load it into ties them"):
+    with pytest.raises(ValueError, match=r"stores lm_head.weight and model.embed_tokens.weight separately, "
+                                         r"but the model given to load it into ties them"):
         _copy_saved_tensors(tied, untied_dir)
     assert all(torch.equal(value, before[name]) for name, value in tied.state_dict().items())
     # Saved tied, loaded untied: the file lacks lm_head.weight, so transformers' loading fills it in.
@@ -161,18 +164,21 @@ def test_a_lora_session_resumes_exactly(task, tmp_path):
     def make():
         config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "learning_rate": 5e-3})
         lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-        return GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora)
+        return GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                           peft_config=lora)
 
     uninterrupted = make()
     uninterrupted.run(4, progress=False)
     first = make()
     first.run(2, progress=False)
     first.save(tmp_path / "checkpoint")
-    with pytest.raises(ValueError, match=r"holds a PEFT adapter, but the model given to load it into is not a PEFT model"):
+    with pytest.raises(ValueError, match=r"holds a PEFT adapter, "
+                                         r"but the model given to load it into is not a PEFT model"):
         GRPOSession.load(tmp_path / "checkpoint", model=AutoModelForCausalLM.from_pretrained(task.model))
     other = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match=r"does not fit the PEFT model given to load it into \(unexpected: \[.*k_proj"):
-        GRPOSession.load(tmp_path / "checkpoint", model=get_peft_model(AutoModelForCausalLM.from_pretrained(task.model), other))
+        GRPOSession.load(tmp_path / "checkpoint",
+                         model=get_peft_model(AutoModelForCausalLM.from_pretrained(task.model), other))
     resumed = GRPOSession.load(tmp_path / "checkpoint")  # the saved adapter comes back as a PEFT model
     resumed.run(2, progress=False)
     pd.testing.assert_frame_equal(_comparable(resumed.history), _comparable(uninterrupted.history), check_dtype=False)
@@ -192,7 +198,8 @@ def test_load_with_a_changed_build_time_field_takes_it_and_refuses_a_new_layout_
     assert loaded.model.is_activation_checkpointing
     loaded.step()  # the new value is the one the session was built with, so the step runs
     changes = {change["field"]: change for change in loaded.config_changes}
-    assert changes["gradient_checkpointing"] == {"step": 2, "field": "gradient_checkpointing", "old": False, "new": True}
+    assert changes["gradient_checkpointing"] == {"step": 2, "field": "gradient_checkpointing",
+                                                 "old": False, "new": True}
     assert changes["max_steps"]["new"] == session.config.max_steps + 4
 
     with pytest.raises(ValueError, match=r"seed=7: .*saved with seed=0, which its random state.*carry"):

@@ -16,7 +16,8 @@ from grpo_lab import GRPOSession
 from tests.conftest import SMALL, run_exported_step
 
 TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
     "[{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}]{% endfor %}"
@@ -93,12 +94,14 @@ def tool_model(task, tmp_path_factory):
         call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
         return tokenizer.apply_chat_template([
             {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+            {"role": "tool", "name": "add", "content": str(a + b)},
+            {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
         ], tools=[add], tokenize=False)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(150):
-        batch = tokenizer([conversation() for _ in range(16)], return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = tokenizer([conversation() for _ in range(16)], return_tensors="pt", padding=True,
+                          add_special_tokens=False)
         model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -109,7 +112,8 @@ def tool_model(task, tmp_path_factory):
 
 
 def _session(task, tmp_path, model, tools, reward_funcs=(answered,), **overrides):
-    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "max_completion_length": 64, "top_k": 1, **overrides})
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out"), "max_completion_length": 64,
+                            "top_k": 1, **overrides})
     return GRPOSession(model, list(reward_funcs), args=config, train_dataset=task.train_dataset, tools=tools)
 
 
@@ -130,8 +134,10 @@ def test_tools_run_and_their_results_are_context_but_not_trained(task, tmp_path,
         assert inserted == f"\n<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n"
         first_turn_end = int((env == 0).nonzero()[0])
         assert ids[first_turn_end - 1] == tokenizer.eos_token_id  # the model's call ends its turn
-        assert answer["content"] == tokenizer.decode(ids[first_turn_end + int((env == 0).sum()):], skip_special_tokens=True)
-    assert torch.equal(rollout.completion_lengths_B, rollout.completion_mask_BT.sum(1) - (rollout.env_mask_BT == 0).logical_and(rollout.completion_mask_BT.bool()).sum(1))
+        assert answer["content"] == tokenizer.decode(ids[first_turn_end + int((env == 0).sum()):],
+                                                     skip_special_tokens=True)
+    inserted_B = (rollout.env_mask_BT == 0).logical_and(rollout.completion_mask_BT.bool()).sum(1)
+    assert torch.equal(rollout.completion_lengths_B, rollout.completion_mask_BT.sum(1) - inserted_B)
     session.score()
     metrics = session.advantages().metrics
     assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
@@ -267,7 +273,8 @@ def test_under_fsdp_a_process_without_a_next_turn_joins_the_others_generation(to
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)  # a missed collective hangs
     assert done.returncode == 0, done.stderr[-4000:]
     answered_here, dropped_here = (json.loads((tmp_path / f"tools-{rank}.json").read_text()) for rank in (0, 1))
-    assert [calls for calls, _ in answered_here["steps"]] == [[1] * 8] * 2 == [calls for calls, _ in dropped_here["steps"]]
+    assert ([calls for calls, _ in answered_here["steps"]] == [[1] * 8] * 2
+            == [calls for calls, _ in dropped_here["steps"]])
     assert all(inserted > 0 for _, inserted in answered_here["steps"])
     assert all(inserted == 0 for _, inserted in dropped_here["steps"])
     assert answered_here["row"]["tools/call_frequency"] == 1.0
@@ -289,7 +296,8 @@ def test_the_template_checks_follow_the_training_prompts(task, tool_model):
     assert check_tools([add], tokenizer, [{"role": "system", "content": "Be brief."}, *question], None) == [add]
 
     tokenizer.chat_template = TEMPLATE.replace(
-        "{% else %}{{ message['content'] }}", "{% if loop.last %}<think></think>{% endif %}{% else %}{{ message['content'] }}")
+        "{% else %}{{ message['content'] }}",
+        "{% if loop.last %}<think></think>{% endif %}{% else %}{{ message['content'] }}")
     loop = ToolCalling([add], tokenizer, {tokenizer.eos_token_id}, None)
     suffix = loop._suffix_ids([{"role": "tool", "name": "add", "content": "3"}], None)
     assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"

@@ -37,7 +37,8 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys
                        num_completions_to_print=2)
     last = trainer.train()
     printed = capsys.readouterr().out.splitlines()  # a table of 2 completions every logging step
-    assert [line.strip() for line in printed if "completions at step" in line] == [f"completions at step {n}" for n in (1, 2, 3, 4)]
+    assert ([line.strip() for line in printed if "completions at step" in line]
+            == [f"completions at step {n}" for n in (1, 2, 3, 4)])
     assert sum(line.startswith("│") for line in printed) == 4 * 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1] == last
@@ -146,7 +147,8 @@ def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
     log = trainer.session.completions_log
     for row in rows:
         logged = history[row["step"]]
-        assert {key: logged[key] for key in row if key != "step"} == pytest.approx({k: v for k, v in row.items() if k != "step"})
+        assert ({key: logged[key] for key in row if key != "step"}
+                == pytest.approx({k: v for k, v in row.items() if k != "step"}))
         table = json.loads((run_file.parent / "files" / logged["completions/path"]).read_text())
         printed = log[log["step"] == row["step"]].head(3)
         assert table["columns"] == list(printed.columns)
@@ -208,7 +210,8 @@ def mlflow_store(monkeypatch, tmp_path):
 
 
 def test_mlflow_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, mlflow_store):
-    funcs = [*task.reward_funcs, lambda completions, **kwargs: [0.5] * len(completions)]  # "<lambda>": not an MLflow name
+    # "<lambda>": not an MLflow name
+    funcs = [*task.reward_funcs, lambda completions, **kwargs: [0.5] * len(completions)]
     trainer = _trainer(task, tmp_path / "out", reward_funcs=funcs, max_steps=2, report_to="mlflow", run_name="first",
                        log_completions=True, num_completions_to_print=3)
     trainer.train()
@@ -252,9 +255,11 @@ def test_comet_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
     (archive,) = (tmp_path / "comet").glob("*.zip")
     with zipfile.ZipFile(archive) as files:
         messages = [json.loads(line) for line in files.read("messages.json").splitlines()]
-        tables = [m["payload"] for m in messages if m["type"] == "file_upload" and m["payload"]["upload_type"] == "dataframe"]
+        tables = [m["payload"] for m in messages
+                  if m["type"] == "file_upload" and m["payload"]["upload_type"] == "dataframe"]
         uploads = {t["additional_params"]["fileName"]: json.loads(files.read(t["file_path"])) for t in tables}
-    metrics = {(m["payload"]["metric"]["step"], m["payload"]["metric"]["metricName"]): m["payload"]["metric"]["metricValue"]
+    metrics = {(m["payload"]["metric"]["step"], m["payload"]["metric"]["metricName"]):
+               m["payload"]["metric"]["metricValue"]
                for m in messages if m["type"] == "metric_msg"}
     for row in rows:
         values = {key: value for key, value in row.items() if key != "step"}
@@ -321,14 +326,16 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
     exits = [r.exit.exit_code for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1] and sorted(_wandb_history_and_config(run_file)[0]) == [1, 2]
     (run,) = mlflow_store.search_runs([e.experiment_id for e in mlflow_store.search_experiments()])
-    assert run.info.status == "FAILED" and [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+    assert run.info.status == "FAILED"
+    assert [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "loss")] == [1, 2]
 
     calls["n"] = 100  # the crash does not happen again
     resumed = _trainer(task, tmp_path / "run", reward_funcs=funcs, max_steps=4, save_steps=2)
     capsys.readouterr()
     resumed.train(resume_from_checkpoint=True)
     assert " 4/4 " in capsys.readouterr().out  # the bar counts the run's steps, from the two already taken
-    history = resumed.session.history.drop(columns=["rewards/crashes_on_third_step/mean", "rewards/crashes_on_third_step/std"])
+    history = resumed.session.history.drop(columns=["rewards/crashes_on_third_step/mean",
+                                                    "rewards/crashes_on_third_step/std"])
     pd.testing.assert_frame_equal(_no_time(history), _no_time(reference.session.history))
 
 
@@ -367,7 +374,8 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
         rest = [p for p in model.parameters() if all(p is not e for e in embeddings)]
         optimizer = torch.optim.AdamW([{"params": rest, "lr": 1e-2}, {"params": embeddings, "lr": 1e-3}])
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step) if own_scheduler else None
-        config = task.config(**{**SMALL, "output_dir": str(out), "max_steps": max_steps, "lr_scheduler_type": "constant"})
+        config = task.config(**{**SMALL, "output_dir": str(out), "max_steps": max_steps,
+                                "lr_scheduler_type": "constant"})
         return GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                            optimizers=(optimizer, scheduler))
 
@@ -380,17 +388,21 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
     for (name, a), (_, b) in zip(reference.model.state_dict().items(), resumed.model.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2" / "model").state_dict()
-    assert any(not torch.equal(saved[name], value) for name, value in resumed.model.state_dict().items() if name in saved)
+    assert any(not torch.equal(saved[name], value)
+               for name, value in resumed.model.state_dict().items() if name in saved)
     expected = [1e-2 * 0.5**step for step in range(4)] if own_scheduler else [1e-2] * 4
     assert resumed.session.history["learning_rate"].tolist() == pytest.approx(expected, rel=1e-6)
     if own_scheduler:  # a new shape for the caller's scheduler is refused before the run starts
         reshaped = trainer(tmp_path / "run", 4)
         reshaped.args.lr_scheduler_type = "linear"
-        with pytest.raises(ValueError, match="lr_scheduler_type='linear'.*saved with lr_scheduler_type='constant'.*would have no effect"):
+        with pytest.raises(ValueError, match="lr_scheduler_type='linear'.*"
+                                             "saved with lr_scheduler_type='constant'.*would have no effect"):
             reshaped.train(resume_from_checkpoint=tmp_path / "run" / "checkpoint-2")
 
 
-def test_a_resume_frees_the_model_it_replaces_before_loading_and_a_failed_one_can_be_retried(task, tmp_path, monkeypatch):
+def test_a_resume_frees_the_model_it_replaces_before_loading_and_a_failed_one_can_be_retried(
+    task, tmp_path, monkeypatch
+):
     from grpo_lab.session import GRPOSession
 
     reference = _trainer(task, tmp_path / "ref", max_steps=3)
@@ -414,7 +426,8 @@ def test_a_resume_frees_the_model_it_replaces_before_loading_and_a_failed_one_ca
     with pytest.raises(ValueError, match="seed=7"):
         trainer.train(resume_from_checkpoint=True)
     assert freed_before_load == [True]
-    with pytest.raises(RuntimeError, match=r"released its model for a resume that failed.*train\(resume_from_checkpoint"):
+    with pytest.raises(RuntimeError, match=r"released its model for a resume that failed.*"
+                                           r"train\(resume_from_checkpoint"):
         trainer.train()
     trainer.args.seed = 0
     trainer.train(resume_from_checkpoint=True)
@@ -460,7 +473,8 @@ def test_the_end_of_training_is_always_checkpointed(task, tmp_path):
         again.train(resume_from_checkpoint=True)
     assert again.session.global_step == 3
     fresh = _trainer(task, tmp_path, max_steps=1)
-    with pytest.warns(UserWarning, match=r"already holds checkpoint-2, checkpoint-3, metrics.jsonl from an earlier run.*resume_from_checkpoint=True"):
+    with pytest.warns(UserWarning, match=r"already holds checkpoint-2, checkpoint-3, metrics.jsonl "
+                                         r"from an earlier run.*resume_from_checkpoint=True"):
         fresh.train()
 
 

@@ -63,7 +63,8 @@ def _assert_same_step(skipping: dict, running: dict) -> None:
 
 # A reused batch (num_iterations=2) has importance ratios other than 1 in its second step.
 @pytest.mark.parametrize("options", [
-    dict(), dict(loss_type="grpo", num_iterations=2, delta=1.5), dict(loss_type="cispo", num_iterations=2, epsilon_high=5.0),
+    dict(), dict(loss_type="grpo", num_iterations=2, delta=1.5),
+    dict(loss_type="cispo", num_iterations=2, epsilon_high=5.0),
     dict(loss_type="sapo", num_iterations=2), dict(loss_type="vespo", num_iterations=2),
     dict(loss_type="luspo", num_iterations=2, importance_sampling_level="sequence"),
     dict(num_iterations=2, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5),
@@ -76,7 +77,8 @@ def test_zero_advantage_micro_batches_skip_their_backward_and_the_steps_are_unch
     assert skipped == [_zero_micro_batches(step["advantages"], 4) for step in skipping]
     assert 0 < sum(skipped) < 4 * len(rewards)  # both kinds of micro-batch occurred
     assert [step["result"].backward_skipped for step in running] == [0] * len(rewards)
-    assert "micro-batches had zero advantages and no backward pass" in repr(skipping[skipped.index(max(skipped))]["result"])
+    most = skipping[skipped.index(max(skipped))]["result"]
+    assert "micro-batches had zero advantages and no backward pass" in repr(most)
     for skipping_step, running_step in zip(skipping, running, strict=True):
         _assert_same_step(skipping_step, running_step)
 
@@ -115,7 +117,8 @@ def test_a_skipped_micro_batch_whose_loss_is_not_finite_makes_the_update_skip_as
     assert outcomes == [(4, 1.0), (0, 1.0)]
 
 
-@pytest.mark.parametrize("overrides", [dict(beta=0.04), dict(entropy_coef=0.01), dict(skip_zero_advantage_backward=False)],
+@pytest.mark.parametrize("overrides",
+                         [dict(beta=0.04), dict(entropy_coef=0.01), dict(skip_zero_advantage_backward=False)],
                          ids=["kl", "entropy_bonus", "off"])
 def test_a_kl_term_or_an_entropy_bonus_gives_zero_advantages_a_gradient_so_nothing_is_skipped(make_session, overrides):
     session = make_session(**GROUPS, **overrides)
@@ -136,7 +139,8 @@ from grpo_lab.tasks.addition import completion_text
 
 
 def parity_reward(completions, answer, **kwargs):
-    return [1.0 if int(a) % 2 == 0 else float(sum(map(ord, completion_text(c))) % 7) for c, a in zip(completions, answer)]
+    return [1.0 if int(a) % 2 == 0 else float(sum(map(ord, completion_text(c))) % 7)
+            for c, a in zip(completions, answer)]
 
 
 out, skip = sys.argv[1], sys.argv[2] == "skip"

@@ -28,7 +28,8 @@ def _over_chunks(fn, max_elements: int, logits_BTV: torch.Tensor, *aligned_BT: t
     return torch.stack(rows)
 
 
-def selective_log_softmax(logits_BTV: torch.Tensor, index_BT: torch.Tensor, max_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def selective_log_softmax(logits_BTV: torch.Tensor, index_BT: torch.Tensor,
+                          max_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """log softmax(logits)[index] at every position, without a full log-softmax copy of the logits.
 
     ``log p(x_t) = z_t[x_t] - logsumexp(z_t)``. The logsumexp (for float32/float64 logits) or, for

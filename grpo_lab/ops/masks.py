@@ -19,7 +19,8 @@ def completion_mask_from_ids(ids_BT: torch.Tensor, *, eos_token_id: int) -> tupl
     """
     is_eos_BT = ids_BT == eos_token_id
     has_eos_B = is_eos_BT.any(dim=1)
-    first_eos_B = torch.where(has_eos_B, is_eos_BT.int().argmax(dim=1), torch.full_like(has_eos_B, ids_BT.shape[1], dtype=torch.long))
+    first_eos_B = torch.where(has_eos_B, is_eos_BT.int().argmax(dim=1),
+                              torch.full_like(has_eos_B, ids_BT.shape[1], dtype=torch.long))
     positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
     mask_BT = (positions_BT <= first_eos_B.unsqueeze(1)).long()
     return mask_BT, ~has_eos_B

@@ -55,8 +55,8 @@ def prompt_problem(prompt: Any) -> str | None:
                     )
         elif not isinstance(content, str):
             return (
-                f"has message {position} ({role}) whose content has type {type(content).__name__} ({str(content)[:40]!r}), "
-                "not a string or a list of text parts"
+                f"has message {position} ({role}) whose content has type {type(content).__name__} "
+                f"({str(content)[:40]!r}), not a string or a list of text parts"
             )
     return None
 
@@ -86,7 +86,8 @@ def _joined_text_parts(messages: list[dict]) -> list[dict]:
     ]
 
 
-def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None, tools: list | None = None) -> list[str]:
+def render_prompts(prompts: list, tokenizer, chat_template_kwargs: dict | None = None,
+                   tools: list | None = None) -> list[str]:
     """Prompt texts ready for tokenization; conversational prompts go through the chat template
     (with ``tools``, the functions the model may call, where given).
 
@@ -200,7 +201,8 @@ def check_prompt_room(tokens: list[int], rows, *, context: int | None, max_new_t
     lower = (f" Or lower max_completion_length to {context - longest} or less." if fits and longest < context else "")
     raise ValueError(
         f"{dataset} row {row}: the prompt {problem}.{_more_rows([row for row, _ in bad])} "
-        + drop_rows_fix(dataset, [row for row, _ in bad], condition, "from grpo_lab.rollout.prompts import prompt_token_counts")
+        + drop_rows_fix(dataset, [row for row, _ in bad], condition,
+                        "from grpo_lab.rollout.prompts import prompt_token_counts")
         + lower
     )
 
@@ -209,7 +211,8 @@ def _more_rows(rows: list[int]) -> str:
     if len(rows) == 1:
         return ""
     shown = ", ".join(str(row) for row in rows[1:6])
-    return f" {len(rows) - 1} more row{'s' if len(rows) > 2 else ''} cannot be used either ({shown}{', ...' if len(rows) > 6 else ''})."
+    return (f" {len(rows) - 1} more row{'s' if len(rows) > 2 else ''} cannot be used either "
+            f"({shown}{', ...' if len(rows) > 6 else ''}).")
 
 
 def drop_rows_fix(dataset: str, rows: list[int], condition: str | None = None, imports: str | None = None) -> str:

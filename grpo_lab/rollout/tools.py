@@ -47,7 +47,8 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
     if not tools or not all(callable(tool) and name for tool, name in zip(tools, names, strict=True)):
         raise TypeError("tools must be a non-empty list of named functions (sync or async) the model may call.")
     if len(set(names)) != len(names):
-        raise ValueError(f"Two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); the model calls them by name.")
+        raise ValueError(f"Two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
+                         "the model calls them by name.")
     for tool in tools:
         _schema(tool)
     if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
@@ -58,15 +59,18 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
         )
     if "tools" in (chat_template_kwargs or {}):
         raise ValueError("chat_template_kwargs has a 'tools' entry: pass the functions as tools= instead.")
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": names[0], "arguments": {}}}]}
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": names[0], "arguments": {}}}]}
     try:
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": "x"}, call, {"role": "tool", "name": names[0], "content": "y"}], tools=tools, tokenize=False,
+            [{"role": "user", "content": "x"}, call, {"role": "tool", "name": names[0], "content": "y"}],
+            tools=tools, tokenize=False,
             **(chat_template_kwargs or {}),
         )
     except Exception as error:
         raise ValueError(
-            f"The tokenizer's chat template cannot render a tool-calling conversation ({type(error).__name__}: {error}). "
+            "The tokenizer's chat template cannot render a tool-calling conversation "
+            f"({type(error).__name__}: {error}). "
             "tools need a template that renders tools, an assistant message with tool_calls, and tool messages."
         ) from error
     if not is_conversational(train_prompt):
@@ -99,7 +103,8 @@ class ToolCalling:
     def __init__(self, tools: list, tokenizer, eos_token_ids: set[int], chat_template_kwargs: dict | None):
         self.tools, self.tokenizer, self.eos_token_ids = tools, tokenizer, eos_token_ids
         self.by_name = {tool.__name__: tool for tool in tools}
-        self._suffix_ids([{"role": "tool", "name": tools[0].__name__, "content": "0"}], chat_template_kwargs)  # fails now, not mid-run
+        # fails now, not mid-run
+        self._suffix_ids([{"role": "tool", "name": tools[0].__name__, "content": "0"}], chat_template_kwargs)
 
     def __call__(self, prompts: list, session) -> dict:
         config = session.config
@@ -119,7 +124,8 @@ class ToolCalling:
             contexts, budgets, results = {}, {}, {}
             for row in active if rounds is None or done < rounds else []:
                 results[row] = self._run(messages[row][-1]["tool_calls"], calls, failures, row)
-                context = prompt_ids[row] + completion_ids[row] + self._suffix_ids(results[row], config.chat_template_kwargs)
+                context = (prompt_ids[row] + completion_ids[row]
+                           + self._suffix_ids(results[row], config.chat_template_kwargs))
                 budget = config.max_completion_length - (len(context) - len(prompt_ids[row]))
                 if limit is not None:
                     budget = min(budget, limit - len(context))
@@ -166,7 +172,8 @@ class ToolCalling:
         calls = message.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
             return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
-        return {"role": "assistant", "content": message.get("content") or "", **({"tool_calls": calls} if calls else {})}
+        return {"role": "assistant", "content": message.get("content") or "",
+                **({"tool_calls": calls} if calls else {})}
 
     def _run(self, tool_calls: list[dict], calls: list[int], failures: list[int], row: int) -> list[dict]:
         """The tool messages answering ``tool_calls``, in order; a call that fails answers with its error."""
@@ -222,7 +229,8 @@ class ToolCalling:
         )
 
 
-def _sampling_groups(contexts: dict[int, list[int]], budgets: dict[int, int], limit: int | None) -> list[tuple[list[int], int]]:
+def _sampling_groups(contexts: dict[int, list[int]], budgets: dict[int, int],
+                     limit: int | None) -> list[tuple[list[int], int]]:
     """The generation calls of one round, as ``(rows, max_new_tokens)``: as few as keep every row's
     budget within the model's ``limit`` (a call pads its contexts to the longest), so that a long
     context does not shorten the others' answers; usually one."""

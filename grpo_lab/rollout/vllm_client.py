@@ -54,7 +54,8 @@ class VLLMServerBackend:
             )
         port = urllib.parse.urlparse(self.url).port
         if lora_rank and health["max_lora_rank"] < lora_rank:
-            accepts = f"accepts LoRA adapters up to rank {health['max_lora_rank']}" if health["max_lora_rank"] else "was started without LoRA"
+            accepts = (f"accepts LoRA adapters up to rank {health['max_lora_rank']}" if health["max_lora_rank"]
+                       else "was started without LoRA")
             raise ValueError(
                 f"The vLLM server at {self.url} {accepts}, but the trained adapter has rank {lora_rank}. Restart it "
                 f"with `grpo-lab vllm-serve --model {health['model']} --port {port} --max-lora-rank {lora_rank}`."
@@ -74,10 +75,12 @@ class VLLMServerBackend:
         self.sync_weights(model_fn(), 0)
 
     # ------------------------------------------------------------------ HTTP
-    def _request(self, path: str, payload: dict | None = None, body: bytes | None = None, *, timeout: float | None = None):
+    def _request(self, path: str, payload: dict | None = None, body: bytes | None = None, *,
+                 timeout: float | None = None):
         data = json.dumps(payload).encode() if payload is not None else body
         headers = {"Content-Type": "application/json" if payload is not None else "application/octet-stream"}
-        request = urllib.request.Request(self.url + path, data=data, headers=headers, method="GET" if data is None else "POST")
+        request = urllib.request.Request(self.url + path, data=data, headers=headers,
+                                         method="GET" if data is None else "POST")
         with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
             return json.loads(response.read())
 
@@ -91,7 +94,9 @@ class VLLMServerBackend:
                 message = json.loads(error.read()).get("error", "")
             except ValueError:
                 message = error.reason
-            raise ServerError(f"The vLLM server at {self.url} refused {endpoint} (HTTP {error.code}): {message}") from None
+            raise ServerError(
+                f"The vLLM server at {self.url} refused {endpoint} (HTTP {error.code}): {message}"
+            ) from None
         except TimeoutError:
             raise ServerError(
                 f"The vLLM server at {self.url} did not answer {endpoint} within vllm_server_timeout="
@@ -135,7 +140,9 @@ class VLLMServerBackend:
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
         answer = self._call(
-            "/generate", {"prompt_token_ids": token_lists, "settings": sampling_settings(config), "seeds": draw_seeds(len(token_lists))}
+            "/generate",
+            {"prompt_token_ids": token_lists, "settings": sampling_settings(config),
+             "seeds": draw_seeds(len(token_lists))}
         )
         if answer["run"] != self.run:
             raise RuntimeError(
@@ -159,11 +166,13 @@ class VLLMServerBackend:
             def push() -> None:
                 with tempfile.TemporaryDirectory(prefix="grpo_lab_adapter_") as directory:
                     model.save_pretrained(directory, state_dict=adapter)
-                    files = {p.name: base64.b64encode(p.read_bytes()).decode() for p in Path(directory).iterdir() if p.is_file()}
+                    files = {p.name: base64.b64encode(p.read_bytes()).decode()
+                             for p in Path(directory).iterdir() if p.is_file()}
                 self._call("/adapter", {"version": version, "run": self.run, "files": files})
         else:
             state = {
-                name: tensor.detach().cpu().clone() for name, tensor in dist.whole_tensors(self.accelerator, model) if main
+                name: tensor.detach().cpu().clone()
+                for name, tensor in dist.whole_tensors(self.accelerator, model) if main
             }
 
             def push() -> None:

@@ -55,7 +55,8 @@ class VLLMColocateBackend:
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
-        ids, logprobs, version = self.engine.generate(token_lists, sampling_settings(config), draw_seeds(len(token_lists)))
+        ids, logprobs, version = self.engine.generate(token_lists, sampling_settings(config),
+                                                      draw_seeds(len(token_lists)))
         if self.enable_sleep_mode:
             self.engine.sleep()
         return batch_from_token_lists(

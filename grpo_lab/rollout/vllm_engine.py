@@ -74,7 +74,8 @@ class VLLMEngine:
     ``LLM`` keyword arguments (``gpu_memory_utilization``, ``max_model_len``, ...).
     """
 
-    def __init__(self, model: str, *, max_lora_rank: int = 0, enable_sleep_mode: bool = False, seed: int = 0, **options):
+    def __init__(self, model: str, *, max_lora_rank: int = 0, enable_sleep_mode: bool = False, seed: int = 0,
+                 **options):
         # The engine core runs in this process: no subprocess to spawn (notebooks), and apply_model
         # reaches the model directly for weight updates.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -112,7 +113,8 @@ class VLLMEngine:
         """Generate with the PEFT adapter saved in ``source_dir`` from now on. The directory is moved
         into the engine's own (callers hand over a temporary directory; no copy per step)."""
         if not self.uses_lora:
-            raise ValueError("This vLLM engine was started without LoRA; start it with a max LoRA rank to load adapters.")
+            raise ValueError("This vLLM engine was started without LoRA; "
+                             "start it with a max LoRA rank to load adapters.")
         target = self._adapter_dir / f"v{version}"
         if target.exists():
             shutil.rmtree(target)
@@ -182,7 +184,8 @@ class VLLMEngine:
         for output in outputs:
             for sample in output.outputs:
                 ids.append(list(sample.token_ids))
-                logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)])
+                logprobs.append([step[token].logprob
+                                 for step, token in zip(sample.logprobs, sample.token_ids, strict=True)])
         return ids, logprobs, self.version
 
     def sleep(self) -> None:

@@ -59,7 +59,9 @@ class GenerationService:
         try:
             prompts, settings, seeds = request["prompt_token_ids"], request["settings"], request["seeds"]
         except KeyError as missing:
-            raise BadRequest(f"/generate needs 'prompt_token_ids', 'settings' and 'seeds'; {missing} is missing.") from None
+            raise BadRequest(
+                f"/generate needs 'prompt_token_ids', 'settings' and 'seeds'; {missing} is missing."
+            ) from None
         if len(seeds) != len(prompts):
             raise BadRequest(f"{len(prompts)} prompts but {len(seeds)} seeds: give one seed per prompt.")
         with self.lock:
@@ -69,7 +71,8 @@ class GenerationService:
 
     def load_adapter(self, request: dict) -> dict:
         if not self.max_lora_rank:
-            raise BadRequest("This server was started without LoRA: restart it with --max-lora-rank R (R >= the adapter's rank).")
+            raise BadRequest("This server was started without LoRA: "
+                             "restart it with --max-lora-rank R (R >= the adapter's rank).")
         directory = Path(tempfile.mkdtemp(prefix="grpo_lab_upload_"))
         try:
             for name, content in request["files"].items():
@@ -144,14 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="grpo-lab vllm-serve",
         description="Serve generations from vLLM for a GRPO run with use_vllm=True, vllm_mode='server'.",
     )
-    parser.add_argument("--model", required=True, help="Base model: a local path or a hub id (the trained model's base).")
+    parser.add_argument("--model", required=True,
+                        help="Base model: a local path or a hub id (the trained model's base).")
     parser.add_argument(
         "--host", default="127.0.0.1",
         help="Address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 lets trainers on other machines in, "
         "with no authentication).",
     )
     parser.add_argument("--port", type=int, default=8000, help="Port (default 8000; the trainer's vllm_server_port).")
-    parser.add_argument("--max-lora-rank", type=int, default=0, help="Accept LoRA adapters up to this rank (0: full weights only).")
+    parser.add_argument("--max-lora-rank", type=int, default=0,
+                        help="Accept LoRA adapters up to this rank (0: full weights only).")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="Share of GPU memory vLLM may take.")
     parser.add_argument("--max-model-len", type=int, default=None, help="Context window (default: the model's).")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over.")
@@ -160,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Weight dtype: auto, bfloat16, float16 or float32. Match the training precision (float32 on a CPU): "
         "auto turns float32 weights into bfloat16 on a CPU.",
     )
-    parser.add_argument("--model-impl", default="vllm", choices=["vllm", "transformers", "auto"], help="vLLM's model implementation.")
+    parser.add_argument("--model-impl", default="vllm", choices=["vllm", "transformers", "auto"],
+                        help="vLLM's model implementation.")
     parser.add_argument("--seed", type=int, default=0, help="Engine seed (each request also carries its own seed).")
     parser.add_argument(
-        "--trust-remote-code", action="store_true", help="Run the model code the checkpoint ships (the trainer's trust_remote_code)."
+        "--trust-remote-code", action="store_true",
+        help="Run the model code the checkpoint ships (the trainer's trust_remote_code)."
     )
     return parser
 

@@ -41,7 +41,8 @@ def build_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     corpus = []
     for a, b in addition.all_problems()[::7]:
         answer = f"<answer>{a + b}</answer>"
-        corpus += [addition.standard_prompt(a, b) + answer, render_chatml(addition.conversational_prompt(a, b)) + answer]
+        corpus += [addition.standard_prompt(a, b) + answer,
+                   render_chatml(addition.conversational_prompt(a, b)) + answer]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -114,7 +115,8 @@ def sft_batch(tokenizer, problems, rng: random.Random, p_correct: float):
     return input_ids, attention, labels
 
 
-def warm_up(model, tokenizer, train_problems, *, steps: int, batch_size: int, lr: float, p_correct: float, seed: int, log_every: int = 100):
+def warm_up(model, tokenizer, train_problems, *, steps: int, batch_size: int, lr: float, p_correct: float, seed: int,
+            log_every: int = 100):
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)

@@ -10,7 +10,8 @@ from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
 
 
-def _completions(model, tokenizer, prompts, answers, *, do_sample, repeats, max_new_tokens, batch_size, chat_template_kwargs):
+def _completions(model, tokenizer, prompts, answers, *, do_sample, repeats, max_new_tokens, batch_size,
+                 chat_template_kwargs):
     """Generate ``repeats`` completions per prompt; yield (prompts, answers, completions, lengths) per batch."""
     expanded = [(p, a) for p, a in zip(prompts, answers, strict=True) for _ in range(repeats)]
     config = sampling_config(tokenizer, max_new_tokens=max_new_tokens, do_sample=do_sample)
@@ -19,7 +20,8 @@ def _completions(model, tokenizer, prompts, answers, *, do_sample, repeats, max_
         chunk_answers = [a for _, a in expanded[start:start + batch_size]]
         batch = generate(model, tokenizer, render_prompts(chunk_prompts, tokenizer, chat_template_kwargs), config)
         texts = tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
-        yield chunk_prompts, chunk_answers, wrap_completions(chunk_prompts, texts), batch.completion_mask_BT.sum(1).tolist()
+        yield (chunk_prompts, chunk_answers, wrap_completions(chunk_prompts, texts),
+               batch.completion_mask_BT.sum(1).tolist())
 
 
 def evaluate_model(

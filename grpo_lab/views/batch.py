@@ -65,7 +65,8 @@ def current_batch(session) -> Batch:
             and trained.advantages is session.advantages_result:
         loss, stage = trained, "update"
     if loss is None:
-        stage = "advantages" if session.advantages_result is not None else "score" if session.scores is not None else "generate"
+        stage = ("advantages" if session.advantages_result is not None
+                 else "score" if session.scores is not None else "generate")
     step = session.global_step if stage == "update" else session.global_step + 1
     return Batch(session.rollout, session.scores, session.advantages_result, loss, step, stage)
 

@@ -25,7 +25,8 @@ def _frame(width: int, title: str, low: float, high: float, body: str) -> str:
     return (
         f"<svg class='grpo-chart' width='{width}' height='{_HEIGHT}' viewBox='0 0 {width} {_HEIGHT}' "
         "xmlns='http://www.w3.org/2000/svg'>"
-        f"<text x='{_LEFT}' y='11' style='{_TEXT};font-weight:bold'>{html.escape(shown)}<title>{html.escape(title)}</title></text>"
+        f"<text x='{_LEFT}' y='11' "
+        f"style='{_TEXT};font-weight:bold'>{html.escape(shown)}<title>{html.escape(title)}</title></text>"
         f"<line x1='{_LEFT}' y1='{_TOP}' x2='{_LEFT}' y2='{bottom}' style='{_AXIS}'/>"
         f"<line x1='{_LEFT}' y1='{bottom}' x2='{width - _RIGHT}' y2='{bottom}' style='{_AXIS}'/>"
         f"<text x='{_LEFT - 3}' y='{_TOP + 4}' text-anchor='end' style='{_TEXT}'>{high:.3g}</text>"

@@ -68,7 +68,8 @@ class CompletionsView(View):
         values_BT = data.token_values_BT(batch, quantity)
         scale = data.token_scale(values_BT, quantity)
         self.groups.value = render.groups_html(flags)
-        self.overview.value = f"<p style='margin:2px 0'>{self._counts(frame, flags)}</p>{render.token_legend(quantity, scale)}"
+        self.overview.value = (f"<p style='margin:2px 0'>{self._counts(frame, flags)}</p>"
+                               f"{render.token_legend(quantity, scale)}")
         rows = data.group_table(frame, self.group.value)
         tokens = {
             position: render.token_spans(data.tokens_of(batch, session.tokenizer, position, values_BT), quantity, scale,

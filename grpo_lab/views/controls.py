@@ -34,7 +34,8 @@ class Controls(View):
     events = (*STAGES, "busy", "idle")
 
     def __init__(self, session):
-        self.stage_buttons = {name: widgets.Button(description=f"{name}()", layout={"width": "110px"}) for name in self.STAGES}
+        self.stage_buttons = {name: widgets.Button(description=f"{name}()", layout={"width": "110px"})
+                              for name in self.STAGES}
         self.step_button = widgets.Button(description="Step", button_style="info")
         self.steps = widgets.BoundedIntText(value=10, min=1, max=100_000, description="N", layout={"width": "130px"})
         self.run_button = widgets.Button(description="Run N", button_style="success")
@@ -65,7 +66,8 @@ class Controls(View):
         return self._run_active
 
     def _show_error(self, error: Exception) -> None:
-        self.status.value = f"<span style='color:#b00020'>{html.escape(type(error).__name__)}: {html.escape(str(error))}</span>"
+        self.status.value = (f"<span style='color:#b00020'>{html.escape(type(error).__name__)}: "
+                             f"{html.escape(str(error))}</span>")
 
     def _press(self, name: str, _button=None) -> None:
         """A stage button or Step: run it on the kernel's thread, holding the session as that button."""
@@ -85,7 +87,8 @@ class Controls(View):
             return
         self._run_active = True
         self.refresh()  # disabled now, not when the thread first holds the session: a second click finds it so
-        self._thread = threading.Thread(target=self._run_loop, args=(self.steps.value,), daemon=True, name="grpo_lab Run N")
+        self._thread = threading.Thread(target=self._run_loop, args=(self.steps.value,), daemon=True,
+                                        name="grpo_lab Run N")
         self._thread.start()
 
     def _stop_request(self) -> str | None:
@@ -120,7 +123,8 @@ class Controls(View):
         if last is None:
             return f"stopped before any stage ran; next stage {next_stage}()"
         if last == "update":
-            return f"stopped after {done} step(s) at the end of step {self.session.global_step}; next stage {next_stage}()"
+            return (f"stopped after {done} step(s) at the end of step {self.session.global_step}; "
+                    f"next stage {next_stage}()")
         return f"stopped after {done} step(s), between stages: {last}() done, next stage {next_stage}()"
 
     @guarded

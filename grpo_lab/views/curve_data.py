@@ -54,7 +54,8 @@ CURVE_PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("truncated share", "share of completions", ("completions/clipped_ratio",)),
     PanelSpec("entropy", "nats per token", ("entropy",)),
     PanelSpec("kl", "nats per token", ("kl",)),
-    PanelSpec("clip ratios", "share of tokens", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
+    PanelSpec("clip ratios", "share of tokens",
+              ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
     PanelSpec("loss", "loss", ("loss",)),
     PanelSpec("learning rate", "learning rate", ("learning_rate",)),
     PanelSpec("engine diagnostics", "value", pick=_diagnostics),
@@ -141,7 +142,8 @@ def panel_columns(columns) -> list[tuple[PanelSpec, list[str]]]:
         elif spec.pick is not None:
             chosen = spec.pick(columns)
         else:
-            chosen = [n for n in spec.columns if n in columns or n == NONZERO_ADVANTAGE and "frac_reward_zero_std" in columns]
+            chosen = [n for n in spec.columns
+                      if n in columns or n == NONZERO_ADVANTAGE and "frac_reward_zero_std" in columns]
             if spec.right and spec.right[0] in columns:
                 chosen.append(spec.right[0])
         if chosen:
@@ -175,7 +177,8 @@ def nonzero_advantage_share(completion_log: list[dict]) -> tuple[np.ndarray, np.
     Returns (steps, shares), both shape (number of batches,)."""
     steps = np.array([float(batch["step"][0]) for batch in completion_log if len(batch["step"])])
     shares = np.array([
-        float(np.mean(np.asarray(batch["advantage"], dtype=float) != 0.0)) for batch in completion_log if len(batch["step"])
+        float(np.mean(np.asarray(batch["advantage"], dtype=float) != 0.0))
+        for batch in completion_log if len(batch["step"])
     ])
     return steps, shares
 

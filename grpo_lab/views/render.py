@@ -51,7 +51,8 @@ class Column(NamedTuple):
 
 def cell(value, column: Column) -> str:
     """One ``<td>``: text, a yes/blank flag, an integer, or a number in the column's format."""
-    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isnan(value)):
+    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+                         and math.isnan(value)):
         return f"<td style='{_NUMBER_CELL};color:#888' title='{html.escape(column.missing, quote=True)}'>—</td>"
     if column.text:
         text = html.escape(str(value), quote=True)
@@ -67,7 +68,8 @@ def cell(value, column: Column) -> str:
 
 def header_cell(column: Column) -> str:
     align = "left" if column.text else "right"
-    return f"<th style='text-align:{align};padding:1px 6px' title='{html.escape(column.full, quote=True)}'>{html.escape(column.short)}</th>"
+    return (f"<th style='text-align:{align};padding:1px 6px' title='{html.escape(column.full, quote=True)}'>"
+            f"{html.escape(column.short)}</th>")
 
 
 def table_html(frame: pd.DataFrame, columns: list[Column], title: str, css_class: str = "grpo-table") -> str:
@@ -119,7 +121,8 @@ def token_colour(value: float | None, scale: TokenScale) -> str:
     if scale.kind == "probability":
         return _scale_colour(math.exp(min(value, 0.0)), scale.kind)
     span = scale.high - scale.low
-    return _scale_colour((value - scale.low) / span if span > 0 else 0.5 if scale.kind == "diverging" else 0.0, scale.kind)
+    return _scale_colour((value - scale.low) / span if span > 0 else 0.5 if scale.kind == "diverging" else 0.0,
+                         scale.kind)
 
 
 def colour_bar(quantity: str, scale: TokenScale) -> str:
@@ -136,7 +139,8 @@ def colour_bar(quantity: str, scale: TokenScale) -> str:
     middle = " (white = 0)" if scale.kind == "diverging" else ""
     return (
         "<span class='grpo-colour-bar' style='display:inline-flex;align-items:center;gap:6px;white-space:nowrap'>"
-        f"<span>{html.escape(low)}</span><span style='display:inline-block;width:160px;height:10px;border:1px solid #ccc;"
+        f"<span>{html.escape(low)}</span>"
+        "<span style='display:inline-block;width:160px;height:10px;border:1px solid #ccc;"
         f"background:linear-gradient(to right, {stops})'></span><span>{html.escape(high)}{middle}</span></span>"
     )
 
@@ -150,7 +154,8 @@ def token_legend(quantity: str, scale: TokenScale) -> str:
     )
 
 
-def token_spans(tokens: list[tuple[str, float | None]], quantity: str, scale: TokenScale, missing: str = "no value") -> str:
+def token_spans(tokens: list[tuple[str, float | None]], quantity: str, scale: TokenScale,
+                missing: str = "no value") -> str:
     """Tokens as coloured spans, the value on hover (the ``title`` attribute); ``missing`` says why
     a token has no value."""
     spans = []
@@ -173,7 +178,8 @@ def token_spans(tokens: list[tuple[str, float | None]], quantity: str, scale: To
 _LOSS_MISSING = "the completion is not in the optimizer step of the last loss()"
 _STANDARD_COLUMNS = {
     "reward": Column("reward", "reward", "reward: the reward functions' values weighted by reward_weights and summed"),
-    "advantage": Column("advantage", "adv", "advantage: the reward minus its group's mean, scaled as scale_rewards says"),
+    "advantage": Column("advantage", "adv",
+                        "advantage: the reward minus its group's mean, scaled as scale_rewards says"),
     "ratio": Column("ratio", "ratio", "ratio: mean π/π_old over the completion's tokens at the last loss()",
                     missing=_LOSS_MISSING),
     "clipped_fraction": Column("clipped_fraction", "clip", "clipped_fraction: share of the completion's tokens whose "
@@ -189,7 +195,8 @@ def reward_column(name: str) -> Column:
     function = name.removeprefix("rewards/")
     short = function.removesuffix("_reward")
     short = short if len(short) <= 12 else short[:11] + "…"
-    return Column(name, short, f"{name}: what {function} returned", missing=f"{function} returned None for this completion")
+    return Column(name, short, f"{name}: what {function} returned",
+                  missing=f"{function} returned None for this completion")
 
 
 def completion_columns(frame: pd.DataFrame) -> list[Column]:
@@ -214,7 +221,8 @@ def group_html(frame: pd.DataFrame, group: int, tokens_by_position: dict[int, st
         line = tokens_by_position.get(position, text)
         completion = (
             # width 100% with max-width 0: the completion takes the room the numbers leave, never more
-            f"<td class='grpo-completion' style='{_TEXT_CELL};width:100%;min-width:10em;max-width:0;overflow:hidden'><details>"
+            "<td class='grpo-completion' "
+            f"style='{_TEXT_CELL};width:100%;min-width:10em;max-width:0;overflow:hidden'><details>"
             f"<summary style='display:block;cursor:pointer;{_LINE.format(width='100%')}'>{line}</summary>"
             f"<div style='white-space:pre-wrap;overflow-wrap:anywhere;font-family:monospace;padding:2px 0'>{text}</div>"
             "</details></td>"
@@ -223,7 +231,8 @@ def group_html(frame: pd.DataFrame, group: int, tokens_by_position: dict[int, st
         body.append(f"<tr{flag}><td style='{_NUMBER_CELL}'>{position}</td>{completion}{cells}</tr>")
     banner = ""
     if "group_std_zero" in rows.columns and bool(rows["group_std_zero"].all()):
-        banner = "<p class='grpo-zero-std' style='color:#b35900'>All rewards in this group are equal: advantages are 0, it adds no gradient.</p>"
+        banner = ("<p class='grpo-zero-std' style='color:#b35900'>All rewards in this group are equal: "
+                  "advantages are 0, it adds no gradient.</p>")
     head = "".join(header_cell(c) for c in columns)
     table = (
         "<table class='grpo-completions' style='border-collapse:collapse;width:100%'>"
@@ -256,7 +265,8 @@ def groups_html(flags: pd.DataFrame) -> str:
 # ---------------------------------------------------------------------------------- rewards
 _SUMMARY_COLUMNS = [
     Column("function", "function", "reward function", text=True),
-    Column("mean", "mean", "mean over the completions it returned a number for", missing="it returned None for every completion"),
+    Column("mean", "mean", "mean over the completions it returned a number for",
+           missing="it returned None for every completion"),
     Column("std", "std", "sample standard deviation over those completions", missing="fewer than 2 numbers"),
     Column("min", "min", "smallest value", missing="it returned None for every completion"),
     Column("max", "max", "largest value", missing="it returned None for every completion"),
@@ -284,24 +294,29 @@ def correlation_html(correlation: Correlation) -> str:
         cells = []
         for other in names:
             if name in constant or other in constant:
-                cells.append(f"<td style='{_NUMBER_CELL};color:#888' title='a constant function has no correlation'>constant</td>")
+                cells.append(f"<td style='{_NUMBER_CELL};color:#888' "
+                             "title='a constant function has no correlation'>constant</td>")
             else:
                 value = matrix.loc[name, other]
                 cells.append(cell(value, Column(other, other, other, format="{:.3f}",
                                                 missing="fewer than 2 completions where both returned a number")))
-        body.append(f"<tr><th style='{_TEXT_CELL}' title='{html.escape(column.full, quote=True)}'>{html.escape(column.short)}</th>"
+        body.append(f"<tr><th style='{_TEXT_CELL}' "
+                    f"title='{html.escape(column.full, quote=True)}'>{html.escape(column.short)}</th>"
                     f"{''.join(cells)}</tr>")
     note = ""
     if constant:
-        note = (f"<p style='margin:2px 0;color:#555'>constant: {html.escape(', '.join(constant))} returned the same value "
-                "for every completion of the batch, so it correlates with nothing and adds nothing to the advantages.</p>")
-    table = f"<table class='grpo-correlation' style='border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        note = (f"<p style='margin:2px 0;color:#555'>constant: {html.escape(', '.join(constant))} returned the same "
+                "value for every completion of the batch, so it correlates with nothing and adds nothing to the "
+                "advantages.</p>")
+    table = (f"<table class='grpo-correlation' style='border-collapse:collapse'><thead><tr>{head}</tr></thead>"
+             f"<tbody>{''.join(body)}</tbody></table>")
     return f"<p style='margin:6px 0 2px'><b>correlation between functions</b> (Pearson)</p>{_WRAP.format(table)}{note}"
 
 
 def logged_extras_html(extras: pd.DataFrame) -> str:
     """Per-completion columns reward functions added with ``log_extra``."""
-    columns = [Column(name, name if len(name) <= 16 else name[:15] + "…", name, text=not pd.api.types.is_numeric_dtype(extras[name]))
+    columns = [Column(name, name if len(name) <= 16 else name[:15] + "…", name,
+                      text=not pd.api.types.is_numeric_dtype(extras[name]))
                for name in extras.columns]
     return table_html(extras, columns, "logged with log_extra (first 16 rows)", css_class="grpo-extras")
 

@@ -54,7 +54,8 @@ class RewardsView(View):
         group_B = scores.rollout.group_index_B.cpu()
         shown = []
         if advantages is not None:
-            shown.append(charts.reward_strip_svg(batches.group_values(group_B, advantages.rewards_B.cpu()), "total reward"))
+            shown.append(charts.reward_strip_svg(batches.group_values(group_B, advantages.rewards_B.cpu()),
+                                                 "total reward"))
         for i, name in enumerate(scores.reward_names):
             shown.append(charts.reward_strip_svg(batches.group_values(group_B, scores.rewards_BF[:, i].cpu()), name))
         if advantages is None:

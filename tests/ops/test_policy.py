@@ -240,11 +240,14 @@ def test_off_policy_mask_hand_example():
     # Sampling policy = OLD, so the drift (1/|y|) sum m (log pi_s - log pi) = -(masked mean of D):
     #   row 0: -(0.1 - 0.3 + ln 1.5) / 3 = -0.06849;   row 1: -(0 + ln 0.5) / 2 = +0.34657.
     # Row 1 has A = -2 < 0: masked when delta < 0.34657. Row 0 has A = 1: always kept.
-    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3), torch.tensor([[1.0], [0.0]], dtype=torch.float64))
-    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.35), torch.ones(2, 1, dtype=torch.float64))
+    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3),
+                 torch.tensor([[1.0], [0.0]], dtype=torch.float64))
+    assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.35),
+                 torch.ones(2, 1, dtype=torch.float64))
     # A negative advantage alone is not enough: row 0's drift is below any positive threshold.
     both_negative = torch.tensor([-1.0, -2.0], dtype=torch.float64)
-    assert_close(off_policy_mask(both_negative, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3), torch.tensor([[1.0], [0.0]], dtype=torch.float64))
+    assert_close(off_policy_mask(both_negative, LOGP_BT, OLD_BT, MASK_BT, threshold=0.3),
+                 torch.tensor([[1.0], [0.0]], dtype=torch.float64))
     # The padding position (D = -2) is left out of row 1's mean: counted, the drift would be 0.898.
     assert_close(off_policy_mask(ADV_B, LOGP_BT, OLD_BT, MASK_BT, threshold=0.5), torch.ones(2, 1, dtype=torch.float64))
 

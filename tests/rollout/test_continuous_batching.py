@@ -12,7 +12,8 @@ def test_a_session_generates_with_continuous_batching_and_trains(make_session):
     rollout = session.generate()
     lengths = rollout.completion_mask_BT.sum(1)
     assert rollout.completion_mask_BT.shape[1] <= session.config.max_completion_length
-    assert torch.equal(rollout.completion_mask_BT, (torch.arange(rollout.completion_mask_BT.shape[1]) < lengths[:, None]).long())
+    assert torch.equal(rollout.completion_mask_BT,
+                       (torch.arange(rollout.completion_mask_BT.shape[1]) < lengths[:, None]).long())
     eos = session.tokenizer.eos_token_id
     for ids, length, truncated in zip(rollout.completion_ids_BT, lengths, rollout.is_truncated_B, strict=True):
         assert bool(truncated) == (int(ids[length - 1]) != eos)  # ended by EOS, or cut at the limit
@@ -45,8 +46,10 @@ def test_continuous_batching_settings_are_checked_when_the_config_is_built():
     assert GRPOConfig(use_transformers_continuous_batching=True).continuous_batching_config().max_memory_percent == 0.5
     for unsupported, named in [(dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
                                (dict(cache_implementation="static"), "cache_implementation='static'"),
-                               (dict(generation_kwargs={"num_return_sequences": 2}), "generation_kwargs['num_return_sequences']"),
-                               (dict(transformers_continuous_batching_config={"seed": 1}), "reseeds the whole process")]:
+                               (dict(generation_kwargs={"num_return_sequences": 2}),
+                                "generation_kwargs['num_return_sequences']"),
+                               (dict(transformers_continuous_batching_config={"seed": 1}),
+                                "reseeds the whole process")]:
         with pytest.raises(ValueError, match=f"cannot apply .*{named}".replace("[", r"\[").replace("(", r"\(")):
             GRPOConfig(use_transformers_continuous_batching=True, **unsupported)
     GRPOConfig(use_transformers_continuous_batching=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,

@@ -76,7 +76,8 @@ def test_other_generation_settings_go_to_generate(model_and_tokenizer, texts, ex
     settings = sampling_config(tokenizer, max_new_tokens=4, **extra)
     assert decoding.unsupported_reason(model, settings) == reason
     got = _draw(model, tokenizer, texts[:8], settings, compact=True)  # model.generate, both times
-    assert torch.equal(got.completion_ids_BT, _draw(model, tokenizer, texts[:8], settings, compact=False).completion_ids_BT)
+    assert torch.equal(got.completion_ids_BT,
+                       _draw(model, tokenizer, texts[:8], settings, compact=False).completion_ids_BT)
 
 
 def test_the_models_generation_defaults_fill_only_what_the_settings_leave_unset(model_and_tokenizer):

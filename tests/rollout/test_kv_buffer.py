@@ -89,7 +89,8 @@ def test_generation_decodes_into_one_buffer_per_layer(task):
     cache), and the tokens are those of transformers' own cache (the prefix-sharing tests)."""
     model = AutoModelForCausalLM.from_pretrained(task.model)
     tokenizer = prepare_tokenizer(load_tokenizer(task.model))
-    texts = [t for t in render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer) for _ in range(4)]
+    texts = [t for t in render_prompts([task.train_dataset[i]["prompt"] for i in range(2)], tokenizer)
+             for _ in range(4)]
     seen = []
 
     def record(module, args, kwargs):
@@ -102,7 +103,8 @@ def test_generation_decodes_into_one_buffer_per_layer(task):
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         torch.manual_seed(0)
-        generate(model, tokenizer, texts, sampling_config(tokenizer, max_new_tokens=6, generation_kwargs={"min_new_tokens": 6}),
+        generate(model, tokenizer, texts,
+                 sampling_config(tokenizer, max_new_tokens=6, generation_kwargs={"min_new_tokens": 6}),
                  PrefixSharing())
     finally:
         handle.remove()

@@ -73,7 +73,8 @@ def server():
 def learn(task, session, steps=40):
     """Greedy held-out accuracy before and after ``steps`` GRPO steps, checking each generation's version."""
     versions = []
-    session.on(lambda stage, result: versions.append((result.policy_version, session.global_step)) if stage == "generate" else None)
+    session.on(lambda stage, result: versions.append((result.policy_version, session.global_step))
+               if stage == "generate" else None)
     before = task.evaluate(session.model, session.tokenizer)["greedy_accuracy"]
     session.run(steps, progress=False)
     after = task.evaluate(session.model, session.tokenizer)["greedy_accuracy"]
@@ -85,15 +86,18 @@ def check_sampling_metrics(history):
     """The importance-sampling stats are logged every step and ordered as their names say."""
     low, mean, high = (history[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max"))
     assert ((0 <= low) & (low <= mean) & (mean <= high)).all()
-    gap_mean, gap_max = history["sampling/sampling_logp_difference/mean"], history["sampling/sampling_logp_difference/max"]
+    gap_mean, gap_max = (history["sampling/sampling_logp_difference/mean"],
+                         history["sampling/sampling_logp_difference/max"])
     assert ((0 <= gap_mean) & (gap_mean <= gap_max)).all()
     # The engines agree closely (same fp32 weights): mean ratios stay near 1.
     assert (mean - 1).abs().max() < 0.1, mean.tolist()
 
 
 def test_colocated_vllm_session_learns_with_a_new_adapter_each_step(task, tmp_path):
-    config = task.config(max_steps=40, learning_rate=5e-4, use_vllm=True, vllm_mode="colocate", output_dir=str(tmp_path))
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    config = task.config(max_steps=40, learning_rate=5e-4, use_vllm=True, vllm_mode="colocate",
+                         output_dir=str(tmp_path))
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
     try:
         before, after = learn(task, session)
         # Measured: 29% -> 90% greedy accuracy on these 100 problems (float32 on both sides).
@@ -104,7 +108,8 @@ def test_colocated_vllm_session_learns_with_a_new_adapter_each_step(task, tmp_pa
         session.generate(), session.score(), session.advantages()
         rollout = session.rollout
         expected = ops.vllm_importance_weights(
-            rollout.old_logprobs_BT, rollout.sampling_logprobs_BT, rollout.completion_mask_BT, mode="sequence_mask", clip_max=3.0
+            rollout.old_logprobs_BT, rollout.sampling_logprobs_BT, rollout.completion_mask_BT,
+            mode="sequence_mask", clip_max=3.0
         )
         torch.testing.assert_close(rollout.importance_weights_BT, expected)
         base = session.loss().loss
@@ -126,7 +131,8 @@ def test_structured_outputs_regex_and_the_older_cap_name(task, tmp_path):
         max_steps=1, use_vllm=True, vllm_structured_outputs_regex=r"<answer>[0-9]{1,3}</answer>",
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_cap=1.001, output_dir=str(tmp_path),
     )
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
     try:
         rollout = session.generate()
         pattern = re.compile(r"<answer>[0-9]{1,3}</answer>")
@@ -144,7 +150,8 @@ def test_structured_outputs_regex_and_the_older_cap_name(task, tmp_path):
 
 def test_a_colocated_lora_run_resumes_and_pushes_its_adapter_again(task, tmp_path):
     config = task.config(max_steps=10, learning_rate=5e-4, use_vllm=True, output_dir=str(tmp_path / "out"))
-    first = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    first = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                        peft_config=lora())
     first.run(2, progress=False)
     first.save(tmp_path / "checkpoint")
     first.step()
@@ -167,7 +174,8 @@ def test_server_mode_session_learns_and_generates_from_the_trainers_step(task, s
         max_steps=40, learning_rate=5e-4, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
         vllm_server_port=server, output_dir=str(tmp_path),
     )
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
     before, after = learn(task, session)
     # Measured: 29% -> 87% greedy accuracy on these 100 problems (with a bfloat16 server).
     assert after >= before + 0.3, (before, after)
@@ -179,9 +187,10 @@ def test_server_mode_session_learns_and_generates_from_the_trainers_step(task, s
 def test_an_adapter_update_changes_what_the_server_generates(task, server, tmp_path):
     """Same seeds, same prompts: the untrained adapter reproduces its completions, a changed one does
     not, even when it is pushed under a version number the server has seen."""
-    config = task.config(max_steps=1, use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
-                         output_dir=str(tmp_path))
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    config = task.config(max_steps=1, use_vllm=True, vllm_mode="server", vllm_server_port=server,
+                         vllm_server_host="127.0.0.1", output_dir=str(tmp_path))
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
     backend = session.engine.rollout_backend
     prompts = render_prompts([task.train_dataset[i]["prompt"] for i in range(8)], session.tokenizer)
 
@@ -204,7 +213,8 @@ def test_an_adapter_update_changes_what_the_server_generates(task, server, tmp_p
 def test_a_batch_from_another_policy_version_is_refused_and_the_prompts_kept(task, server, tmp_path):
     config = task.config(use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
                          output_dir=str(tmp_path))
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
     sampler = session.engine.sampler.state_dict()
     session.engine.rollout_backend.sync_weights(session.model, 5)  # as if the server had been left at step 5
     with pytest.raises(RuntimeError, match="policy of step 5, but the trainer is at step 0"):
@@ -227,10 +237,10 @@ def two_turns_with_logprobs(prompts, session):
 
 
 def test_a_rollout_function_samples_token_ids_through_the_server(task, server, tmp_path):
-    config = task.config(max_steps=2, use_vllm=True, vllm_mode="server", vllm_server_port=server, vllm_server_host="127.0.0.1",
-                         output_dir=str(tmp_path))
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora(),
-                          rollout_func=two_turns_with_logprobs)
+    config = task.config(max_steps=2, use_vllm=True, vllm_mode="server", vllm_server_port=server,
+                         vllm_server_host="127.0.0.1", output_dir=str(tmp_path))
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora(), rollout_func=two_turns_with_logprobs)
     prompts = [task.train_dataset[i]["prompt"] for i in range(4)]
     torch.manual_seed(0)
     from_messages = session.sample(prompts)
@@ -239,7 +249,8 @@ def test_a_rollout_function_samples_token_ids_through_the_server(task, server, t
     rollout = session.generate()
     generated = rollout.generated_mask_BT.bool()
     gap = data.vllm_logprob_gap(rollout)  # NaN at the environment's tokens, whose log-probs vLLM did not sample
-    assert gap[generated].isfinite().all() and gap[~generated].isnan().all() and (~generated & rollout.completion_mask_BT.bool()).any()
+    assert (gap[generated].isfinite().all() and gap[~generated].isnan().all()
+            and (~generated & rollout.completion_mask_BT.bool()).any())
     assert gap[generated].abs().max() < 0.1  # vLLM's log-probs of the second turn line up with the trainer's
     session.score(), session.advantages(), session.loss(), session.update()
     assert session.step()["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=0.1)
@@ -256,7 +267,8 @@ def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
     with pytest.raises(ValueError, match=rf"--port {server} --max-lora-rank 32"):
         GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
                     peft_config=LoraConfig(r=32, target_modules="all-linear", task_type="CAUSAL_LM"))
-    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, peft_config=lora())
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
     backend = session.engine.rollout_backend
     assert isinstance(backend, VLLMServerBackend)
     with pytest.raises(ServerError, match=r"HTTP 400.*one seed per prompt"):

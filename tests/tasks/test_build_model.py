@@ -31,7 +31,8 @@ def test_tokenizer_keeps_digits_and_answer_tags_whole():
     tokenizer = build_model.build_tokenizer()
     tokens = tokenizer.tokenize("<answer>129</answer>")
     assert tokens == ["<answer>", "1", "2", "9", "</answer>"]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                         add_generation_prompt=True)
     assert text == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(tokenizer("<answer>7</answer>")["input_ids"]) == "<answer>7</answer>"
 

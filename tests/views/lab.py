@@ -21,7 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium")
+CHROMIUM = os.environ.get("CHROMIUM",
+                          shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium")
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
@@ -83,7 +84,8 @@ def jupyter_lab(root_dir: Path, timeout: float = 90, save_widget_state: bool = F
         deadline = time.time() + timeout
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {server.returncode}:\n{(state / 'lab.log').read_text()[-3000:]}")
+                raise RuntimeError(f"jupyter lab exited with {server.returncode}:\n"
+                                   f"{(state / 'lab.log').read_text()[-3000:]}")
             try:
                 urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
                 break
@@ -132,7 +134,8 @@ def run_all(page, attempts: int = 6) -> None:
         page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
         try:
             page.wait_for_function(
-                "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].some(p => /\\[[*0-9]+\\]/.test(p.innerText))",
+                "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
+                ".some(p => /\\[[*0-9]+\\]/.test(p.innerText))",
                 timeout=10_000,
             )
             return

@@ -33,7 +33,8 @@ def test_pass_rates_binary_and_batch_max_with_none_left_out():
 
 
 def test_a_constant_function_is_named_constant_not_none():
-    scores = SimpleNamespace(reward_names=["varies", "same"], rewards_BF=torch.tensor([[0.0, 1.0], [1.0, 1.0], [2.0, NAN]]))
+    scores = SimpleNamespace(reward_names=["varies", "same"],
+                             rewards_BF=torch.tensor([[0.0, 1.0], [1.0, 1.0], [2.0, NAN]]))
     correlation = data.reward_correlation(scores)
     assert correlation.constant == ["same"] and correlation.matrix.loc["varies", "varies"] == pytest.approx(1.0)
     shown = render.correlation_html(correlation)
@@ -92,7 +93,8 @@ def test_token_values_cover_the_trained_completions_only():
     batch = _hand_batch()
     product_BT = data.token_values_BT(batch, "advantage_x_ratio")
     # completion 0: 2 * [1.0, (environment), 0.9]; completion 1: not trained; completion 2: -1 * [1.2, 0.8], padding
-    assert product_BT[0, 0] == pytest.approx(2.0) and math.isnan(product_BT[0, 1]) and product_BT[0, 2] == pytest.approx(1.8)
+    assert (product_BT[0, 0] == pytest.approx(2.0) and math.isnan(product_BT[0, 1])
+            and product_BT[0, 2] == pytest.approx(1.8))
     assert torch.isnan(product_BT[1]).all()
     assert product_BT[2, :2].tolist() == pytest.approx([-1.2, -0.8]) and math.isnan(product_BT[2, 2])
     # one scale for the whole batch: ±(largest magnitude) = ±2.0
@@ -100,7 +102,8 @@ def test_token_values_cover_the_trained_completions_only():
     # entropy: from the batch's smallest (0.5) to its largest (2.5: 3.5 sits on padding) over every completion
     assert data.token_scale(data.token_values_BT(batch, "entropy"), "entropy") == (0.5, 2.5, "sequential")
     assert data.token_scale(data.token_values_BT(batch, "logprob"), "logprob") == (0.0, 1.0, "probability")
-    assert data.missing_token_reason(batch, 1, "logprob") == "the completion is not in the optimizer step of the last loss()"
+    assert (data.missing_token_reason(batch, 1, "logprob")
+            == "the completion is not in the optimizer step of the last loss()")
     assert data.missing_token_reason(batch, 0, "logprob").startswith("inserted by the environment")
     assert data.missing_token_reason(batch._replace(loss=None), 0, "logprob") == "not computed yet: run session.loss()"
     tokenizer = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")
@@ -137,7 +140,8 @@ def test_tables_align_numbers_hide_the_index_and_explain_missing_values():
 def test_header_says_step_and_stage_and_marks_an_older_batch():
     assert batches.header(batches.EMPTY, "generate", "score") == ("Nothing to show yet: run session.score().", False)
     current = batches.Batch(None, None, None, None, step=7, stage="advantages")
-    assert batches.header(current, "loss", "score") == ("Batch for step 7, after advantages(); next stage: loss().", False)
+    assert batches.header(current, "loss", "score") == (
+        "Batch for step 7, after advantages(); next stage: loss().", False)
     previous = current._replace(step=6, stage="update", previous=True)
     text, older = batches.header(previous, "score", "score")
     assert older and text.startswith("From the previous batch (trained at step 6)") and "run session.score()" in text

@@ -37,9 +37,12 @@ FACTS = """(i) => {
   for (const t of gd._fullData) {
     if (t.visible !== true || !t.y) continue;
     const xa = gd._fullLayout[t.xaxis.replace('x', 'xaxis')], ya = gd._fullLayout[t.yaxis.replace('y', 'yaxis')];
-    const [y0, y1] = [Math.min(...ya.range), Math.max(...ya.range)], [x0, x1] = [Math.min(...xa.range), Math.max(...xa.range)];
+    const [y0, y1] = [Math.min(...ya.range), Math.max(...ya.range)];
+    const [x0, x1] = [Math.min(...xa.range), Math.max(...xa.range)];
     Array.from(t.y).forEach((v, j) => {
-      if (Number.isFinite(v) && (v < y0 || v > y1 || t.x[j] < x0 || t.x[j] > x1)) outside.push(`${t.name}@${t.x[j]}=${v}`);
+      if (Number.isFinite(v) && (v < y0 || v > y1 || t.x[j] < x0 || t.x[j] > x1)) {
+        outside.push(`${t.name}@${t.x[j]}=${v}`);
+      }
     });
   }
   const keys = Object.keys(gd.layout);
@@ -48,7 +51,8 @@ FACTS = """(i) => {
     panels: keys.filter((k) => /^xaxis\\d*$/.test(k)).length,
     legendsWanted: keys.filter((k) => /^legend\\d*$/.test(k)).length,
     legendsDrawn: gd.querySelectorAll('.infolayer > g[class^="legend"]').length,
-    xTitles: [...gd.querySelectorAll('.infolayer g[class^="g-x"][class$="title"]')].filter((g) => /optimizer step/.test(g.textContent)).length,
+    xTitles: [...gd.querySelectorAll('.infolayer g[class^="g-x"][class$="title"]')]
+      .filter((g) => /optimizer step/.test(g.textContent)).length,
     titles: [...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => a.textContent),
     outside,
   };
@@ -110,7 +114,8 @@ def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_r
         assert "global step 7" in lab.cell(page, 6).locator(".jp-OutputArea").inner_text()  # no extra step
         for dashboard in (0, 1):
             wait_reward_points(page, 7, dashboard)
-        page.wait_for_function("() => [...document.querySelectorAll('.grpo-dashboard button')].some(b => b.textContent.trim() === 'Step' && !b.disabled)")
+        page.wait_for_function("() => [...document.querySelectorAll('.grpo-dashboard button')]"
+                               ".some(b => b.textContent.trim() === 'Step' && !b.disabled)")
         assert lab.widget_problems(page) == []
 
 
@@ -129,7 +134,8 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
         dashboard.locator(".grpo-controls input[type=number]").fill("20")
         dashboard.locator(".grpo-controls input[type=number]").press("Enter")
         dashboard.get_by_role("button", name="Run N", exact=True).click()
-        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length >= 3", timeout=60_000)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
+                               ".length >= 3", timeout=60_000)
         page.reload()
         lab.wait_for_notebook(page)
         restored = wait_step_from_status(page)
@@ -145,13 +151,15 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
                 raise AssertionError(f"two updates after the reload at step {restored}, the page shows {now}")
             time.sleep(0.1)
         assert facts(page)["outside"] == []
-        page.wait_for_function("() => /ran 20 step/.test(document.querySelector('.grpo-controls').innerText)", timeout=120_000)
+        page.wait_for_function("() => /ran 20 step/.test(document.querySelector('.grpo-controls').innerText)",
+                               timeout=120_000)
         wait_reward_points(page, 20)
 
         # run(6) in a cell: the kernel answers a reloaded page only when the cell has ended; then the
         # curves hold all 26 steps, inside their axes.
         lab.run_cell(page, 2, wait=False)
-        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length >= 22", timeout=60_000)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
+                               ".length >= 22", timeout=60_000)
         page.keyboard.press("Control+s")
         page.reload()
         lab.wait_for_notebook(page)
@@ -165,7 +173,8 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
         lab.restart_kernel(page)
         page.reload()
         lab.wait_for_notebook(page)
-        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length === 26", timeout=60_000)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
+                               ".length === 26", timeout=60_000)
         page.wait_for_function(
             "() => { const notes = [...document.querySelectorAll('.grpo-dashboard .grpo-live-note')];"
             " return notes.length >= 4 && notes.every(n => n.offsetParent !== null && /Not live/.test(n.innerText)); }",
@@ -220,7 +229,8 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
         shown = wait_reward_points(page, 51)
         growth = sorted(set(n for n in seen if 1 < n < 51))
         assert len(growth) >= 3, f"curves did not grow while run(50) executed: point counts seen {sorted(set(seen))}"
-        assert shown["outside"] == [] and shown["legendsDrawn"] == shown["legendsWanted"] and shown["xTitles"] == shown["panels"]
+        assert (shown["outside"] == [] and shown["legendsDrawn"] == shown["legendsWanted"]
+                and shown["xTitles"] == shown["panels"])
         assert page.locator(".grpo-completions-view .grpo-token").count() > 8
         assert "next stage: generate()" in controls_text(page)
 

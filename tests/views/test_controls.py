@@ -65,11 +65,12 @@ def test_a_click_while_another_thread_drives_the_session_changes_nothing_and_say
         assert paused.wait(120)
         assert all(b.disabled for b in drive_buttons(controls)) and controls.stop_button.disabled
         assert controls.status.value.startswith("step 0; <b>session.run(2)</b> running, started by a background thread")
-        for button, attempt in [(controls.step_button, r"session\.step\(\)"), (controls.stage_buttons["update"], r"session\.update\(\)"),
+        for button, attempt in [(controls.step_button, r"session\.step\(\)"),
+                                (controls.stage_buttons["update"], r"session\.update\(\)"),
                                 (controls.run_button, "Run N")]:
             button.click()  # a click that reaches the kernel anyway (the browser disables the buttons)
-            assert controls.status.value.startswith(
-                "<span style='color:#b00020'>SessionBusyError: ") and "started by a background thread (trainer)" in controls.status.value
+            assert controls.status.value.startswith("<span style='color:#b00020'>SessionBusyError: ")
+            assert "started by a background thread (trainer)" in controls.status.value
             assert re.search(rf"{attempt} cannot run now: session\.run\(2\)", controls.status.value)
             assert (session.global_step, session.next_stage, controls.run_n_active) == (0, "update", False)
     finally:
@@ -109,12 +110,14 @@ def test_a_cell_call_during_run_n_is_refused_naming_run_n_and_stop(session):
 
 @pytest.mark.parametrize("button, at_stage, state, note", [
     ("stop_button", "loss", (1, "update"), "stopped after 1 step(s), between stages: loss() done, next stage update()"),
-    ("finish_button", "generate", (2, "generate"), "stopped after 2 step(s) at the end of step 2; next stage generate()"),
+    ("finish_button", "generate", (2, "generate"),
+     "stopped after 2 step(s) at the end of step 2; next stage generate()"),
 ])
 def test_stop_ends_between_stages_and_finish_step_after_the_update(session, button, at_stage, state, note):
     controls = session.controls()
     # pressed from inside the second step's stage (on Run N's thread, as a click between two stages would land)
-    session.on(lambda name, payload: getattr(controls, button).click() if name == at_stage and session.global_step == 1 else None)
+    session.on(lambda name, payload: getattr(controls, button).click()
+               if name == at_stage and session.global_step == 1 else None)
     controls.steps.value = 10
     controls.run_button.click()
     controls._thread.join(timeout=120)

@@ -126,7 +126,8 @@ def test_logged_metrics_panel_holds_only_what_reward_functions_logged():
 
 
 def test_a_metric_a_step_did_not_log_is_a_plain_gap_not_a_non_finite_value():
-    rows = [{"step": 1, "reward": 1.0}, {"step": 2, "reward": 2.0, "kl": float("nan")}, {"step": 3, "reward": 3.0, "kl": 0.5}]
+    rows = [{"step": 1, "reward": 1.0}, {"step": 2, "reward": 2.0, "kl": float("nan")},
+            {"step": 3, "reward": 3.0, "kl": 0.5}]
     history = pd.DataFrame(rows)  # pandas fills the missing kl of step 1 with NaN
     curves = curve_data.curve_panels(history, absent=curve_data.absent_steps(rows, history.columns))
     assert _panels(curves)["kl"].series[0].nonfinite_steps() == [2.0]  # step 2 logged NaN; step 1 logged nothing
@@ -167,7 +168,8 @@ def test_view_follows_updates_and_a_view_made_later_starts_complete(session):
     session.step()
     assert view.figure is figure  # one widget for the view's life: its state is replaced, never the widget
     reward = next(p for p in figure.spec["panels"] if p["title"] == "reward")["series"][0]
-    assert np.frombuffer(figure.arrays[reward["y"]], dtype="<f8").tolist() == pytest.approx(session.history["reward"].tolist())
+    assert (np.frombuffer(figure.arrays[reward["y"]], dtype="<f8").tolist()
+            == pytest.approx(session.history["reward"].tolist()))
     assert [m["step"] for m in figure.spec["marks"]] == [2]
     later = session.curves()  # e.g. a second show(): its state already holds both steps
     assert later.figure.spec == figure.spec

@@ -33,7 +33,8 @@ def test_group_flags_mark_equal_reward_groups(stepped):
     frame = data.latest_table(batch.current_batch(stepped))
     flags = data.group_flags(frame)
     assert len(flags) == len(set(stepped.rollout.group_index_B.tolist()))
-    expected = [bool(stepped.advantages_result.is_std_zero_B[stepped.rollout.group_index_B == g].all()) for g in flags["group"]]
+    expected = [bool(stepped.advantages_result.is_std_zero_B[stepped.rollout.group_index_B == g].all())
+                for g in flags["group"]]
     assert flags["std_zero"].tolist() == expected
 
 

@@ -1,0 +1,251 @@
+"""The engine's loss stage: the micro-batches of one optimizer step, their forward passes, the policy
+loss of :mod:`grpo_lab.ops` and its backward pass, and the step's metrics."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from grpo_lab import dist, ops
+from grpo_lab.metrics import loss_metrics
+from grpo_lab.models import router_aux_loss_weight
+from grpo_lab.types import Advantages, LossResult, Rollout
+
+
+class _MicroBatch(NamedTuple):
+    """One micro-batch's forward pass and loss (``Engine._micro_batch_loss``)."""
+
+    loss: torch.Tensor
+    logprobs_BT: torch.Tensor
+    entropies_BT: torch.Tensor
+    out: ops.PolicyLossOutput
+    mask_BT: torch.Tensor
+    kept_BT: torch.Tensor  # the tokens the entropy statistic counts
+    off_policy_B1: torch.Tensor | None
+    aux_loss: torch.Tensor | None  # a mixture-of-experts model's load-balancing loss, when weighted
+
+
+def _finite_zero_gradient(loss: torch.Tensor, ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> bool:
+    """Whether a zero-advantage micro-batch's backward pass would give a finite (zero) gradient: its
+    loss is finite, and so are the importance ratios of its kept tokens (an infinite ratio times a
+    zero advantage back-propagates NaN even where the loss is 0)."""
+    kept = ratio_BT.expand_as(mask_BT)[mask_BT.bool()]
+    return bool(torch.isfinite(loss)) and bool(torch.isfinite(kept).all())
+
+
+class LossStage:
+    """Methods of :class:`grpo_lab.engine.Engine`."""
+
+    def step_indices(self, batch_step: int) -> list[torch.Tensor]:
+        """Completion indices of each micro-batch that optimizer step ``batch_step`` of a batch uses."""
+        size = self.config.per_device_train_batch_size
+        ga, spg = self.config.gradient_accumulation_steps, self.batching.steps_per_generation
+        micro = [(batch_step * ga + i) % spg for i in range(ga)]
+        return [torch.arange(m * size, (m + 1) * size) for m in micro]
+
+    def loss(self, advantages: Advantages, batch_step: int = 0) -> LossResult:
+        """Forward and backward passes for optimizer step ``batch_step`` of the current batch.
+
+        Gradients are zeroed first, so calling this again (after changing settings) recomputes them.
+        """
+        config = self.config
+        rollout = advantages.scores.rollout
+        if config.beta > 0 and rollout.ref_logprobs_BT is None:  # beta switched on after this batch was sampled
+            with self.accelerator.autocast():
+                rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
+        aux_weight = self.router_aux_loss_weight()  # raises before any gradient is touched
+        self.optimizer.zero_grad(set_to_none=True)
+        micro_batches = self.step_indices(batch_step)
+        step_index = torch.cat(micro_batches)
+        loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
+        settings = ops.LossSettings.from_config(config)
+        entropy_coef = ops.applied_entropy_coef(
+            self.entropy_coef, self.last_step_entropy, adaptive=config.use_adaptive_entropy, target=config.entropy_target,
+        )
+        parts, total_loss = [], 0.0
+        entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
+        masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
+        zero_K = self._zero_advantage_micro_batches(advantages, micro_batches, entropy_coef, aux_weight)
+        skipped, not_finite, aux_losses = 0, False, []
+        for k, index_B in enumerate(micro_batches):
+            sync = k == len(micro_batches) - 1
+            skip = self._skips_backward(zero_K, k, sync, skipped)
+            args = (rollout, advantages, index_B, loss_mask_BT, normalizer, settings, entropy_coef, aux_weight,
+                    len(micro_batches))
+            with torch.no_grad() if skip else contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                step = self._micro_batch_loss(*args)
+                if skip:
+                    not_finite |= not _finite_zero_gradient(step.loss, step.out.ratio_BT, step.mask_BT)
+                else:
+                    self.accelerator.backward(step.loss)
+            skipped += skip
+            if config.use_adaptive_entropy:
+                entropy_stats.append(torch.stack([(step.entropies_BT.detach() * step.kept_BT).sum(), step.kept_BT.sum()]))
+            if step.off_policy_B1 is not None:
+                masked_sequences += (step.off_policy_B1 == 0).sum().to(masked_sequences.device)
+            if step.aux_loss is not None:
+                aux_losses.append(step.aux_loss.detach())
+            total_loss += float(step.loss.detach())
+            parts.append((index_B, step.logprobs_BT.detach(), step.entropies_BT.detach(), step.out, step.mask_BT))
+        if zero_K is not None:  # over processes, in one collective: running it would average a NaN into all
+            counts = torch.tensor([[float(not_finite), float(skipped), float(len(micro_batches))]], device=self.accelerator.device)
+            not_finite_all, skipped_all, micro_batches_all = dist.gather(self.accelerator, counts).sum(0).tolist()
+            not_finite = not_finite_all > 0
+        self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
+        if config.use_adaptive_entropy:
+            self._hold_step_entropy(entropy_stats)
+        result = self._loss_result(advantages, step_index, parts, total_loss, settings)
+        result.micro_batches, result.backward_skipped = len(micro_batches), skipped
+        if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
+            result.metrics["entropy_coef"] = entropy_coef
+        if zero_K is not None:
+            result.metrics["backward_skipped_fraction"] = skipped_all / micro_batches_all
+        self._add_step_metrics(result.metrics, aux_losses, masked_sequences, len(step_index))
+        return result
+
+    def _skips_backward(self, zero_K: list[bool] | None, k: int, last: bool, skipped: int) -> bool:
+        """Whether micro-batch ``k`` runs its forward pass without a backward. A micro-batch whose
+        advantages are all zero adds exactly nothing to the gradient: its forward pass runs (for the
+        metrics) without a backward. The ``last`` micro-batch of a step always runs one where gradients
+        are averaged or gathered in it (several processes, FSDP), and where no backward pass has run
+        yet that says which parameters it reaches (``skipped`` of the ``k`` before it were skipped)."""
+        return zero_K is not None and zero_K[k] and (
+            not last or (self._whole_model_here() and (skipped < k or self.trained_parameter_names is not None))
+        )
+
+    def _hold_step_entropy(self, entropy_stats: list[torch.Tensor]) -> None:
+        """Keep the step's mean token entropy, over processes, for the adaptive entropy weight that
+        ``update`` adapts; ``entropy_stats`` holds each micro-batch's kept-token entropy sum and count."""
+        entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
+        self._pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
+
+    def _loss_mask_and_normalizer(self, rollout: Rollout, step_index: torch.Tensor):
+        """The (B, T) mask of the tokens the loss counts, and the step-token normalizer: losses that
+        normalize globally (dapo's) divide by the tokens of the whole optimizer step, counted over all
+        processes; DDP averages gradients over processes, hence the division by their number."""
+        loss_mask_BT = rollout.generated_mask_BT.float()
+        if self.config.mask_truncated_completions:
+            loss_mask_BT = ops.truncation_mask(loss_mask_BT, rollout.is_truncated_B)
+        global_tokens = dist.total(self.accelerator, loss_mask_BT[step_index].sum())
+        return loss_mask_BT, (global_tokens / self.accelerator.num_processes).clamp(min=1.0)
+
+    def _add_step_metrics(self, metrics: dict, aux_losses: list, masked_sequences: torch.Tensor,
+                          sequences: int) -> None:
+        """The load-balancing loss (where one was weighted) and the share of sequences the off-policy
+        mask dropped (where it is on), over processes."""
+        if aux_losses:
+            metrics["aux_loss"] = float(dist.mean(self.accelerator, torch.stack(aux_losses).mean()))
+        if self.config.off_policy_mask_threshold is not None:
+            total = dist.total(self.accelerator, torch.tensor(float(sequences), device=masked_sequences.device))
+            metrics["off_policy_mask/masked_fraction"] = float(dist.total(self.accelerator, masked_sequences) / total)
+
+    def _micro_batch_loss(self, rollout: Rollout, advantages: Advantages, index_B, loss_mask_BT, normalizer,
+                          settings: ops.LossSettings, entropy_coef: float, aux_weight: float,
+                          micro_batches: int) -> _MicroBatch:
+        """One micro-batch's forward pass and loss; a mixture-of-experts model's load-balancing loss
+        is added with ``aux_weight`` / ``micro_batches`` (TRL's scaling)."""
+        config = self.config
+        with self.accelerator.autocast():
+            logprobs_BT, entropies_BT, aux_loss = self.logprobs_and_aux_loss(
+                self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
+                router_aux_loss=aux_weight != 0.0,
+            )
+        device = logprobs_BT.device  # the batch's tensors live on the CPU; the passes on the accelerator
+        on_device = lambda tensor_BT: None if tensor_BT is None else tensor_BT[index_B].to(device)  # noqa: E731
+        mask_BT = on_device(loss_mask_BT)
+        entropy_mask_BT = None
+        if config.top_entropy_quantile < 1.0:
+            entropy_mask_BT = ops.entropy_mask(entropies_BT.detach(), mask_BT, quantile=config.top_entropy_quantile)
+        kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
+        off_policy_B1 = self._off_policy_mask(rollout, index_B, advantages, logprobs_BT, mask_BT)
+        out = ops.policy_loss(
+            logprobs_BT,
+            on_device(rollout.old_logprobs_BT),
+            on_device(advantages.advantages_B),
+            mask_BT,
+            settings=settings,
+            ref_logprobs_BT=on_device(rollout.ref_logprobs_BT),
+            entropy_mask_BT=entropy_mask_BT,
+            importance_sampling_ratio_BT=on_device(rollout.importance_weights_BT),
+            num_items_in_batch=normalizer,
+            off_policy_mask_B1=off_policy_B1,
+            entropies_BT=entropies_BT,
+            entropy_coef=entropy_coef,
+        )
+        loss = out.loss if settings.spec.normalizes_globally else out.loss / micro_batches
+        if aux_loss is not None:
+            loss = loss + aux_weight * aux_loss.to(loss.device) / micro_batches
+        return _MicroBatch(loss, logprobs_BT, entropies_BT, out, mask_BT, kept_BT, off_policy_B1, aux_loss)
+
+    def _zero_advantage_micro_batches(self, advantages: Advantages, micro_batches: list, entropy_coef: float,
+                                      aux_weight: float):
+        """For each micro-batch, whether its backward pass may be skipped because its advantages are
+        all zero (``skip_zero_advantage_backward``); None when none may. Every policy loss is a
+        multiple of the advantage, so such a gradient is exactly zero unless a KL term (beta > 0), an
+        entropy bonus or a router load-balancing loss adds one. DeepSpeed counts the backward passes
+        of an accumulation itself, so it runs them all; a mixture-of-experts model's backward pass
+        gives the experts its tokens reach a (zero) gradient that the optimizer would act on, so it
+        runs them all too; under FSDP a backward pass gathers the shards, so a micro-batch is
+        skipped only where it is zero on every process."""
+        from accelerate.utils import DistributedType
+
+        config = self.config
+        if (not config.skip_zero_advantage_backward or config.beta != 0.0 or entropy_coef != 0.0 or aux_weight != 0.0
+                or self.accelerator.distributed_type == DistributedType.DEEPSPEED or self._routes_to_experts):
+            return None
+        zero_K = torch.stack([~advantages.advantages_B[index_B].any() for index_B in micro_batches])
+        if dist.sharding(self.accelerator) == "fsdp":
+            zero_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device)).view(-1, len(micro_batches)).all(0)
+        return zero_K.tolist()
+
+    def router_aux_loss_weight(self) -> float:
+        """The weight of the policy's load-balancing loss now (``models.router_aux_loss_weight``)."""
+        return router_aux_loss_weight(self.unwrapped_model, self.config.router_aux_loss_coef)
+
+    def _whole_model_here(self) -> bool:
+        """One process holding the whole model, so that a backward pass moves no gradient elsewhere."""
+        return self.accelerator.num_processes == 1 and dist.sharding(self.accelerator) != "fsdp"
+
+    def _complete_gradients(self, *, none_ran: bool, not_finite: bool) -> None:
+        """Record which parameters a backward pass reaches (once). When no micro-batch of the step ran
+        one, give those parameters the zero gradient it would have given, so that the optimizer step
+        (momentum, weight decay) is the one it would have been; when a skipped micro-batch's loss or
+        ratios were not finite, make the gradient not finite, as its backward pass would have, so
+        that ``update`` skips the step."""
+        if none_ran:
+            for name, parameter in self.unwrapped_model.named_parameters():
+                if name in self.trained_parameter_names and parameter.requires_grad and parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+        elif self.trained_parameter_names is None:  # the unwrapped model's names: a checkpoint keeps them for any launch
+            self.trained_parameter_names = {name for name, p in self.unwrapped_model.named_parameters() if p.grad is not None}
+        if not_finite:
+            next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+    def _off_policy_mask(self, rollout: Rollout, index_B, advantages: Advantages, logprobs_BT, mask_BT):
+        """(B, 1) off-policy sequence mask (``off_policy_mask_threshold``) against the sampling policy:
+        vLLM's log-probs, else the old policy's; None when off or when the batch is on-policy."""
+        threshold = self.config.off_policy_mask_threshold
+        sampling_BT = rollout.sampling_logprobs_BT if rollout.sampling_logprobs_BT is not None else rollout.old_logprobs_BT
+        if threshold is None or sampling_BT is None:
+            return None
+        return ops.off_policy_mask(
+            advantages.advantages_B[index_B].to(logprobs_BT.device), logprobs_BT,
+            sampling_BT[index_B].to(logprobs_BT.device).float(), mask_BT, threshold=threshold,
+        )
+
+    def _loss_result(self, advantages, step_index, parts, total_loss, settings: ops.LossSettings) -> LossResult:
+        cat = lambda i: torch.cat([p[i] for p in parts])  # noqa: E731
+        logprobs_BT, entropies_BT, mask_BT = cat(1), cat(2), cat(4)
+        ratio_BT = torch.cat([p[3].ratio_BT.detach().expand_as(p[1]) for p in parts])
+        kl_BT = torch.cat([p[3].kl_BT.detach() for p in parts]) if settings.beta > 0 else None
+        clip = ops.clip_diagnostics(
+            ratio_BT, advantages.advantages_B[step_index].to(ratio_BT.device), mask_BT,
+            epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high, loss_type=settings.loss_type,
+        )
+        metrics = loss_metrics(self.accelerator, clip, entropies_BT, kl_BT, mask_BT, total_loss)
+        return LossResult(
+            advantages=advantages, loss=metrics["loss"], sample_index_B=step_index, logprobs_BT=logprobs_BT,
+            entropies_BT=entropies_BT, ratio_BT=ratio_BT, clipped_BT=clip.is_region_clipped_BT, metrics=metrics,
+        )

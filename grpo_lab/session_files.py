@@ -1,0 +1,311 @@
+"""Saving and loading a GRPOSession: ``state_dict()``/``load_state_dict()`` in memory, and
+``save(path)``/``GRPOSession.load(path)`` as checkpoint directories (see :mod:`grpo_lab.checkpoint`
+for the files and :mod:`grpo_lab.state` for what they hold)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo_lab import notices
+from grpo_lab.checkpoint import (
+    MODEL_DIR,
+    SAVE_ENTRIES,
+    check_save_target,
+    load_saved_weights,
+    load_state,
+    own_process_state,
+    per_process_states,
+    plain_values,
+    restore_engine,
+    safe_batch,
+    save_engine,
+)
+from grpo_lab.config import GRPOConfig
+from grpo_lab.dist import (
+    check_savable, full_model_state, full_optimizer_state, full_state, gather_to_main, launched_processes, on_main,
+)
+from grpo_lab.live_config import rebuilt_fields
+from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
+from grpo_lab.safe_write import atomic_directory_write
+from grpo_lab.stages import drives_stages
+from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict
+
+if TYPE_CHECKING:
+    from grpo_lab.session import GRPOSession
+
+
+class SessionFiles:
+    """GRPOSession's saving and loading."""
+
+    def state_dict(self) -> dict:
+        """Copies of everything this session needs to continue exactly as it would from here:
+        weights (or adapter), optimizer, scheduler, random states, sampler position, the half-used
+        batch, history and config (see :mod:`grpo_lab.state`). Training on leaves it unchanged."""
+        return session_state_dict(self)
+
+    @drives_stages
+    def load_state_dict(self, state: dict) -> None:
+        """Return to ``state`` from :meth:`state_dict` of this session (or one built like it); a loss()
+        not yet used by update() is dropped, so the next stage is what the saved batch needs next."""
+        load_session_state_dict(self, state)
+
+    @drives_stages
+    def save(self, path, *, overwrite: bool = False) -> Path:
+        """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
+        history, config and any half-finished stage results to ``path``, atomically. Config edits
+        made since the last stage are validated first, as the next stage would.
+
+        ``path`` must be new, empty, or an earlier save, which is replaced (the old one stays until
+        the new one is complete). A file, or a directory holding anything else, is refused, unless
+        ``overwrite=True``, which replaces that directory and everything in it.
+
+        Under ``accelerate launch`` every process calls it (as ``GRPOTrainer`` does): each one's
+        random state and share of a half-finished batch are gathered, and the main process writes.
+        Under FSDP the shards of the weights, the optimizer state and a reference model are gathered
+        too: the checkpoint holds the whole model and loads on any number of processes (DeepSpeed ZeRO
+        is refused).
+        """
+        self._sync_config()
+        engine = self.engine
+        accelerator = engine.accelerator
+        check_savable(accelerator)
+        on_main(accelerator, f"check {path}", lambda: check_save_target(Path(path), overwrite=overwrite))
+        pending, unsafe = safe_batch(on_device((self.rollout, self.scores, self.advantages_result), "cpu"))
+        if unsafe is not None:
+            notices.warn(
+                f"The half-used generation batch holds {unsafe} (in its columns or logged extras), which a checkpoint "
+                "does not store (loading it would mean unpickling code); the save leaves the batch out, and a run "
+                "loaded from it generates a new one. Give reward functions and rollout functions plain values "
+                "(numbers, strings, lists, dicts, tensors) to keep it."
+            )
+            pending = (None, None, None)
+        per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
+        gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
+            full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
+            full_optimizer_state(accelerator, engine.model, engine.optimizer),
+            None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
+        )
+        extra = _checkpoint_records(self)
+        write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered)
+        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write, own_entries=SAVE_ENTRIES,
+                                                                     overwrite=overwrite))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None,
+             trust_remote_code: bool = False, **kwargs) -> GRPOSession:
+        """Rebuild a saved session; it continues exactly as the original would have.
+
+        Datasets, (importable) reward functions and the config (``args``) come from the checkpoint
+        unless given; other keyword arguments go to the constructor. ``model``: a model built like the
+        saved one (a PEFT model for a saved adapter) to load the saved weights into, in place of a new
+        one, e.g. the model whose parameters an optimizer passed in ``optimizers=`` holds.
+
+        Loading runs no code from the checkpoint: its state is read without unpickling anything but
+        tensors and numbers, functions are imported by module and name, and a saved
+        ``trust_remote_code`` is ignored unless ``trust_remote_code=True`` is passed here (or in ``args``).
+        """
+        directory = Path(path)
+        state = load_state(directory)
+        extra = state["extra"]
+        if reward_funcs is None:
+            reward_funcs = _unreferenced(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
+        if "rollout_func" not in kwargs and "tools" not in kwargs:  # else the caller chose how to generate
+            kwargs["rollout_func"] = _unreferenced(extra["rollout_func"], directory, "rollout function", "rollout_func=...")
+            kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
+        train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
+        if kwargs.get("args") is None:
+            kwargs["args"] = GRPOConfig.from_yaml(directory / "config.yaml")
+            if not trust_remote_code:
+                kwargs["args"] = _without_remote_code(kwargs["args"], directory)
+        own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
+        saved = per_process_states(state)
+        half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
+        built = rebuilt_fields(
+            directory, extra["applied_config"], kwargs["args"].to_dict(), own_optimizer, own_scheduler,
+            given_model=model is not None, half_used=half_used,
+        )
+        model = _saved_model(directory / MODEL_DIR, model, kwargs["args"])
+        remote_code = kwargs["args"].model_kwargs()["trust_remote_code"]
+        kwargs.setdefault("processing_class", load_tokenizer(str(directory / MODEL_DIR), trust_remote_code=remote_code))
+        session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        _restore(session, state, built)
+        return session
+
+
+def _checkpoint_records(session) -> dict:
+    """The session's records as a checkpoint stores them (logs: what it cannot store is kept as
+    text; functions as ``module:name`` references)."""
+    engine = session.engine
+    return {
+        "history": plain_values(session._history),
+        "completion_log": plain_values(session._completion_log),
+        "config_changes": plain_values(session.config_changes),
+        "applied_config": plain_values(session._applied_config),
+        "batch_step": session.batch_step,
+        "last_stage": session._last_stage,
+        "reward_funcs": _referenced(engine.reward_funcs),
+        "rollout_func": _referenced(engine.rollout_func),
+        "tools": _referenced(engine.tools),
+    }
+
+
+def _write_checkpoint(engine, extra: dict, per_process: list, gathered: tuple, directory: Path) -> None:
+    """Write a checkpoint's files into ``directory`` (the main process, inside an atomic write)."""
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+    save_engine(engine, directory, extra, per_process, gathered)
+    shown = is_progress_bar_enabled()
+    disable_progress_bar()  # a checkpoint is not worth three progress bars per save
+    try:
+        engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
+        if engine.eval_dataset is not None:
+            engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
+    finally:
+        if shown:
+            enable_progress_bar()
+
+
+def _saved_datasets(directory: Path, train_dataset, eval_dataset):
+    """The datasets to load with: those given, else the ones saved beside the checkpoint."""
+    from datasets import load_from_disk
+
+    if train_dataset is None:
+        train_dataset = load_from_disk(str(directory / "train_dataset"))
+    if eval_dataset is None and (directory / "eval_dataset").exists():
+        eval_dataset = load_from_disk(str(directory / "eval_dataset"))
+    return train_dataset, eval_dataset
+
+
+def _saved_model(model_dir: Path, model, config: GRPOConfig):
+    """What the session is built from: ``model`` (given) with the saved weights copied in, a PEFT
+    model with the saved adapter, or the saved model's directory."""
+    adapter = (model_dir / "adapter_config.json").exists()
+    if model is None and not adapter and config.cast_lm_head_to_fp32:
+        model = load_causal_lm(str(model_dir), config.model_kwargs())  # the saved weights are copied in below
+    if model is not None:
+        if config.cast_lm_head_to_fp32:  # before the copy: a head in the model's dtype would round the saved one
+            cast_lm_head_to_fp32(model)
+        load_saved_weights(model, model_dir)
+        return model
+    if adapter:
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), is_trainable=True, **config.model_kwargs())
+    return str(model_dir)
+
+
+def _restore(session, state: dict, built: dict) -> None:
+    """Put the checkpoint's engine state, records and this process's half-used batch into a session
+    just built from it; ``built``: the build-time fields changed on load, ``{name: (old, new)}``."""
+    extra = state["extra"]
+    accelerator = session.engine.accelerator
+    own = own_process_state(state, accelerator.process_index, accelerator.num_processes)
+    restore_engine(session.engine, state, own["rng"])
+    session._history = extra["history"]
+    session._completion_log = extra["completion_log"]
+    session.config_changes = extra["config_changes"] + [
+        {"step": state["global_step"] + 1, "field": name, "old": old, "new": new} for name, (old, new) in built.items()
+    ]
+    session._applied_config = {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}
+    session.batch_step = extra["batch_step"]
+    session._last_stage = extra["last_stage"]
+    if own["pending"] is None or own["pending"][0] is None:  # dropped, or saved between batches
+        session.discard_batch()
+        return
+    session.rollout, session.scores, session.advantages_result = on_device(own["pending"], accelerator.device)
+    if session.scores is not None and session.scores.reward_names != session.engine.reward_names:
+        notices.warn(
+            f"The saved run stopped inside a generation batch scored by {session.scores.reward_names}; its "
+            f"remaining {session.engine.steps_per_batch - session.batch_step} optimizer step(s) train on those "
+            f"scores, and the reward functions given now ({session.engine.reward_names}) score the batches "
+            "after it; session.discard_batch() drops it instead."
+        )
+
+
+def _without_remote_code(config: GRPOConfig, directory: Path) -> GRPOConfig:
+    """The checkpoint's config without the settings that make loading a model run or fetch code
+    (``trust_remote_code``, ``code_revision``, hub kernels): a file in the checkpoint must not be able
+    to turn them on; only the caller's own arguments can."""
+    init_kwargs = dict(config.model_init_kwargs or {})
+    dropped = [name for name in list(init_kwargs) if name in ("trust_remote_code", "code_revision") or "kernel" in name]
+    if "/" in str(init_kwargs.get("attn_implementation", "")):  # an attention kernel fetched from the hub
+        dropped.append("attn_implementation")
+    for name in dropped:
+        init_kwargs.pop(name)
+    if config.trust_remote_code or dropped:
+        settings = ["trust_remote_code"] * bool(config.trust_remote_code) + [f"model_init_kwargs[{n!r}]" for n in dropped]
+        notices.warn(
+            f"{directory / 'config.yaml'} sets {', '.join(settings)}, which a checkpoint cannot turn on: the model is "
+            "loaded without running or fetching code. If you trust the checkpoint, load it with "
+            "GRPOSession.load(path, trust_remote_code=True), or pass your own args= with these settings."
+        )
+        config.trust_remote_code = False
+        config.model_init_kwargs = init_kwargs or None
+    return config
+
+
+def _unreferenced(saved, directory: Path, what: str, argument: str):
+    """Functions saved by ``_referenced``, imported by name; a ValueError naming the argument that
+    passes them again where they could not be stored, or cannot be found any more (defined in a
+    notebook, renamed, moved)."""
+    problem = "could not be stored (not importable by module and name, e.g. a lambda or a notebook's function)"
+    if not (isinstance(saved, dict) and isinstance(saved.get("functions"), list)):
+        saved = None  # nothing this version wrote: never unpickled
+    if saved is not None and saved["none"]:
+        return None
+    if saved is not None:
+        try:
+            found = [_import_reference(reference, directory) for reference in saved["functions"]]
+            return found if saved["is_list"] else found[0]
+        except (AttributeError, ImportError, ValueError) as error:
+            problem = f"cannot be found in this process ({error}; e.g. defined in a notebook)"
+    again = "it" if what == "rollout function" else "them"
+    raise ValueError(f"The {what} saved in {directory} {problem}; pass {again} again: GRPOSession.load(path, {argument}).")
+
+
+def _import_reference(reference: str, directory: Path | None = None):
+    """The function a ``module:name`` reference names. A module that would be imported from inside
+    the checkpoint ``directory`` is refused: loading must not run code the checkpoint carries."""
+    import importlib
+    import importlib.util
+    import sys
+
+    module_name, _, qualname = reference.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"{reference!r} is not a 'module:name' reference")
+    if directory is not None and module_name not in sys.modules:
+        spec = importlib.util.find_spec(module_name.partition(".")[0])
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        if origin is not None and Path(directory).resolve() in origin.parents:
+            raise ImportError(f"{module_name} would be imported from inside the checkpoint ({origin})")
+    found = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    if not callable(found):
+        raise ValueError(f"{reference} is not callable")
+    return found
+
+
+def _referenced(funcs) -> dict | None:
+    """Reward functions, tools (or a rollout function) as ``module:name`` references that load
+    imports, never unpickles; None where one is not importable under its name (a lambda, a loaded
+    reward model: it must then be passed again). No functions at all: ``{"none": True, ...}``."""
+    if funcs is None:
+        return {"functions": [], "is_list": False, "none": True}
+    is_list = isinstance(funcs, (list, tuple))
+    references = []
+    for func in funcs if is_list else [funcs]:
+        module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+        if not module or not qualname or "<" in qualname:
+            return None
+        reference = f"{module}:{qualname}"
+        try:
+            if _import_reference(reference) is not func:
+                return None
+        except (AttributeError, ImportError, ValueError):
+            return None
+        references.append(reference)
+    return {"functions": references, "is_list": is_list, "none": False}
