@@ -41,15 +41,16 @@ def _case(name: str, workdir: Path) -> dict:
     if name == "tiny":
         return dict(model=task.model, prompts=task.train_dataset.select(range(64))["prompt"], repeat=8, max_tokens=8,
                     fixed_length=False)
-    return dict(model=large_model(workdir, task.model), prompts=task.train_dataset.select(range(4))["prompt"], repeat=8, max_tokens=128,
-                fixed_length=True)
+    return dict(model=large_model(workdir, task.model), prompts=task.train_dataset.select(range(4))["prompt"], repeat=8,
+                max_tokens=128, fixed_length=True)
 
 
 def _adapter(model, rank: int):
     """A LoRA adapter of ``rank`` on every linear layer, as training with peft_config would add."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"))
+    return get_peft_model(model,
+                          LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
 def _generator(backend: str, case: dict, tokenizer, lora: int):
@@ -85,7 +86,8 @@ def _generator(backend: str, case: dict, tokenizer, lora: int):
         _adapter(AutoModelForCausalLM.from_pretrained(case["model"]), lora).save_pretrained(directory)
         engine.load_adapter(directory, 0)  # moves the directory into the engine's own
     _, _, prompts = prompt_token_lists(tokenizer, texts)
-    settings = dict(max_tokens=case["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+    settings = dict(max_tokens=case["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                    repetition_penalty=1.0,
                     generation_kwargs={"min_tokens": case["max_tokens"]} if case["fixed_length"] else None)
     return lambda: sum(len(ids) for ids in engine.generate(prompts, settings, draw_seeds(len(prompts)))[0])
 
@@ -127,26 +129,29 @@ def main() -> None:
     for repeat in range(args.repeats):
         for backend in BACKENDS:
             out = subprocess.run(
-                [sys.executable, __file__, "--child", backend, args.case, "--calls", str(args.calls), "--workdir", args.workdir,
-                 "--lora", str(args.lora)],
+                [sys.executable, __file__, "--child", backend, args.case, "--calls", str(args.calls),
+                 "--workdir", args.workdir, "--lora", str(args.lora)],
                 capture_output=True, text=True, env=env,
             )
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
             if line is None:
                 sys.exit(f"{backend} failed:\n{out.stderr[-3000:]}")
             result = json.loads(line[len("RESULT "):])
             median = statistics.median(result["times"])
             tokens = statistics.median(result["tokens"])
             runs[backend].append((median, tokens))
-            print(f"repeat {repeat + 1} {backend:12s} median {median * 1000:8.1f} ms  {tokens / median:9.0f} tokens/s", flush=True)
+            print(f"repeat {repeat + 1} {backend:12s} median {median * 1000:8.1f} ms  {tokens / median:9.0f} tokens/s",
+                  flush=True)
     adapter = f", LoRA rank {args.lora}" if args.lora else ""
-    print(f"\ncase {args.case}{adapter}: median over {args.repeats} runs of the per-run median ({args.calls} calls each)")
+    print(f"\ncase {args.case}{adapter}: median over {args.repeats} runs of the per-run median "
+          f"({args.calls} calls each)")
     base = None
     for backend in BACKENDS:
         median = statistics.median(m for m, _ in runs[backend])
         rate = statistics.median(t / m for m, t in runs[backend])
         base = base or rate
-        print(f"{backend:12s} {median * 1000:8.1f} ms per call  {rate:9.0f} tokens/s  ({rate / base:.2f}x transformers)")
+        print(f"{backend:12s} {median * 1000:8.1f} ms per call  {rate:9.0f} tokens/s  "
+              f"({rate / base:.2f}x transformers)")
 
 
 if __name__ == "__main__":

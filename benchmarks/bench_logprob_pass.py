@@ -66,7 +66,8 @@ def main() -> None:
     runs = {path: [] for path in PATHS}
     for repeat in range(args.repeats):
         for path in PATHS if repeat % 2 == 0 else PATHS[::-1]:
-            out = subprocess.run([sys.executable, __file__, "--child", path], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, __file__, "--child", path], capture_output=True, text=True,
+                                 check=True)
             runs[path].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"repeat {repeat} {path}: {runs[path][-1]}", file=sys.stderr)
     summary = {

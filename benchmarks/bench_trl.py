@@ -165,11 +165,13 @@ def main() -> None:
             order = FRAMEWORKS if repeat % 2 == 0 else FRAMEWORKS[::-1]
             for framework in order:
                 out = subprocess.run(
-                    [sys.executable, __file__, "--case", args.case, "--steps", str(args.steps), "--child", framework, workdir],
+                    [sys.executable, __file__, "--case", args.case, "--steps", str(args.steps),
+                     "--child", framework, workdir],
                     check=True, capture_output=True, text=True, env=env,
                 ).stdout.strip().splitlines()[-1]
                 results[framework].append(json.loads(out))
-                print(f"repeat {repeat} {framework}: median step {statistics.median(results[framework][-1]['times'][args.warmup:]):.3f}s",
+                print(f"repeat {repeat} {framework}: median step "
+                      f"{statistics.median(results[framework][-1]['times'][args.warmup:]):.3f}s",
                       file=sys.stderr)
     summary = {}
     for framework, runs in results.items():

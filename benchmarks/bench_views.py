@@ -35,7 +35,8 @@ MEASURE = """
 import tracemalloc
 template = session._history[-1]
 def row(i):  # every metric varies from step to step, so that no panel is left out as constant
-    return {{k: (v * (1 + 0.01 * ((i * 7) % 13)) + 0.001 * (i % 5) if k != "step" else i + 1) for k, v in template.items()}}
+    return {{k: (v * (1 + 0.01 * ((i * 7) % 13)) + 0.001 * (i % 5) if k != "step" else i + 1)
+             for k, v in template.items()}}
 curves = dashboard.curves
 results = {{}}
 for steps in {steps}:
@@ -50,7 +51,9 @@ for steps in {steps}:
     whole = []  # every view of the dashboard hears the update, as after a real optimizer step
     for _ in range({repeats}):
         session._history.append(row(len(session._history)))
-        start = time.perf_counter(); session._notify("update", session._history[-1]); whole.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        session._notify("update", session._history[-1])
+        whole.append(time.perf_counter() - start)
     results[f"dashboard_update_ms_median_{{steps}}"] = 1000 * statistics.median(whole)
     results[f"dashboard_update_ms_max_{{steps}}"] = 1000 * max(whole)
     results[f"curves_traces_{{steps}}"] = sum(len(p["series"]) for p in curves.figure.spec["panels"])

@@ -101,8 +101,8 @@ def main() -> None:
           f"at or above WEIGHT_FIRST_MIN_BYTES={default}")
     for setting in SETTINGS:
         calls = ", ".join(f"{t * 1000:.0f}" for t in times[setting])
-        print(f"{setting:8s} median {medians[setting] * 1000:8.1f} ms  vs off {medians[setting] / medians['off']:.2f}x  "
-              f"calls (ms): {calls}")
+        print(f"{setting:8s} median {medians[setting] * 1000:8.1f} ms  vs off "
+              f"{medians[setting] / medians['off']:.2f}x  calls (ms): {calls}")
     difference = (logits["default"] - logits["off"]).abs().max().item()
     print(f"largest logit difference, default vs off, at one decoding step: {difference:.3g}")
 

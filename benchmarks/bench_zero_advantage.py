@@ -60,7 +60,8 @@ def child(setting: str, case: str, steps: int, workdir: str) -> dict:
         model, rewards = large_model(Path(workdir), task.model), [letters_if_odd_reward]
         config = dict(common, gradient_accumulation_steps=2, max_completion_length=128)
     with tempfile.TemporaryDirectory() as out:
-        session = GRPOSession(model, rewards, args=GRPOConfig(output_dir=out, **config), train_dataset=task.train_dataset)
+        session = GRPOSession(model, rewards, args=GRPOConfig(output_dir=out, **config),
+                              train_dataset=task.train_dataset)
         times = {stage: [] for stage in (*STAGES, "step")}
         skipped = micro_batches = 0
         for _ in range(steps):
@@ -96,8 +97,10 @@ def main() -> None:
         for repeat in range(args.repeats):
             for setting in SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]:
                 out = subprocess.run(
-                    [sys.executable, __file__, "--case", args.case, "--steps", str(args.steps), "--child", setting, workdir],
-                    check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+                    [sys.executable, __file__, "--case", args.case, "--steps", str(args.steps),
+                     "--child", setting, workdir],
+                    check=True, capture_output=True, text=True,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
                 ).stdout.strip().splitlines()[-1]
                 runs[setting].append(json.loads(out))
                 print(f"repeat {repeat} {setting}: median step "
@@ -109,7 +112,8 @@ def main() -> None:
             "median_step_s": median("step"),
             "median_loss_stage_s": median("loss"),
             "per_repeat_step_s": [round(statistics.median(r["times"]["step"][args.warmup:]), 4) for r in results],
-            "skipped_micro_batches": f"{sum(r['skipped'] for r in results)} of {sum(r['micro_batches'] for r in results)}",
+            "skipped_micro_batches": f"{sum(r['skipped'] for r in results)} of "
+                                     f"{sum(r['micro_batches'] for r in results)}",
         }
     summary["step_time_skip_vs_run"] = summary["skip"]["median_step_s"] / summary["run"]["median_step_s"]
     print(json.dumps({"case": args.case, "steps": args.steps, "repeats": args.repeats, **summary}, indent=2))

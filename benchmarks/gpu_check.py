@@ -88,9 +88,11 @@ def install_missing(wheelhouse: Path) -> dict:
     installable = [name for name in missing if name in offered]
     report = {"missing": missing, "installed": [], "install_errors": {}}
     for name in installable:  # one at a time: a package whose dependencies are not here leaves the others
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheelhouse), name]
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
+                   "--find-links", str(wheelhouse), name]
         done = subprocess.run(command, capture_output=True, text=True)
-        if "externally-managed-environment" in done.stderr:  # a distribution's Python: this machine is lent for the check
+        # a distribution's Python: this machine is lent for the check
+        if "externally-managed-environment" in done.stderr:
             done = subprocess.run([*command, "--break-system-packages"], capture_output=True, text=True)
         if done.returncode == 0:
             report["installed"].append(name)
@@ -210,7 +212,8 @@ class Checks:
                            peft_config=peft_config)
 
     def tokens_per_step(self, session) -> float:
-        return float(session.history["completions/mean_length"].iloc[1:].mean()) * self.settings["per_device_train_batch_size"]
+        mean_length = float(session.history["completions/mean_length"].iloc[1:].mean())
+        return mean_length * self.settings["per_device_train_batch_size"]
 
     def environment(self) -> dict:
         import torch
@@ -218,13 +221,16 @@ class Checks:
         from grpo_lab import GRPOConfig
 
         versions = {}
-        for name in ("torch", "transformers", "accelerate", "peft", "datasets", "trl", "vllm", "deepspeed", "bitsandbytes"):
+        for name in ("torch", "transformers", "accelerate", "peft", "datasets", "trl", "vllm", "deepspeed",
+                     "bitsandbytes"):
             try:
                 versions[name] = importlib.metadata.version(name)
             except importlib.metadata.PackageNotFoundError:
                 versions[name] = None
-        device_name = torch.cuda.get_device_name(0) if self.device == "cuda" else platform.processor() or platform.machine()
-        precision = GRPOConfig(output_dir=str(self.workdir / "probe"), use_cpu=self.device == "cpu").resolved_precision()
+        device_name = (torch.cuda.get_device_name(0) if self.device == "cuda"
+                       else platform.processor() or platform.machine())
+        precision = GRPOConfig(output_dir=str(self.workdir / "probe"),
+                               use_cpu=self.device == "cpu").resolved_precision()
         return {"device": device_name, "default_precision": precision, "python": platform.python_version(),
                 "versions": versions, "model_parameters": self._parameters()}
 
@@ -318,8 +324,10 @@ class Checks:
             session = self.session(f"options_{name}", **overrides)
             session.run(2, progress=False)
             last = session.history.iloc[-1]
-            finite = bool(session.history[["loss", "grad_norm"]].apply(lambda column: column.map(math.isfinite)).all().all())
-            result[name] = {"loss": float(last["loss"]), "kl": float(last["kl"]) if "kl" in last else None, "finite": finite}
+            finite = bool(session.history[["loss", "grad_norm"]]
+                          .apply(lambda column: column.map(math.isfinite)).all().all())
+            result[name] = {"loss": float(last["loss"]), "kl": float(last["kl"]) if "kl" in last else None,
+                            "finite": finite}
             result["ok"] &= result[name]["finite"]
             session.close()
             del session
@@ -330,7 +338,8 @@ class Checks:
 
         self.memory.reset()
         output_dir = self.workdir / "trainer"
-        trainer = GRPOTrainer(self.model_dir, self.reward_funcs, args=self.config("trainer", max_steps=self.steps, save_steps=self.steps),
+        trainer = GRPOTrainer(self.model_dir, self.reward_funcs,
+                              args=self.config("trainer", max_steps=self.steps, save_steps=self.steps),
                               train_dataset=self.task.train_dataset, processing_class=self.tokenizer)
         start = time.perf_counter()
         trainer.train()
@@ -372,7 +381,8 @@ class Checks:
                             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=device == "cpu",
                             bf16=device == "cuda" and __import__("torch").cuda.is_bf16_supported(), **settings)
         trainer = GRPOTrainer(model=self.model_dir, reward_funcs=self.reward_funcs, args=config,
-                              train_dataset=self.task.train_dataset, processing_class=self.tokenizer, callbacks=[Clock()])
+                              train_dataset=self.task.train_dataset, processing_class=self.tokenizer,
+                              callbacks=[Clock()])
         trainer.train()
         times = [end - begin for begin, end in stamps]
         tokens = statistics.mean(lengths[1:] or lengths) * settings["per_device_train_batch_size"]
@@ -391,7 +401,8 @@ class Checks:
         return {**result, "ok": True}
 
 
-ORDER = ("environment", "speed_paths_fp32", "speed_paths_default", "lora", "loss_options", "trainer", "trl", "vllm_colocate")
+ORDER = ("environment", "speed_paths_fp32", "speed_paths_default", "lora", "loss_options", "trainer", "trl",
+         "vllm_colocate")
 
 
 def markdown(report: dict) -> str:
@@ -399,12 +410,14 @@ def markdown(report: dict) -> str:
     lines = [f"# gpu_check on {env.get('device', report['device'])}", "",
              f"precision by default: {env.get('default_precision')}; model parameters: {env.get('model_parameters')}; "
              f"versions: {json.dumps(env.get('versions'))}", "",
-             "| check | status | median step (s) | peak memory (MiB) | tokens/s | details |", "|---|---|---|---|---|---|"]
+             "| check | status | median step (s) | peak memory (MiB) | tokens/s | details |",
+             "|---|---|---|---|---|---|"]
     for name in ORDER:
         if name == "environment" or name not in report["checks"]:
             continue
         result = report["checks"][name]
-        rows = [(name, result)] + [(f"{name}: {key}", value) for key, value in result.items() if isinstance(value, dict)]
+        rows = [(name, result)] + [(f"{name}: {key}", value) for key, value in result.items()
+                                   if isinstance(value, dict)]
         for label, row in rows:
             details = {k: v for k, v in row.items() if not isinstance(v, (dict, list)) and k not in
                        ("status", "median_step_s", "peak_memory_mib", "generated_tokens_per_s", "error")}
@@ -422,8 +435,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_check_results"), help="folder for the JSON and markdown")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: 4 on a GPU, 2 on a CPU)")
     parser.add_argument("--only", nargs="+", choices=ORDER, default=None, help="run these checks only")
-    parser.add_argument("--wheelhouse", type=Path, default=None, help="install missing packages from these wheels first")
-    parser.add_argument("--build-wheelhouse", type=Path, default=None, metavar="DIR", help="download the wheels and stop")
+    parser.add_argument("--wheelhouse", type=Path, default=None,
+                        help="install missing packages from these wheels first")
+    parser.add_argument("--build-wheelhouse", type=Path, default=None, metavar="DIR",
+                        help="download the wheels and stop")
     args = parser.parse_args()
     if args.build_wheelhouse:
         build_wheelhouse(args.build_wheelhouse)

@@ -138,7 +138,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
                           entropy_grad: bool = False):
         """Per-token log-probs (and entropies) of the completions ``index_B`` under ``model``:
         ``(logprobs_BT, entropies_BT or None)``; see ``logprobs_and_aux_loss``."""
-        scores = self.logprobs_and_aux_loss(model, rollout, index_B, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        scores = self.logprobs_and_aux_loss(
+            model, rollout, index_B, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
         return scores[:2]
 
     def logprobs_and_aux_loss(self, model, rollout: Rollout, index_B: torch.Tensor, *, with_entropy: bool,
@@ -227,7 +229,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             old_BT, sampling_BT, mask_BT, mode=config.vllm_importance_sampling_mode,
             clip_max=clip_max, clip_min=config.vllm_importance_sampling_clip_min,
         )
-        rollout.sampling_stats = ops.importance_sampling_stats(rollout.importance_weights_BT, old_BT, sampling_BT, mask_BT)
+        rollout.sampling_stats = ops.importance_sampling_stats(
+            rollout.importance_weights_BT, old_BT, sampling_BT, mask_BT
+        )
 
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
@@ -277,7 +281,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             metrics=generation_metrics(
                 self.accelerator, scores, rewards_BF, stats, num_tokens=self.num_input_tokens_seen,
                 epoch=self.sampler.epoch_progress,
-            ) | sampling_metrics(self.accelerator, scores.rollout.sampling_stats) | tool_metrics(self.accelerator, scores.rollout.columns),
+            )
+            | sampling_metrics(self.accelerator, scores.rollout.sampling_stats)
+            | tool_metrics(self.accelerator, scores.rollout.columns),
         )
 
     def update(self) -> dict[str, float]:

@@ -31,7 +31,7 @@ from grpo_lab.models import (
     router_aux_loss_weight,
 )
 from grpo_lab.rewards import prepare_reward_funcs
-from grpo_lab.rewards.runner import check_column_names, check_reward_weights
+from grpo_lab.rewards.preparation import check_column_names, check_reward_weights
 from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.batch import eos_token_ids
 from grpo_lab.rollout.custom import check_rollout_func

@@ -27,7 +27,8 @@ class EvaluationStage:
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
         if self.custom_rollout is None:  # else once its extra keys are known
-            check_reward_signatures(self.reward_funcs, self.reward_names, [c for c in dataset.column_names if c != "prompt"])
+            columns = [c for c in dataset.column_names if c != "prompt"]
+            check_reward_signatures(self.reward_funcs, self.reward_names, columns)
         rows = dataset.with_format(None)[local.start:local.stop]
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
         columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
@@ -42,7 +43,8 @@ class EvaluationStage:
                 chunk_columns.update(extra)
                 if "tool_calls" in extra:
                     tool_counts.setdefault("tool_calls", []).extend(extra["tool_calls"])
-                    tool_counts.setdefault("tool_failures", []).extend(extra.get("tool_failures", [0] * len(extra["tool_calls"])))
+                    failures = extra.get("tool_failures", [0] * len(extra["tool_calls"]))
+                    tool_counts.setdefault("tool_failures", []).extend(failures)
                 if self.custom_rollout is not None:
                     check_reward_signatures(self.reward_funcs, self.reward_names, list(chunk_columns))
                 decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)

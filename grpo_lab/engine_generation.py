@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import dist
-from grpo_lab.rewards.runner import CALL_KEYWORDS
+from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
 from grpo_lab.rollout.prompts import render_prompts, wrap_completions
@@ -30,7 +30,9 @@ class GenerationStage:
             rows = self._train_rows(global_rows[local])
             prompts = rows.pop("prompt")
             batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
-            batch, env_mask_BT = padded_to_multiple(batch, env_mask_BT, config.pad_multiple(), pad_token_id=self.tokenizer.pad_token_id)
+            batch, env_mask_BT = padded_to_multiple(
+                batch, env_mask_BT, config.pad_multiple(), pad_token_id=self.tokenizer.pad_token_id
+            )
             rows.update(extra)
             self.check_policy_version(batch)
         except BaseException:

@@ -62,7 +62,8 @@ class LossStage:
         loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
         settings = ops.LossSettings.from_config(config)
         entropy_coef = ops.applied_entropy_coef(
-            self.entropy_coef, self.last_step_entropy, adaptive=config.use_adaptive_entropy, target=config.entropy_target,
+            self.entropy_coef, self.last_step_entropy, adaptive=config.use_adaptive_entropy,
+            target=config.entropy_target,
         )
         parts, total_loss = [], 0.0
         entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
@@ -74,7 +75,8 @@ class LossStage:
             skip = self._skips_backward(zero_K, k, sync, skipped)
             args = (rollout, advantages, index_B, loss_mask_BT, normalizer, settings, entropy_coef, aux_weight,
                     len(micro_batches))
-            with torch.no_grad() if skip else contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+            context = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
+            with torch.no_grad() if skip else context:
                 step = self._micro_batch_loss(*args)
                 if skip:
                     not_finite |= not _finite_zero_gradient(step.loss, step.out.ratio_BT, step.mask_BT)
@@ -82,7 +84,8 @@ class LossStage:
                     self.accelerator.backward(step.loss)
             skipped += skip
             if config.use_adaptive_entropy:
-                entropy_stats.append(torch.stack([(step.entropies_BT.detach() * step.kept_BT).sum(), step.kept_BT.sum()]))
+                kept_entropy = (step.entropies_BT.detach() * step.kept_BT).sum()
+                entropy_stats.append(torch.stack([kept_entropy, step.kept_BT.sum()]))
             if step.off_policy_B1 is not None:
                 masked_sequences += (step.off_policy_B1 == 0).sum().to(masked_sequences.device)
             if step.aux_loss is not None:
@@ -90,7 +93,9 @@ class LossStage:
             total_loss += float(step.loss.detach())
             parts.append((index_B, step.logprobs_BT.detach(), step.entropies_BT.detach(), step.out, step.mask_BT))
         if zero_K is not None:  # over processes, in one collective: running it would average a NaN into all
-            counts = torch.tensor([[float(not_finite), float(skipped), float(len(micro_batches))]], device=self.accelerator.device)
+            counts = torch.tensor(
+                [[float(not_finite), float(skipped), float(len(micro_batches))]], device=self.accelerator.device
+            )
             not_finite_all, skipped_all, micro_batches_all = dist.gather(self.accelerator, counts).sum(0).tolist()
             not_finite = not_finite_all > 0
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
@@ -197,7 +202,8 @@ class LossStage:
             return None
         zero_K = torch.stack([~advantages.advantages_B[index_B].any() for index_B in micro_batches])
         if dist.sharding(self.accelerator) == "fsdp":
-            zero_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device)).view(-1, len(micro_batches)).all(0)
+            every_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device))
+            zero_K = every_K.view(-1, len(micro_batches)).all(0)
         return zero_K.tolist()
 
     def router_aux_loss_weight(self) -> float:
@@ -218,8 +224,9 @@ class LossStage:
             for name, parameter in self.unwrapped_model.named_parameters():
                 if name in self.trained_parameter_names and parameter.requires_grad and parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
-        elif self.trained_parameter_names is None:  # the unwrapped model's names: a checkpoint keeps them for any launch
-            self.trained_parameter_names = {name for name, p in self.unwrapped_model.named_parameters() if p.grad is not None}
+        elif self.trained_parameter_names is None:  # the unwrapped model's names: a checkpoint keeps them
+            parameters = self.unwrapped_model.named_parameters()
+            self.trained_parameter_names = {name for name, p in parameters if p.grad is not None}
         if not_finite:
             next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
 
@@ -227,7 +234,7 @@ class LossStage:
         """(B, 1) off-policy sequence mask (``off_policy_mask_threshold``) against the sampling policy:
         vLLM's log-probs, else the old policy's; None when off or when the batch is on-policy."""
         threshold = self.config.off_policy_mask_threshold
-        sampling_BT = rollout.sampling_logprobs_BT if rollout.sampling_logprobs_BT is not None else rollout.old_logprobs_BT
+        sampling_BT = rollout.old_logprobs_BT if rollout.sampling_logprobs_BT is None else rollout.sampling_logprobs_BT
         if threshold is None or sampling_BT is None:
             return None
         return ops.off_policy_mask(

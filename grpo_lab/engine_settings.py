@@ -60,7 +60,8 @@ class LiveSettings:
         ``value`` and the factor is read from the schedule (1 for a scheduler without ``lr_lambdas``)."""
         bases = [base * value / previous if previous else value for base in self.scheduler.base_lrs]
         lambdas = getattr(self.scheduler, "lr_lambdas", None)
-        for index, (group, base, new) in enumerate(zip(self.optimizer.param_groups, self.scheduler.base_lrs, bases, strict=True)):
+        groups = zip(self.optimizer.param_groups, self.scheduler.base_lrs, bases, strict=True)
+        for index, (group, base, new) in enumerate(groups):
             if base:
                 factor = group["lr"] / base
             else:

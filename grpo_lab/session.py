@@ -238,8 +238,9 @@ class GRPOSession(SessionFiles, SessionViews):
 
         Returns ``{"prompt_ids", "completion_ids", "logprobs", "texts"}``, lists with one entry per
         prompt: token ids without padding (a completion ends with its EOS unless truncated at
-        ``max_new_tokens``, by default and at most max_completion_length), the log-probs the tokens were sampled with (vLLM; None with
-        transformers) and the completions decoded without special tokens. Draws from the random
+        ``max_new_tokens``, by default and at most max_completion_length), the log-probs the tokens
+        were sampled with (vLLM; None with transformers) and the completions decoded without special
+        tokens. Draws from the random
         generator as generate() does; no optimizer state changes.
         """
         from grpo_lab.rollout.sampling import sample_prompts

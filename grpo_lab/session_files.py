@@ -89,8 +89,9 @@ class SessionFiles:
         )
         extra = _checkpoint_records(self)
         write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered)
-        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(Path(path), write, own_entries=SAVE_ENTRIES,
-                                                                     overwrite=overwrite))
+        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(
+            Path(path), write, own_entries=SAVE_ENTRIES, overwrite=overwrite,
+        ))
         return Path(path)
 
     @classmethod
@@ -113,7 +114,9 @@ class SessionFiles:
         if reward_funcs is None:
             reward_funcs = _unreferenced(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
         if "rollout_func" not in kwargs and "tools" not in kwargs:  # else the caller chose how to generate
-            kwargs["rollout_func"] = _unreferenced(extra["rollout_func"], directory, "rollout function", "rollout_func=...")
+            kwargs["rollout_func"] = _unreferenced(
+                extra["rollout_func"], directory, "rollout function", "rollout_func=..."
+            )
             kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
         train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
         if kwargs.get("args") is None:
@@ -236,7 +239,8 @@ def _without_remote_code(config: GRPOConfig, directory: Path) -> GRPOConfig:
     for name in dropped:
         init_kwargs.pop(name)
     if config.trust_remote_code or dropped:
-        settings = ["trust_remote_code"] * bool(config.trust_remote_code) + [f"model_init_kwargs[{n!r}]" for n in dropped]
+        settings = ["trust_remote_code"] * bool(config.trust_remote_code)
+        settings += [f"model_init_kwargs[{n!r}]" for n in dropped]
         notices.warn(
             f"{directory / 'config.yaml'} sets {', '.join(settings)}, which a checkpoint cannot turn on: the model is "
             "loaded without running or fetching code. If you trust the checkpoint, load it with "
@@ -263,7 +267,9 @@ def _unreferenced(saved, directory: Path, what: str, argument: str):
         except (AttributeError, ImportError, ValueError) as error:
             problem = f"cannot be found in this process ({error}; e.g. defined in a notebook)"
     again = "it" if what == "rollout function" else "them"
-    raise ValueError(f"The {what} saved in {directory} {problem}; pass {again} again: GRPOSession.load(path, {argument}).")
+    raise ValueError(
+        f"The {what} saved in {directory} {problem}; pass {again} again: GRPOSession.load(path, {argument})."
+    )
 
 
 def _import_reference(reference: str, directory: Path | None = None):

@@ -33,9 +33,6 @@ from transformers import PreTrainedModel
 
 from grpo_lab import notices
 from grpo_lab.config import REWARD_TIMEOUT
-from grpo_lab.rewards.preparation import (  # noqa: F401  (grpo_lab.engine imports these from here)
-    CALL_KEYWORDS, check_column_names, check_reward_weights,
-)
 from grpo_lab.rollout.prompts import is_conversational
 
 

@@ -16,7 +16,9 @@ def sample_prompts(session, prompts, max_new_tokens: int | None = None) -> dict[
         raise ValueError("sample() takes a non-empty list of prompts (texts, chat messages or token-id lists).")
     if all(isinstance(p, numbers.Integral) for p in prompts):
         raise ValueError("sample() takes a list of prompts: wrap one prompt's token ids in a list, sample([ids]).")
-    as_ids = [None if isinstance(p, str) or is_conversational(p) else as_token_ids(p, allow_empty=False) for p in prompts]
+    as_ids = [
+        None if isinstance(p, str) or is_conversational(p) else as_token_ids(p, allow_empty=False) for p in prompts
+    ]
     for index, (prompt, ids) in enumerate(zip(prompts, as_ids, strict=True)):
         if ids is None and not (isinstance(prompt, str) or is_conversational(prompt)):
             raise ValueError(
@@ -34,16 +36,20 @@ def sample_prompts(session, prompts, max_new_tokens: int | None = None) -> dict[
         inputs = render_prompts(list(prompts), session.tokenizer, session.config.chat_template_kwargs)
     settings = session.config
     if max_new_tokens is not None:
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or not 1 <= max_new_tokens <= session.config.max_completion_length:
+        longest = session.config.max_completion_length
+        whole = isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
+        if not whole or not 1 <= max_new_tokens <= longest:
             raise ValueError(
-                f"max_new_tokens must be an int from 1 to max_completion_length ({session.config.max_completion_length}); "
+                f"max_new_tokens must be an int from 1 to max_completion_length ({longest}); "
                 f"got {max_new_tokens!r}."
             )
         settings = copy.copy(session.config)
         settings.max_completion_length = max_new_tokens
     batch = session.engine.rollout_backend.generate(inputs, settings)
     session.engine.check_policy_version(batch)
-    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)]
+    prompt_ids = [
+        ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)
+    ]
     kept_BT = batch.completion_mask_BT.bool()
     completion_ids = [ids[mask].tolist() for ids, mask in zip(batch.completion_ids_BT, kept_BT, strict=True)]
     logprobs = None
