@@ -65,7 +65,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.owns_optimizer, self.owns_scheduler = optimizer is None, scheduler is None
         self.model, self.optimizer = self.accelerator.prepare(policy, build.adamw(policy, config) if optimizer is None
                                                               else optimizer)
-        self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once: each unwrap costs about 0.1 ms
+        self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
         self.train_dataset, self.eval_dataset, self.rollout_func = train_dataset, eval_dataset, rollout_func

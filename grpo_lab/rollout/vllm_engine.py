@@ -169,7 +169,7 @@ class VLLMEngine:
             self.llm.wake_up()
             self.sleeping = False
         # A run of identical prompts (a GRPO group) is one request for n samples: the prompt is
-        # processed once, and on 2 CPU cores this is 25% faster than n separate requests.
+        # processed once (benchmarks/README.md has the measurement).
         runs: list[tuple[list[int], int, int]] = []  # (prompt, count, seed of its first copy)
         for ids, seed in zip(prompt_token_ids, seeds, strict=True):
             if runs and runs[-1][0] == ids:
