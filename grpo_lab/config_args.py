@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import inspect
 import json
 import os
 import sys
@@ -49,6 +50,15 @@ def suggestion(config_class, name: str, prefix: str = "") -> str:
 
 
 # ---------------------------------------------------------------------- one value
+@functools.cache
+def _annotations(config_class) -> dict[str, Any]:
+    """Field name -> its annotation as written (fields are declared on a base class)."""
+    merged: dict[str, Any] = {}
+    for klass in reversed(config_class.__mro__):
+        merged.update(inspect.get_annotations(klass))
+    return merged
+
+
 @functools.cache
 def _field_types(config_class) -> dict[str, tuple]:
     """Field name -> the types its annotation allows (``float | None`` -> ``(float, NoneType)``)."""
@@ -95,7 +105,7 @@ def parse_value(config_class, name: str, raw: str):
                 return parts[0] if len(parts) == 1 else parts
             return [float(p) for p in parts]
     except (ValueError, json.JSONDecodeError):
-        annotation = str(config_class.__annotations__[name])
+        annotation = str(_annotations(config_class)[name])
         shown = "" if annotation == kind else f" ({annotation})"
         raise ValueError(f"--{name}: cannot read {raw!r} as {kind}{shown}.") from None
     if name == "scale_rewards" and text.lower() in ("true", "false"):

@@ -53,8 +53,7 @@ class LossStage:
         config = self.config
         rollout = advantages.scores.rollout
         if config.beta > 0 and rollout.ref_logprobs_BT is None:  # beta switched on after this batch was sampled
-            with self.accelerator.autocast():
-                rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
+            rollout.ref_logprobs_BT = self._reference_logprobs_autocast(rollout)
         aux_weight = self.router_aux_loss_weight()  # raises before any gradient is touched
         self.optimizer.zero_grad(set_to_none=True)
         micro_batches = self.step_indices(batch_step)
@@ -92,12 +91,8 @@ class LossStage:
                 aux_losses.append(step.aux_loss.detach())
             total_loss += float(step.loss.detach())
             parts.append((index_B, step.logprobs_BT.detach(), step.entropies_BT.detach(), step.out, step.mask_BT))
-        if zero_K is not None:  # over processes, in one collective: running it would average a NaN into all
-            counts = torch.tensor(
-                [[float(not_finite), float(skipped), float(len(micro_batches))]], device=self.accelerator.device
-            )
-            not_finite_all, skipped_all, micro_batches_all = dist.gather(self.accelerator, counts).sum(0).tolist()
-            not_finite = not_finite_all > 0
+        if zero_K is not None:
+            not_finite, skipped_fraction = self._skips_over_processes(not_finite, skipped, len(micro_batches))
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)
         if config.use_adaptive_entropy:
             self._hold_step_entropy(entropy_stats)
@@ -106,9 +101,22 @@ class LossStage:
         if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
             result.metrics["entropy_coef"] = entropy_coef
         if zero_K is not None:
-            result.metrics["backward_skipped_fraction"] = skipped_all / micro_batches_all
+            result.metrics["backward_skipped_fraction"] = skipped_fraction
         self._add_step_metrics(result.metrics, aux_losses, masked_sequences, len(step_index))
         return result
+
+    def _reference_logprobs_autocast(self, rollout):
+        with self.accelerator.autocast():
+            return self._reference_logprobs(rollout)
+
+    def _skips_over_processes(self, not_finite: bool, skipped: int, micro_batches: int) -> tuple[bool, float]:
+        """Whether any process saw a non-finite skipped loss, and the fraction of micro-batches whose
+        backward was skipped, over processes in one collective (running a non-finite one would
+        average a NaN into every process's gradients)."""
+        values = [[float(not_finite), float(skipped), float(micro_batches)]]
+        counts = torch.tensor(values, device=self.accelerator.device)
+        not_finite_all, skipped_all, micro_batches_all = dist.gather(self.accelerator, counts).sum(0).tolist()
+        return not_finite_all > 0, skipped_all / micro_batches_all
 
     def _skips_backward(self, zero_K: list[bool] | None, k: int, last: bool, skipped: int) -> bool:
         """Whether micro-batch ``k`` runs its forward pass without a backward. A micro-batch whose
