@@ -195,7 +195,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
         """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
-        dataset has (indexing a format-free view by a list is about 6x faster than select().to_dict()).
+        dataset has (by indexing a format-free view with a list, which is cheaper than select().to_dict()).
         Refuses, naming the row, a prompt that cannot be rendered or does not fit the model's context
         with the current ``max_completion_length``."""
         if self._rows_source is not self.train_dataset:

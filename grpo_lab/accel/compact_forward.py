@@ -109,11 +109,10 @@ def _hooked(module) -> bool:
 
 WEIGHT_FIRST_MIN_BYTES = 1 << 20
 """The smallest weight ``_linear`` takes weight-first. A weight of a MiB or more is read from memory
-at every decoding step, and MKL's float32 product of a few rows with it is faster as ``W @ x^T``:
-a 30M model's generation took 19% less time on a 2-core CPU (3 to 11% while the strided query
-this leaves kept attention on the math kernel, see ``_attention``). A smaller weight stays in cache,
-where the transposed view costs more than it saves: taking every product weight-first made the
-shipped model's generation 8% slower (``benchmarks/bench_weight_first.py``)."""
+at every decoding step, and MKL's float32 product of a few rows with it is faster as ``W @ x^T``.
+A smaller weight stays in cache, where the transposed view costs more than it saves, so taking
+every product weight-first slows the shipped model's generation (figures in benchmarks/README.md,
+from ``benchmarks/bench_weight_first.py``)."""
 
 
 def _linear(module, hidden, *, weight_first: bool):

@@ -3,8 +3,8 @@
 glibc's ``malloc`` serves large blocks by mapping fresh pages (above 128 KiB at first, a bound it
 raises as such blocks are freed) and returns the free top of its heap to the kernel past a
 threshold. A training step allocates and frees its activations every step, so on a CPU each step's
-activations land on pages the kernel maps and zeroes again on first touch: 80,000 to 255,000 page
-faults a step for the 30M-parameter benchmark model. PyTorch's CUDA allocator caches GPU memory for
+activations land on pages the kernel maps and zeroes again on first touch: tens of thousands of
+page faults a step (benchmarks/README.md). PyTorch's CUDA allocator caches GPU memory for
 the same reason; PyTorch has no such cache for CPU memory, so ``keep_freed_memory`` asks glibc to
 serve blocks up to 32 MiB (the largest bound it accepts) from its heap and never to trim the heap.
 The process's resident memory then stays near its peak; blocks above 32 MiB are still mapped and

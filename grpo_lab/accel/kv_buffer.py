@@ -1,9 +1,8 @@
 """A key/value cache layer for generation that writes each step in place instead of concatenating.
 
 transformers' ``DynamicLayer`` concatenates every new token's keys and values onto the cache, so
-each decoding step copies the whole cache: O(L^2) copying over a completion of L tokens. On a CPU
-those copies were 17% of generation for the benchmarks' 30M-parameter model with 128-token
-completions and 27% with 161-token prompts (benchmarks/README.md). ``BufferedLayer`` writes each
+each decoding step copies the whole cache: O(L^2) copying over a completion of L tokens, a
+sizeable share of generation on a CPU (benchmarks/README.md). ``BufferedLayer`` writes each
 step's keys and values into buffers with room to spare and hands attention a view of the filled
 part: the same values, without the copies. The room grows a block of positions at a time, so a
 long ``max_completion_length`` that completions rarely reach reserves no memory up front.

@@ -202,8 +202,8 @@ def _packed_logits(
 
 def _select_rows(cache, index_B: torch.Tensor):
     """Index every layer's keys and values to the rows ``index_B`` (``batch_select_indices`` by
-    ``index_select``, whose backward, an index_add, is about 3x faster on a CPU than the index_put
-    of advanced indexing). Returns ``cache``."""
+    ``index_select``, whose backward, an index_add, is cheaper on a CPU than the index_put of
+    advanced indexing). Returns ``cache``."""
     for layer in cache.layers:
         if layer.keys is not None:  # None: a layer that holds nothing (shared key/values)
             index = index_B.to(layer.keys.device)
