@@ -182,8 +182,11 @@ def trainer_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
 
+TRAINER_STATE_FILE = "trainer_state.json"
+"""A trainer checkpoint's transformers ``TrainerState`` (log history, best metric), in JSON."""
+
 SAVE_ENTRIES = frozenset({"COMPLETE", STATE_FILE, MODEL_DIR, "config.yaml", "summary.json", "train_dataset",
-                          "eval_dataset", PARTIAL_MARKER})
+                          "eval_dataset", TRAINER_STATE_FILE, PARTIAL_MARKER})
 """What a save directory holds: replacing a directory that holds anything else would delete it."""
 
 

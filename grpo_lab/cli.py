@@ -130,7 +130,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_complete(args.resume_from)  # before the model loads
     overrides = args.overrides + (["--disable_tqdm", "true"] if args.json else [])
     trainer = build_trainer(args.recipe, overrides)
-    last = trainer.train(resume_from_checkpoint=args.resume_from)
+    trainer.train(resume_from_checkpoint=args.resume_from)
+    last = trainer.session.last_metrics
     trainer.save_model()
     trainer.close()  # frees the model and ends the process group of an accelerate launch
     if args.json:

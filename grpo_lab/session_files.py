@@ -12,6 +12,7 @@ from grpo_lab import notices
 from grpo_lab.checkpoint import (
     MODEL_DIR,
     SAVE_ENTRIES,
+    TRAINER_STATE_FILE,
     check_save_target,
     load_saved_weights,
     load_state,
@@ -52,7 +53,7 @@ class SessionFiles:
         load_session_state_dict(self, state)
 
     @drives_stages
-    def save(self, path, *, overwrite: bool = False) -> Path:
+    def save(self, path, *, overwrite: bool = False, trainer_state: str | None = None) -> Path:
         """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
         history, config and any half-finished stage results to ``path``, atomically. Config edits
         made since the last stage are validated first, as the next stage would.
@@ -66,6 +67,9 @@ class SessionFiles:
         Under FSDP the shards of the weights, the optimizer state and a reference model are gathered
         too: the checkpoint holds the whole model and loads on any number of processes (DeepSpeed ZeRO
         is refused).
+
+        ``trainer_state``: a transformers ``TrainerState`` as JSON, which ``GRPOTrainer`` keeps in its
+        checkpoints as ``trainer_state.json``.
         """
         self._sync_config()
         engine = self.engine
@@ -88,7 +92,7 @@ class SessionFiles:
             None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
         )
         extra = _checkpoint_records(self)
-        write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered)
+        write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered, trainer_state)
         on_main(accelerator, f"write {path}", lambda: atomic_directory_write(
             Path(path), write, own_entries=SAVE_ENTRIES, overwrite=overwrite,
         ))
@@ -155,11 +159,14 @@ def _checkpoint_records(session) -> dict:
     }
 
 
-def _write_checkpoint(engine, extra: dict, per_process: list, gathered: tuple, directory: Path) -> None:
+def _write_checkpoint(engine, extra: dict, per_process: list, gathered: tuple, trainer_state: str | None,
+                      directory: Path) -> None:
     """Write a checkpoint's files into ``directory`` (the main process, inside an atomic write)."""
     from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
     save_engine(engine, directory, extra, per_process, gathered)
+    if trainer_state is not None:
+        (directory / TRAINER_STATE_FILE).write_text(trainer_state)
     shown = is_progress_bar_enabled()
     disable_progress_bar()  # a checkpoint is not worth three progress bars per save
     try:

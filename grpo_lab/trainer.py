@@ -21,13 +21,14 @@ from pathlib import Path
 
 from grpo_lab import notices
 from grpo_lab.accel import release_freed_memory
-from grpo_lab.checkpoint import CHECKPOINT_PREFIX, check_complete, trainer_checkpoints
+from grpo_lab.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
 from grpo_lab.session import GRPOSession
+from grpo_lab.trainer_events import TrainerEvents, TrainOutput
 
 
 class GRPOTrainer:
@@ -46,6 +47,7 @@ class GRPOTrainer:
         optimizers=(None, None),
         rollout_func=None,
         tools=None,
+        callbacks=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
         if args is not None and first_process():  # the process that writes checkpoints
@@ -63,6 +65,10 @@ class GRPOTrainer:
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)
         check_savable(self.accelerator)  # the run ends with a checkpoint: refused now, not after training
+        self._events = TrainerEvents(self.args, callbacks, is_world_process_zero=self.accelerator.is_main_process,
+                                     is_local_process_zero=self.accelerator.is_local_main_process)
+        self._events.attach(self.session)
+        self._events.init_end()
 
     @property
     def accelerator(self):
@@ -72,8 +78,35 @@ class GRPOTrainer:
     def model(self):
         return self.session.model
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
-        """Run until ``max_steps`` (or ``num_train_epochs``); returns the last metrics row.
+    @property
+    def state(self):
+        """transformers' ``TrainerState``: ``global_step``, ``epoch``, ``max_steps``, ``log_history``..."""
+        return self._events.state
+
+    @property
+    def control(self):
+        """transformers' ``TrainerControl``, which callbacks set to log, save or stop."""
+        return self._events.control
+
+    @property
+    def callback_handler(self):
+        return self._events.handler
+
+    def add_callback(self, callback) -> None:
+        """Add a transformers ``TrainerCallback`` (a class or an instance)."""
+        self._events.handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """Remove a callback (a class: its first instance) and return it."""
+        return self._events.handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self._events.handler.remove_callback(callback)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Run until ``max_steps`` (or ``num_train_epochs``); returns transformers' ``TrainOutput``
+        (``global_step``, ``training_loss``, ``metrics``), as TRL's trainer does. The last step's own
+        metrics are ``trainer.session.last_metrics``; the logged rows, ``trainer.state.log_history``.
 
         ``resume_from_checkpoint``: a checkpoint directory, or True for the newest one in
         ``output_dir``.
@@ -92,14 +125,21 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             on_main(self.accelerator, "drop metrics.jsonl rows the resumed steps replace",
                     self._drop_logged_steps_after)
-        if self.session.global_step >= total:
-            if self.accelerator.is_main_process:
-                notices.warn(
-                    f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
-                    "(or num_train_epochs) in trainer.args to train further.",
-                )
-            return self.session.last_metrics
-        return self._train_steps(total)
+        if self.session.global_step < total:
+            return self._train_steps(total)
+        if self.accelerator.is_main_process:
+            notices.warn(
+                f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
+                "(or num_train_epochs) in trainer.args to train further.",
+            )
+        self._begin_events(total)
+        return self._events.train_end(steps_run=0, samples_per_step=0)
+
+    def _begin_events(self, total: int) -> None:
+        self._events.attach(self.session)
+        self._events.train_begin(global_step=self.session.global_step, max_steps=total,
+                                 logging_steps=steps_between(self.args.logging_steps, total),
+                                 save_steps=steps_between(self.args.save_steps, total))
 
     def _warn_about_an_earlier_run(self) -> None:
         """Warn when a fresh run starts in an ``output_dir`` where an earlier run left checkpoints or metrics."""
@@ -125,13 +165,16 @@ class GRPOTrainer:
         except BaseException:
             self.session = kept  # None where the model was released: only a resume can follow
             raise
+        self._events.resumed(path / TRAINER_STATE_FILE, self.session)
 
-    def _train_steps(self, total: int) -> dict:
-        """Step until ``total``, logging every step and checkpointing every ``save_steps`` and at the
-        end; returns the last metrics row."""
-        save_every = steps_between(self.args.save_steps, total)
+    def _train_steps(self, total: int) -> TrainOutput:
+        """Step until ``total`` (or a callback's ``should_training_stop``), logging every step and
+        checkpointing every ``save_steps`` and at the end."""
         log_every = steps_between(self.args.logging_steps, total)
+        events, first = self._events, self.session.global_step
+        self._begin_events(total)
         row: dict = {}
+        saved_at = None
         shown = self.accelerator.is_main_process and self.args.disable_tqdm is not True
         # The trackers live on the main process; opening them, logging a step and closing them go
         # through on_main, so that a failure there stops every process with its cause.
@@ -145,19 +188,26 @@ class GRPOTrainer:
         try:
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
+                    events.step_begin()
                     row = self.session.step()
                     bar.advance(row)
                     on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
-                    if row["step"] % save_every == 0:
-                        self.save_checkpoint()
-            if row and row["step"] % save_every:
-                self.save_checkpoint()  # as transformers' Trainer does, the end of training is always resumable
+                    control = events.step_end(row)
+                    if control.should_save or control.should_training_stop:
+                        self.save_checkpoint()  # a run that stops is always resumable from where it stopped
+                        saved_at = row["step"]
+                    if control.should_training_stop:
+                        break
+            if row and saved_at != row["step"]:
+                self.save_checkpoint()
         except BaseException as error:
             # what was logged reaches the trackers, marked failed
             closing.__exit__(type(error), error, error.__traceback__)
             raise
         on_main(self.accelerator, "close the trackers", closing.close)
-        return row
+        samples = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        return events.train_end(steps_run=self.session.global_step - first,
+                                samples_per_step=samples * self.accelerator.num_processes)
 
     def _drop_logged_steps_after(self) -> None:
         """Remove from ``metrics.jsonl`` the rows of steps after the one resumed from: a run stopped
@@ -216,8 +266,10 @@ class GRPOTrainer:
         path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.session.global_step}"
         on_main(self.accelerator, "remove what killed checkpoint writes left",
                 lambda: remove_partial_writes(self.output_dir, CHECKPOINT_PREFIX))
-        self.session.save(path)  # every process: each one's random state goes into the checkpoint
+        # every process: each one's random state goes into the checkpoint
+        self.session.save(path, trainer_state=self._events.state_json())
         on_main(self.accelerator, "remove checkpoints beyond save_total_limit", self._rotate_checkpoints)
+        self._events.saved()
         return path
 
     def close(self) -> None:
@@ -233,6 +285,7 @@ class GRPOTrainer:
             return
         accelerator = self.accelerator
         session, self.session = self.session, None
+        self._events.detach()
         session.close()
         del session
         accelerator.free_memory()  # accelerate keeps the prepared model, which holds the process group
@@ -246,6 +299,7 @@ class GRPOTrainer:
         session where an optimizer given in optimizers= holds its model's parameters: the checkpoint
         goes into that model."""
         session, self.session = self.session, None
+        self._events.detach()
         session.close()
         if not session.engine.owns_optimizer:
             return session

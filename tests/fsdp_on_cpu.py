@@ -120,7 +120,8 @@ def main() -> None:
     trainer.session.on(lambda stage, result: losses.append(
         [result.backward_skipped, (result.advantages.advantages_B.view(2, -1) == 0).all(1).tolist()]
     ) if stage == "loss" else None)
-    row = trainer.train(resume_from_checkpoint=args.resume)
+    trainer.train(resume_from_checkpoint=args.resume)
+    row = trainer.session.last_metrics
     with open(f"{out}/losses-{trainer.accelerator.process_index}.json", "w") as handle:
         json.dump(losses, handle)
     trainer.save_model(f"{out}/final")

@@ -455,7 +455,7 @@ def test_the_example_recipe_trains(tmp_path):
 
     trainer = build_trainer(ROOT / "examples" / "recipe.yaml", ["--max_steps", "1", "--output_dir", str(tmp_path)])
     assert trainer.args.learning_rate == 1e-4 and len(trainer.session.reward_funcs) == 2
-    assert trainer.train()["step"] == 1
+    assert trainer.train().global_step == 1
 
 
 @pytest.mark.parametrize("recipe, message", [

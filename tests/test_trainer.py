@@ -35,7 +35,8 @@ def test_trainer_and_session_give_identical_metrics_and_weights(make_session, ta
 def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys):
     trainer = _trainer(task, tmp_path, max_steps=4, save_steps=2, save_total_limit=1, log_completions=True,
                        num_completions_to_print=2)
-    last = trainer.train()
+    trainer.train()
+    last = trainer.session.last_metrics
     printed = capsys.readouterr().out.splitlines()  # a table of 2 completions every logging step
     assert ([line.strip() for line in printed if "completions at step" in line]
             == [f"completions at step {n}" for n in (1, 2, 3, 4)])
@@ -65,14 +66,15 @@ def test_log_unique_prompts_shows_each_prompt_of_a_step_once_with_its_first_comp
 
 def test_train_again_on_a_finished_run_does_nothing_until_max_steps_is_raised(task, tmp_path):
     trainer = _trainer(task, tmp_path, max_steps=2, report_to="tensorboard")
-    last = trainer.train()
+    trainer.train()
+    last = trainer.session.last_metrics
     files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     with pytest.warns(UserWarning, match=r"Nothing to train: the run is at step 2 of 2\. Raise max_steps"):
         again = trainer.train()
-    assert again == last
+    assert again.global_step == 2 and trainer.session.last_metrics == last
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()) == files  # no empty tracker run
     trainer.args.max_steps = 3
-    assert trainer.train()["step"] == 3
+    assert trainer.train().global_step == 3
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 

@@ -1,0 +1,158 @@
+"""GRPOTrainer's transformers surface, as a TRL script uses it: ``state`` (``log_history`` with TRL's
+keys and reduction), ``control``, callbacks and their events, ``train()``'s ``TrainOutput``."""
+
+import json
+
+import pytest
+from transformers import TrainerCallback
+from transformers.trainer_utils import TrainOutput
+
+from grpo_lab import GRPOTrainer
+from grpo_lab.trainer_events import window_row
+from tests.conftest import SMALL
+
+
+def _trainer(task, tmp_path, callbacks=None, **overrides):
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "save_steps": 100, "disable_tqdm": True,
+                            **overrides})
+    return GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                       callbacks=callbacks)
+
+
+def test_window_row_averages_the_window_leaves_nan_out_and_takes_the_last_step_where_the_trainer_does():
+    rows = [
+        {"step": 1, "reward": 1.0, "entropy": float("nan"), "kl": float("nan"), "grad_norm": 5.0, "num_tokens": 10.0},
+        {"step": 2, "reward": 2.0, "entropy": 0.5, "kl": float("nan"), "grad_norm": 3.0, "num_tokens": 25.0},
+    ]
+    # reward (1 + 2) / 2; entropy: the NaN left out; kl: nothing left -> None; grad_norm and
+    # num_tokens: step 2's
+    assert window_row(rows) == {"reward": 1.5, "entropy": 0.5, "kl": None, "grad_norm": 3.0, "num_tokens": 25.0}
+
+
+def test_log_history_rows_are_trls_window_means_and_train_returns_a_train_output(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=5, logging_steps=2)
+    out = trainer.train()
+    history = trainer.session.history
+    logged = trainer.state.log_history
+    assert [row["step"] for row in logged] == [2, 4, 5]
+    for row, (first, last) in zip(logged[:2], [(0, 1), (2, 3)]):
+        window = history.iloc[first:last + 1]
+        assert row["reward"] == pytest.approx(window["reward"].mean(), rel=1e-12)
+        assert row["loss"] == pytest.approx(window["loss"].mean(), rel=1e-12, abs=1e-15)
+        assert row["grad_norm"] == history["grad_norm"].iloc[last]
+        assert row["num_tokens"] == history["num_tokens"].iloc[last]
+        assert row["epoch"] == history["epoch"].iloc[last]
+    closing = logged[-1]
+    train_loss = history["loss"].mean()
+    assert closing["train_loss"] == pytest.approx(train_loss, rel=1e-12, abs=1e-15)
+    assert closing["reward"] == history["reward"].iloc[4]  # step 5, not logged before: TRL folds it in here
+    assert "loss" not in closing and "grad_norm" not in closing
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"} <= set(closing)
+    assert isinstance(out, TrainOutput) and out.global_step == 5
+    assert out.training_loss == pytest.approx(train_loss, rel=1e-12, abs=1e-15)
+    assert out.metrics == {k: v for k, v in closing.items() if k not in ("step", "total_flos")}
+    assert (trainer.state.global_step, trainer.state.max_steps) == (5, 5)
+    assert trainer.state.is_world_process_zero
+
+
+class Recorder(TrainerCallback):
+    """Notes each event with the step, and stops or saves where told."""
+
+    def __init__(self, save_at=(), stop_at=None):
+        self.events, self.save_at, self.stop_at, self.seen = [], save_at, stop_at, {}
+
+    def _note(self, name, state, **kwargs):
+        self.events.append((name, state.global_step))
+        self.seen.setdefault(name, {k: kwargs.get(k) for k in ("model", "optimizer", "lr_scheduler",
+                                                              "processing_class")})
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._note("init_end", state, **kwargs)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._note("train_begin", state, **kwargs)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._note("step_begin", state, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._note("step_end", state, **kwargs)
+        if state.global_step in self.save_at:
+            control.should_save = True
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._note("log", state, **kwargs)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._note("save", state, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._note("train_end", state, **kwargs)
+
+
+def test_callbacks_get_transformers_events_in_order_and_can_save_and_stop_the_run(task, tmp_path):
+    recorder = Recorder(save_at=(1,), stop_at=3)
+    trainer = _trainer(task, tmp_path, callbacks=[recorder], max_steps=6, logging_steps=2)
+    out = trainer.train()
+    assert recorder.events == [
+        ("init_end", 0), ("train_begin", 0),
+        ("step_begin", 0), ("step_end", 1), ("save", 1),  # saved because the callback asked
+        ("step_begin", 1), ("step_end", 2), ("log", 2),  # logging_steps=2
+        ("step_begin", 2), ("step_end", 3), ("save", 3),  # stopped: the checkpoint of the last step
+        ("log", 3), ("train_end", 3),
+    ]
+    assert out.global_step == 3 and trainer.session.global_step == 3
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
+    kwargs = recorder.seen["step_end"]
+    assert kwargs["model"] is trainer.model and kwargs["optimizer"] is trainer.session.engine.optimizer
+    assert kwargs["lr_scheduler"] is trainer.session.engine.scheduler
+    assert kwargs["processing_class"] is trainer.session.tokenizer
+
+
+def test_add_and_pop_callback(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=1)
+    recorder = Recorder()
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert ("train_end", 1) in recorder.events
+    assert trainer.pop_callback(Recorder) is recorder
+    assert not any(isinstance(c, Recorder) for c in trainer.callback_handler.callbacks)
+
+
+def test_a_resumed_trainer_keeps_the_log_history_of_its_checkpoint(task, tmp_path):
+    first = _trainer(task, tmp_path / "a", max_steps=3, logging_steps=1, save_steps=1)
+    first.train()
+    saved = json.loads((tmp_path / "a" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [row["step"] for row in saved["log_history"]] == [1, 2]
+    resumed = _trainer(task, tmp_path / "a", max_steps=3, logging_steps=1, save_steps=1)
+    resumed.train(resume_from_checkpoint=tmp_path / "a" / "checkpoint-2")
+    logged = resumed.state.log_history
+    assert [row["step"] for row in logged] == [1, 2, 3, 3]
+    assert logged[:2] == first.state.log_history[:2]
+    drop = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+    assert {k: v for k, v in logged[2].items() if k not in drop} == {
+        k: v for k, v in first.state.log_history[2].items() if k not in drop}
+
+
+def test_log_history_has_trls_keys_on_the_same_run(task, tmp_path):
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from grpo_lab.tasks import DEMO_CONFIG
+
+    # transformers 5 dropped warmup_ratio from TrainingArguments (grpo_lab keeps TRL 1.16's field)
+    settings = {k: v for k, v in {**DEMO_CONFIG, **SMALL, "max_steps": 3, "logging_steps": 2}.items()
+                if k != "warmup_ratio"}
+    theirs = TRLTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset, args=TRLConfig(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, **settings))
+    trl_out = theirs.train()
+    ours = _trainer(task, tmp_path / "ours", max_steps=3, logging_steps=2)
+    out = ours.train()
+    grpo_lab_only = {"backward_skipped_fraction", "update_skipped"}
+    assert len(ours.state.log_history) == len(theirs.state.log_history) == 2
+    for mine, trl_row in zip(ours.state.log_history, theirs.state.log_history):
+        assert set(mine) - grpo_lab_only == set(trl_row)
+    assert set(out.metrics) - grpo_lab_only == set(trl_out.metrics)
