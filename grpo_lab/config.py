@@ -33,7 +33,7 @@ from grpo_lab.config_checks import (
     VLLM_MODES,
     field_defaults,
 )
-from grpo_lab.config_fields import REWARD_TIMEOUT, GRPOFields, built, setting
+from grpo_lab.config_fields import REWARD_TIMEOUT, TrainingArgumentsFields, built, setting
 
 __all__ = [
     "AGGREGATIONS", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_TYPES", "NOT_YET_IMPLEMENTED", "OPTIMIZERS", "REPORTERS",
@@ -51,7 +51,7 @@ class Batching:
 
 
 @dataclass(repr=False)
-class GRPOConfig(GRPOFields):
+class GRPOConfig(TrainingArgumentsFields):
     """Configuration of a GRPO run, shared by ``GRPOSession`` and ``GRPOTrainer``.
 
     Construct with keyword arguments (``GRPOConfig(learning_rate=1e-5, loss_type="grpo")``). Bad

@@ -68,6 +68,12 @@ def _field_types(config_class) -> dict[str, tuple]:
             for name, hint in hints.items()}
 
 
+def _list_of_numbers(config_class, name: str) -> bool:
+    """Whether a list field holds numbers (``reward_weights``), not strings (``include_for_metrics``)."""
+    return any(typing.get_origin(kind) is list and typing.get_args(kind) in ((float,), (int,))
+               for kind in _field_types(config_class)[name])
+
+
 def value_kind(config_class, name: str) -> str:
     """How a field's value is written as text: ``"dict"`` or ``"list"`` (JSON; lists also comma-separated)
     where the annotation allows one, else its first type (``"bool"``, ``"int"``, ``"float"`` or ``"str"``)."""
@@ -103,7 +109,7 @@ def parse_value(config_class, name: str, raw: str):
             parts = [p.strip() for p in text.split(",") if p.strip()]
             if name == "report_to":
                 return parts[0] if len(parts) == 1 else parts
-            return [float(p) for p in parts]
+            return [float(p) for p in parts] if _list_of_numbers(config_class, name) else parts
     except (ValueError, json.JSONDecodeError):
         annotation = str(_annotations(config_class)[name])
         shown = "" if annotation == kind else f" ({annotation})"
@@ -178,6 +184,9 @@ def _yaml_safe(value):
 
 
 # ---------------------------------------------------------------------- the command line
+_FIELD_METADATA = ("change", "builds", "trainer_argument")
+"""grpo_lab's keys in a field's metadata, which HfArgumentParser would hand argparse."""
+
 @functools.cache
 def _parser(config_class):
     from transformers import HfArgumentParser
@@ -187,7 +196,7 @@ def _parser(config_class):
         only when given; errors raise ``ValueError`` instead of exiting."""
 
         def add_argument(self, *names, **kwargs):
-            kwargs = {key: value for key, value in kwargs.items() if key not in ("change", "builds")}  # not argparse's
+            kwargs = {key: value for key, value in kwargs.items() if key not in _FIELD_METADATA}
             if "help" in kwargs:
                 kwargs["help"] = kwargs["help"].replace("%", "%%")
             name = kwargs.get("dest", names[0].removeprefix("--"))

@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 from grpo_lab.config_args import normalise
+from grpo_lab.config_trainer_args import check_trainer_arguments
 from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high, loss_spec
 from grpo_lab.reporting import SUPPORTED_REPORTERS
 
@@ -77,11 +78,13 @@ def validate(config) -> None:
                 f"{name}={getattr(config, name)!r} is accepted for compatibility with TRL but not supported by "
                 f"grpo_lab yet: {reason}. Leave it at its default ({defaults[name]!r})."
             )
+    check_trainer_arguments(config, defaults)
 
 
 @functools.cache
 def field_defaults(config_class) -> dict[str, Any]:
-    return {field.name: field.default for field in dataclasses.fields(config_class)}
+    return {field.name: field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            for field in dataclasses.fields(config_class)}
 
 
 def _set(config, name: str, value) -> None:

@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_lab.config_trainer_args import trainer_argument_fields
+
 REWARD_TIMEOUT = 600.0
 """Default of ``GRPOConfig.reward_timeout``, in seconds."""
 
@@ -332,3 +334,13 @@ class GRPOFields:
         publishes the run).""")
     use_cpu: bool = built(False, "process", """Train on the CPU even when a GPU is present.""")
     disable_tqdm: bool = setting(False, "live", """Hide progress bars.""")
+
+
+TrainingArgumentsFields = dataclasses.make_dataclass(
+    "TrainingArgumentsFields",
+    trainer_argument_fields({field.name for field in dataclasses.fields(GRPOFields)}),
+    bases=(GRPOFields,),
+    repr=False,
+    namespace={"__module__": __name__, "__doc__": """``GRPOFields`` and the other fields of the installed
+    transformers' ``TrainingArguments``, each with the rule :mod:`grpo_lab.config_trainer_args` gives it."""},
+)

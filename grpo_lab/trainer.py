@@ -174,7 +174,7 @@ class GRPOTrainer:
         events, first = self._events, self.session.global_step
         self._begin_events(total)
         row: dict = {}
-        saved_at = None
+        saved_at, saving = None, self.args.save_strategy != "no"
         shown = self.accelerator.is_main_process and self.args.disable_tqdm is not True
         # The trackers live on the main process; opening them, logging a step and closing them go
         # through on_main, so that a failure there stops every process with its cause.
@@ -193,12 +193,12 @@ class GRPOTrainer:
                     bar.advance(row)
                     on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
                     control = events.step_end(row)
-                    if control.should_save or control.should_training_stop:
-                        self.save_checkpoint()  # a run that stops is always resumable from where it stopped
+                    if control.should_save or (control.should_training_stop and saving):
+                        self.save_checkpoint()  # a run that stops is resumable from where it stopped
                         saved_at = row["step"]
                     if control.should_training_stop:
                         break
-            if row and saved_at != row["step"]:
+            if row and saving and saved_at != row["step"]:
                 self.save_checkpoint()
         except BaseException as error:
             # what was logged reaches the trackers, marked failed

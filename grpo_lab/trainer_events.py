@@ -58,14 +58,15 @@ class GRPOFlowCallback(DefaultFlowCallback):
     resolved to optimizer steps): the part transformers' ``DefaultFlowCallback`` plays in a Trainer."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        first = state.global_step == 1 and getattr(args, "logging_first_step", False)
-        if state.global_step % state.logging_steps == 0 or first:
+        logging, saving = args.logging_strategy == "steps", args.save_strategy == "steps"
+        first = state.global_step == 1 and args.logging_first_step
+        if logging and (state.global_step % state.logging_steps == 0 or first):
             control.should_log = True
-        if state.global_step % state.save_steps == 0:
+        if saving and state.global_step % state.save_steps == 0:
             control.should_save = True
         if state.global_step >= state.max_steps:
             control.should_training_stop = True
-            control.should_save = True  # the end of a run is always resumable
+            control.should_save = saving  # the end of a run is always resumable, unless saving is off
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):

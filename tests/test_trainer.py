@@ -266,8 +266,9 @@ def test_comet_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
     for row in rows:
         values = {key: value for key, value in row.items() if key != "step"}
         assert {key: metrics[row["step"], key] for key in values} == pytest.approx(values)
-    params = {m["payload"]["param"]["paramName"]: m["payload"]["param"]["paramValue"]
-              for m in messages if m["type"] == "parameter_msg"}
+    # Comet stores a single value under "param" and a list value (include_for_metrics) under "params"
+    params = {p["paramName"]: p["paramValue"] for p in (m["payload"].get("param") or m["payload"]["params"]
+                                                         for m in messages if m["type"] == "parameter_msg")}
     assert params["learning_rate"] == 1e-3 and params["max_steps"] == 2
     names = [m["payload"]["value"] for m in messages if m["type"] == "log_other" and m["payload"]["key"] == "Name"]
     assert names == ["first"]
