@@ -72,6 +72,17 @@ def gather(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
     return accelerator.gather(tensor.to(accelerator.device).contiguous()).to(tensor.device)
 
 
+def gather_ragged(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Concatenate 1-D ``values`` of any length per process across processes, in process order."""
+    if accelerator.num_processes == 1:
+        return values
+    counts = gather(accelerator, torch.tensor([values.numel()], device=values.device)).tolist()
+    padded = torch.zeros(max(counts), dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    rows = gather(accelerator, padded).view(len(counts), -1)
+    return torch.cat([row[:count] for row, count in zip(rows, counts)])
+
+
 def gather_to_main(accelerator: Accelerator, item) -> list | None:
     """``item`` (any picklable object) of every process, in rank order, on the main process; None
     on the others."""

@@ -19,7 +19,7 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from grpo_lab import notices
+from grpo_lab import dist, notices, ops
 from grpo_lab.accel import release_freed_memory
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, steps_between
@@ -321,6 +321,20 @@ class GRPOTrainer:
         if limit:
             for old in self._checkpoints()[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def get_high_entropy_mask(self, entropies, mask, threshold: float):
+        """TRL's helper: a boolean (B, T) mask of the tokens in ``mask`` whose entropy is at least the
+        ``threshold`` quantile of the masked tokens' entropies over every process (TRL passes
+        ``1 - top_entropy_quantile``). :func:`grpo_lab.ops.quantile_mask` does the arithmetic."""
+        pool = dist.gather_ragged(self.accelerator, entropies[mask.bool()].float())
+        return ops.quantile_mask(entropies, mask, level=threshold, pool=pool)
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold: float):
+        """TRL's helper: the (B, 1) off-policy sequence mask of DeepSeek-V3.2, 1.0 to keep and 0.0 to
+        drop; :func:`grpo_lab.ops.off_policy_mask` with TRL's argument names."""
+        return ops.off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                   threshold=off_policy_threshold)
 
     def save_model(self, path: str | None = None, *, merged: bool = False) -> Path:
         """Save the model in Hugging Face format, with its tokenizer.

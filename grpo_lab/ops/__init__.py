@@ -17,7 +17,7 @@ _EXPORTS = {
     "advantages": ("AdvantageStats", "compute_advantages", "nanstd"),
     "importance": ("IS_MODES", "importance_sampling_stats", "vllm_importance_weights"),
     "logprobs": ("entropy_from_logits", "selective_log_softmax"),
-    "masks": ("completion_mask_from_ids", "entropy_mask", "truncation_mask"),
+    "masks": ("completion_mask_from_ids", "entropy_mask", "quantile_mask", "truncation_mask"),
     "registry": ("CLIP_LOSSES", "GLOBAL_NORMALIZER_LOSSES", "LOSSES", "LOSS_TYPES", "LossSettings", "LossSpec"),
     "losses": ("LOSS_AGGREGATIONS", "OBJECTIVES", "register_aggregation", "register_objective", "vespo_weights"),
     "policy": (

@@ -45,9 +45,23 @@ def entropy_mask(entropies_BT: torch.Tensor, mask_BT: torch.Tensor, *, quantile:
     Returns:
         (B, T) float mask.
     """
+    return quantile_mask(entropies_BT, mask_BT, level=1.0 - quantile).float()
+
+
+def quantile_mask(values_BT: torch.Tensor, mask_BT: torch.Tensor, *, level: float,
+                  pool: torch.Tensor | None = None) -> torch.Tensor:
+    """``keep = mask & (v >= Q_level(pool))``: the tokens in ``mask_BT`` whose value is at least the
+    ``level`` quantile (linear interpolation, as ``torch.quantile``) of ``pool``, by default the
+    values of the tokens in ``mask_BT`` (a pool gathered over processes gives one threshold to all).
+    No token is kept when the pool is empty.
+
+    Args:
+        values_BT: (B, T). mask_BT: (B, T) 0/1 mask. level: in [0, 1]. pool: (N,) or None.
+    Returns:
+        (B, T) bool mask.
+    """
     valid_BT = mask_BT.bool()
-    values = entropies_BT[valid_BT].float()
-    if values.numel() == 0:
-        return torch.zeros_like(entropies_BT, dtype=torch.float32)
-    threshold = torch.quantile(values, 1.0 - quantile)
-    return ((entropies_BT >= threshold) & valid_BT).float()
+    pool = values_BT[valid_BT].float() if pool is None else pool.float()
+    if pool.numel() == 0:
+        return torch.zeros_like(valid_BT)
+    return (values_BT >= torch.quantile(pool, level)) & valid_BT

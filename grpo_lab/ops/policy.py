@@ -83,11 +83,14 @@ def off_policy_mask(
         M_b = 1  otherwise
 
     pi_s is the sampling policy (vLLM's log-probs, else pi_old); pi_theta is detached, so the mask
-    carries no gradient. Shapes: advantages (B,); logprobs, sampling log-probs, mask (B, T). Returns
+    carries no gradient. A token whose sampling log-prob is NaN (one vLLM could not score) adds 0 to
+    the sum. Shapes: advantages (B,); logprobs, sampling log-probs, mask (B, T). Returns
     (B, 1) in the log-probs' dtype.
     """
     mask_BT = mask_BT.to(logprobs_BT.dtype)
-    drift_B = ((sampling_logprobs_BT - logprobs_BT.detach()) * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+    # a token the sampler could not score (NaN) is no evidence of drift, as in TRL
+    drift_BT = torch.nan_to_num(sampling_logprobs_BT - logprobs_BT.detach(), nan=0.0)
+    drift_B = (drift_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
     keep_B = (advantages_B.reshape(-1) >= 0) | (drift_B <= threshold)
     return keep_B.to(logprobs_BT.dtype).unsqueeze(-1)
 
