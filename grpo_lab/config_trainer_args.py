@@ -12,7 +12,7 @@ transformers' type, default and help, and one of four rules:
 - no effect in grpo_lab (:data:`INERT`, and any field this table does not name, which a newer
   transformers may add): accepted, with a warning, once per field and process, naming the reason;
 - refused (:data:`REFUSED`): a value other than the default raises ``NotImplementedError`` with the
-  reason, where ignoring it would mislead (a run that silently does not evaluate, upload or shard).
+  reason, where ignoring it would mislead (a run that silently does not upload or shard).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from pathlib import Path
 
 from grpo_lab import notices
 
-EVALUATION = ("evaluation while training is not built yet; evaluate the policy between runs with "
-              "session.evaluate(), or leave it at its default")
 ACCELERATE = ("processes, sharding and their back ends are set by accelerate: give them to `accelerate launch` "
               "(--config_file, --multi_gpu, --use_fsdp, ...), as README's \"many processes\" explains")
 
@@ -39,6 +37,13 @@ IMPLEMENTED: dict[str, tuple] = {
     "save_strategy": ("steps", "no"),
     "activation_checkpointing": (None, True, False),
     "activation_checkpointing_kwargs": (),
+    "eval_strategy": ("no", "steps"),
+    "eval_steps": (),
+    "eval_delay": (),
+    "eval_on_start": (),
+    "load_best_model_at_end": (),
+    "metric_for_best_model": (),
+    "greater_is_better": (),
 }
 """Fields the trainer reads, with the values it takes (empty: any value the field's type allows).
 ``activation_checkpointing`` and its kwargs are transformers 5's names of ``gradient_checkpointing``
@@ -46,14 +51,14 @@ and ``gradient_checkpointing_kwargs``, which they set."""
 
 WITHOUT_EFFECT_IN_TRL: frozenset[str] = frozenset({
     "do_train", "do_eval", "do_predict", "resume_from_checkpoint", "local_rank", "label_smoothing_factor",
-    "label_names", "length_column_name", "prediction_loss_only", "eval_steps", "eval_delay", "eval_accumulation_steps",
+    "label_names", "length_column_name", "prediction_loss_only", "eval_accumulation_steps",
     "eval_do_concat_batches", "eval_use_gather_object", "include_for_metrics", "batch_eval_metrics",
-    "bf16_full_eval", "fp16_full_eval", "greater_is_better", "hub_private_repo", "hub_model_id", "hub_strategy",
-    "hub_always_push", "hub_revision",
+    "bf16_full_eval", "fp16_full_eval", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
+    "hub_revision",
 })
 """Read by transformers' Trainer only in ways TRL's GRPOTrainer does not use (``do_*``,
 ``resume_from_checkpoint`` and ``local_rank`` are for scripts and launchers; GRPO computes its own
-loss), or only with evaluation or ``push_to_hub``, which are refused."""
+loss, and evaluation computes no loss or logits), or only with ``push_to_hub``, which is refused."""
 
 INERT: dict[str, str] = {
     "dataloader_drop_last": "prompts are drawn by grpo_lab's sampler, which always drops an incomplete last batch",
@@ -100,10 +105,6 @@ INERT: dict[str, str] = {
 effect here."""
 
 REFUSED: dict[str, str] = {
-    "eval_strategy": EVALUATION,
-    "eval_on_start": EVALUATION,
-    "load_best_model_at_end": EVALUATION,
-    "metric_for_best_model": EVALUATION,
     "push_to_hub": ("nothing is uploaded to the Hub; after training, call trainer.model.push_to_hub(repo_id) "
                     "and trainer.session.tokenizer.push_to_hub(repo_id)"),
     "hub_token": ("nothing is uploaded to the Hub, and a token in the config would be written into checkpoints "
@@ -278,6 +279,25 @@ def check_trainer_arguments(config, defaults: dict) -> None:
             _warned.add(name)
             notices.warn(f"{name}={plain!r} has no effect in grpo_lab: {INERT.get(name, GENERIC_REASON)}.")
     _apply_activation_checkpointing(config)
+    _check_best_model(config)
+
+
+def _check_best_model(config) -> None:
+    """transformers' rule: the best checkpoint can only be loaded if one is saved at every evaluation."""
+    if not config.load_best_model_at_end:
+        return
+    if config.eval_strategy == "no" or config.save_strategy != config.eval_strategy:
+        raise ValueError(
+            f"load_best_model_at_end=True needs a checkpoint at every evaluation: set eval_strategy='steps' and "
+            f"save_strategy='steps' (got eval_strategy={config.eval_strategy!r}, "
+            f"save_strategy={config.save_strategy!r})."
+        )
+    eval_steps = config.logging_steps if config.eval_steps is None else config.eval_steps
+    if config.save_steps >= 1 and eval_steps >= 1 and config.save_steps % eval_steps:
+        raise ValueError(
+            f"load_best_model_at_end=True needs save_steps ({config.save_steps}) to be a multiple of eval_steps "
+            f"({eval_steps}), so that every evaluated step is saved."
+        )
 
 
 def _apply_activation_checkpointing(config) -> None:

@@ -68,7 +68,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
-        self.train_dataset, self.eval_dataset, self.rollout_func = train_dataset, eval_dataset, rollout_func
+        self.train_dataset, self.rollout_func = train_dataset, rollout_func
+        self.eval_dataset = build.named_eval_dataset(eval_dataset)
         self.tools, self.custom_rollout = build.custom_rollout(
             rollout_func, tools, self.tokenizer, self.unwrapped_model, train_dataset, config
         )

@@ -59,6 +59,29 @@ def check_dataset(dataset, name: str) -> None:
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
 
 
+def eval_sets(eval_dataset) -> dict[str | None, object]:
+    """The eval sets by name: ``{}`` for None, ``{None: dataset}`` for one dataset, and a dict or
+    ``DatasetDict`` of named sets as it is (their metrics are logged as ``eval_<name>_...``)."""
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, dict):
+        return dict(eval_dataset)
+    return {None: eval_dataset}
+
+
+def named_eval_dataset(eval_dataset):
+    """A dict of eval sets as a ``DatasetDict`` (which checkpoints save and load as one); else as given."""
+    if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "save_to_disk"):
+        from datasets import DatasetDict
+
+        return DatasetDict(eval_dataset)
+    return eval_dataset
+
+
+def eval_set_label(name: str | None) -> str:
+    return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+
+
 def checked_config(args, train_dataset, eval_dataset, reward_funcs) -> GRPOConfig:
     """The run's config (``args``, or the defaults), once the datasets and reward weights are checked."""
     if args is not None and not isinstance(args, GRPOConfig):
@@ -68,10 +91,12 @@ def checked_config(args, train_dataset, eval_dataset, reward_funcs) -> GRPOConfi
         )
     config = args if args is not None else GRPOConfig()
     check_dataset(train_dataset, "train_dataset")
-    if eval_dataset is not None:
-        check_dataset(eval_dataset, "eval_dataset")
-    for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-        check_column_names(dataset, dataset_name)
+    check_column_names(train_dataset, "train_dataset")
+    if isinstance(eval_dataset, dict) and not eval_dataset:
+        raise ValueError("eval_dataset is an empty dict: give named eval sets, e.g. {'easy': easy, 'hard': hard}.")
+    for name, dataset in eval_sets(eval_dataset).items():
+        check_dataset(dataset, eval_set_label(name))
+        check_column_names(dataset, eval_set_label(name))
     check_reward_weights(config.reward_weights, reward_funcs)
     return config
 
@@ -131,7 +156,8 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
     rollout function or tools (``custom_rollout``) the completion's length is not known up front."""
     context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
     prompt_tokens = prompt_tokens_source = None
-    for dataset_name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+    named = [("train_dataset", train_dataset)] + [(eval_set_label(n), d) for n, d in eval_sets(eval_dataset).items()]
+    for dataset_name, dataset in named:
         if dataset is not None and len(dataset) <= PROMPT_CHECK_ROWS:
             tokens = dataset_prompt_tokens(dataset, tokenizer, config.chat_template_kwargs, dataset_name)
             check_prompt_room(

@@ -1,12 +1,12 @@
-"""The engine's evaluation: reward metrics of ``num_generations_eval`` completions per prompt of an
-eval set, without training."""
+"""The engine's evaluation: reward metrics of ``num_generations_eval`` completions per prompt of each
+eval set, without training and without touching the training run's random state."""
 
 from __future__ import annotations
 
 import torch
 
 from grpo_lab import dist
-from grpo_lab.engine_build import check_dataset
+from grpo_lab.engine_build import check_dataset, eval_set_label, eval_sets
 from grpo_lab.metrics import tool_metrics
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rollout.prompts import wrap_completions
@@ -16,13 +16,27 @@ from grpo_lab.types import generated_mask
 class EvaluationStage:
     """Methods of :class:`grpo_lab.engine.Engine`."""
 
-    def evaluate(self, dataset=None) -> dict[str, float]:
-        """Sample ``num_generations_eval`` completions per prompt of ``dataset`` (default: eval_dataset)
-        and report reward metrics, prefixed ``eval_`` as TRL does. The training random state is kept."""
-        dataset = self.eval_dataset if dataset is None else dataset
-        check_dataset(dataset, "eval_dataset")
+    def evaluate(self, dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample ``num_generations_eval`` completions per prompt of ``dataset`` (default: the eval
+        set) and report reward metrics under ``metric_key_prefix`` (``eval_reward``...), as TRL
+        does; a dict of named sets is reported set by set (``eval_<name>_reward``...).
+
+        The training run is left as it was: the weights, and every random generator the run draws
+        from (the CPU's and the accelerator's), are restored, so a run that evaluates trains exactly
+        as one that does not."""
+        sets = eval_sets(self.eval_dataset if dataset is None else dataset)
+        if not sets:
+            raise ValueError("There is no eval set: give eval_dataset to the session or trainer, or a dataset here.")
         if self.published_version != self.global_step:
             self.publish_weights()
+        metrics = {}
+        for name, data in sets.items():
+            check_dataset(data, eval_set_label(name))
+            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+            metrics.update({f"{prefix}_{key}": value for key, value in self._evaluate_set(data).items()})
+        return metrics
+
+    def _evaluate_set(self, dataset) -> dict[str, float]:
         config = self.config
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
@@ -33,18 +47,16 @@ class EvaluationStage:
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
         columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
         size = config.per_device_eval_batch_size * repeats
-        rewards, lengths, tool_counts = [], [], {}
-        with torch.random.fork_rng(devices=[]):
+        rewards, lengths, truncated, tool_counts = [], [], [], {}
+        cuda = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(config.seed + self.accelerator.process_index)
             for start in range(0, len(prompts), size):
                 chunk = prompts[start:start + size]
                 chunk_columns = {k: v[start:start + size] for k, v in columns.items()}
                 batch, env_mask_BT, extra, completions = self._generate_batch(chunk, list(chunk_columns))
                 chunk_columns.update(extra)
-                if "tool_calls" in extra:
-                    tool_counts.setdefault("tool_calls", []).extend(extra["tool_calls"])
-                    failures = extra.get("tool_failures", [0] * len(extra["tool_calls"]))
-                    tool_counts.setdefault("tool_failures", []).extend(failures)
+                _count_tools(tool_counts, extra)
                 if self.custom_rollout is not None:
                     check_reward_signatures(self.reward_funcs, self.reward_names, list(chunk_columns))
                 decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
@@ -57,13 +69,37 @@ class EvaluationStage:
                 )
                 rewards.append(rewards_BF)
                 lengths.append(generated_mask(batch.completion_mask_BT, env_mask_BT).sum(1).float())
-        rewards_BF = dist.gather(self.accelerator, torch.cat(rewards).to(self.accelerator.device)).cpu()
-        lengths_B = dist.gather(self.accelerator, torch.cat(lengths).to(self.accelerator.device)).cpu()
-        weights = torch.tensor(config.reward_weights) if config.reward_weights else torch.ones(rewards_BF.shape[1])
-        metrics = {"eval_reward": float(torch.nansum(rewards_BF * weights, dim=1).mean())}
-        for i, name in enumerate(self.reward_names):
-            metrics[f"eval_rewards/{name}/mean"] = float(torch.nanmean(rewards_BF[:, i]))
-        metrics["eval_completions/mean_length"] = float(lengths_B.mean())
+                truncated.append(batch.is_truncated_B.float())
+        gathered = [dist.gather(self.accelerator, torch.cat(parts).to(self.accelerator.device)).cpu()
+                    for parts in (rewards, lengths, truncated)]
+        metrics = _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
         if tool_counts.get("tool_calls"):
-            metrics.update({f"eval_{k}": v for k, v in tool_metrics(self.accelerator, tool_counts).items()})
+            metrics.update(tool_metrics(self.accelerator, tool_counts))
         return metrics
+
+
+def _count_tools(tool_counts: dict, extra: dict) -> None:
+    if "tool_calls" in extra:
+        tool_counts.setdefault("tool_calls", []).extend(extra["tool_calls"])
+        tool_counts.setdefault("tool_failures", []).extend(extra.get("tool_failures", [0] * len(extra["tool_calls"])))
+
+
+def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, repeats: int) -> dict[str, float]:
+    """An eval set's metrics under TRL's names: ``reward`` and ``reward_std`` (the weighted sum of the
+    reward functions, its mean and standard deviation over every completion), ``rewards/<fn>/mean``
+    and ``std`` (None rewards left out), ``frac_reward_zero_std`` (share of prompts whose completions
+    all got the same reward), and ``completions/{mean,min,max}_length`` and ``clipped_ratio``."""
+    weights = torch.tensor(reward_weights) if reward_weights else torch.ones(rewards_BF.shape[1])
+    reward_B = torch.nansum(rewards_BF * weights, dim=1)
+    groups_GN = reward_B.view(-1, repeats)
+    metrics = {"reward": float(reward_B.mean()), "reward_std": float(reward_B.std()) if len(reward_B) > 1 else 0.0}
+    for i, name in enumerate(names):
+        scored = rewards_BF[:, i][~torch.isnan(rewards_BF[:, i])]
+        metrics[f"rewards/{name}/mean"] = float(scored.mean()) if len(scored) else float("nan")
+        metrics[f"rewards/{name}/std"] = float(scored.std()) if len(scored) > 1 else float("nan")
+    metrics["frac_reward_zero_std"] = float((groups_GN == groups_GN[:, :1]).all(1).float().mean())
+    metrics["completions/mean_length"] = float(lengths_B.mean())
+    metrics["completions/min_length"] = float(lengths_B.min())
+    metrics["completions/max_length"] = float(lengths_B.max())
+    metrics["completions/clipped_ratio"] = float(truncated_B.mean())
+    return metrics

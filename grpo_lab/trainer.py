@@ -28,10 +28,11 @@ from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
 from grpo_lab.session import GRPOSession
+from grpo_lab.trainer_evaluation import TrainerEvaluation
 from grpo_lab.trainer_events import TrainerEvents, TrainOutput
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerEvaluation):
     """Train with GRPO from a script; same arguments as :class:`grpo_lab.GRPOSession`."""
 
     def __init__(
@@ -68,6 +69,7 @@ class GRPOTrainer:
         self._events = TrainerEvents(self.args, callbacks, is_world_process_zero=self.accelerator.is_main_process,
                                      is_local_process_zero=self.accelerator.is_local_main_process)
         self._events.attach(self.session)
+        self._check_evaluation()
         self._events.init_end()
 
     @property
@@ -137,9 +139,10 @@ class GRPOTrainer:
 
     def _begin_events(self, total: int) -> None:
         self._events.attach(self.session)
-        self._events.train_begin(global_step=self.session.global_step, max_steps=total,
-                                 logging_steps=steps_between(self.args.logging_steps, total),
-                                 save_steps=steps_between(self.args.save_steps, total))
+        logging_steps = steps_between(self.args.logging_steps, total)
+        eval_steps = logging_steps if self.args.eval_steps is None else steps_between(self.args.eval_steps, total)
+        self._events.train_begin(global_step=self.session.global_step, max_steps=total, logging_steps=logging_steps,
+                                 save_steps=steps_between(self.args.save_steps, total), eval_steps=eval_steps)
 
     def _warn_about_an_earlier_run(self) -> None:
         """Warn when a fresh run starts in an ``output_dir`` where an earlier run left checkpoints or metrics."""
@@ -186,6 +189,8 @@ class GRPOTrainer:
 
         on_main(self.accelerator, f"open the trackers report_to names ({', '.join(self.reporters)})", open_trackers)
         try:
+            if self.args.eval_on_start:
+                self.evaluate()
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
                     events.step_begin()
@@ -193,6 +198,8 @@ class GRPOTrainer:
                     bar.advance(row)
                     on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
                     control = events.step_end(row)
+                    if control.should_evaluate:
+                        self._evaluate_in_training()
                     if control.should_save or (control.should_training_stop and saving):
                         self.save_checkpoint()  # a run that stops is resumable from where it stopped
                         saved_at = row["step"]
@@ -205,6 +212,7 @@ class GRPOTrainer:
             closing.__exit__(type(error), error, error.__traceback__)
             raise
         on_main(self.accelerator, "close the trackers", closing.close)
+        self._load_best_model()
         samples = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         return events.train_end(steps_run=self.session.global_step - first,
                                 samples_per_step=samples * self.accelerator.num_processes)
@@ -266,6 +274,7 @@ class GRPOTrainer:
         path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.session.global_step}"
         on_main(self.accelerator, "remove what killed checkpoint writes left",
                 lambda: remove_partial_writes(self.output_dir, CHECKPOINT_PREFIX))
+        self._note_best_checkpoint(path)
         # every process: each one's random state goes into the checkpoint
         self.session.save(path, trainer_state=self._events.state_json())
         on_main(self.accelerator, "remove checkpoints beyond save_total_limit", self._rotate_checkpoints)
@@ -319,7 +328,9 @@ class GRPOTrainer:
     def _rotate_checkpoints(self) -> None:
         limit = self.args.save_total_limit
         if limit:
-            for old in self._checkpoints()[:-limit]:
+            best = self.state.best_model_checkpoint  # never deleted; the newest are kept beside it
+            others = [p for p in self._checkpoints() if best is None or p.name != Path(best).name]
+            for old in others[:-max(limit - (best is not None), 1)]:
                 shutil.rmtree(old, ignore_errors=True)
 
     def get_high_entropy_mask(self, entropies, mask, threshold: float):

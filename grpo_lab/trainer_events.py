@@ -5,10 +5,10 @@ A script written for TRL's GRPOTrainer (a transformers ``Trainer``) reads these,
 transformers' meaning:
 
 - callbacks get ``on_init_end``, ``on_train_begin``, ``on_step_begin``, ``on_step_end``, ``on_log``,
-  ``on_save`` and ``on_train_end`` with ``args``, ``state``, ``control`` and the ``model``,
+  ``on_evaluate``, ``on_save`` and ``on_train_end`` with ``args``, ``state``, ``control`` and the ``model``,
   ``processing_class``, ``optimizer`` and ``lr_scheduler`` keywords; a callback that sets
   ``control.should_training_stop`` ends the run after the step, ``control.should_save`` writes a
-  checkpoint of it, ``control.should_log`` logs it;
+  checkpoint of it, ``control.should_log`` logs it, ``control.should_evaluate`` evaluates;
 - a row of ``log_history`` is written every ``logging_steps`` (and at step 1 with
   ``logging_first_step``), as TRL reduces it: the mean over the steps since the last row of every
   metric (NaN values left out, None where none is left), but ``grad_norm``, ``learning_rate``,
@@ -64,9 +64,13 @@ class GRPOFlowCallback(DefaultFlowCallback):
             control.should_log = True
         if saving and state.global_step % state.save_steps == 0:
             control.should_save = True
+        evaluating = args.eval_strategy == "steps" and args.eval_delay <= state.global_step
+        if evaluating and state.global_step % state.eval_steps == 0:
+            control.should_evaluate = True
         if state.global_step >= state.max_steps:
             control.should_training_stop = True
             control.should_save = saving  # the end of a run is always resumable, unless saving is off
+            control.should_evaluate = evaluating  # a run ends evaluated, as transformers' does
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -106,10 +110,11 @@ class TrainerEvents:
     def init_end(self) -> None:
         self._call("on_init_end")
 
-    def train_begin(self, *, global_step: int, max_steps: int, logging_steps: int, save_steps: int) -> None:
+    def train_begin(self, *, global_step: int, max_steps: int, logging_steps: int, save_steps: int,
+                    eval_steps: int) -> None:
         state = self.state
         state.global_step, state.max_steps = global_step, max_steps
-        state.logging_steps, state.save_steps = logging_steps, save_steps
+        state.logging_steps, state.save_steps, state.eval_steps = logging_steps, save_steps, eval_steps
         state.train_batch_size = self.args.per_device_train_batch_size
         state.num_train_epochs = self.args.num_train_epochs
         self.control.should_training_stop = False
@@ -140,6 +145,9 @@ class TrainerEvents:
 
     def saved(self) -> None:
         self._call("on_save")
+
+    def evaluated(self, metrics: dict) -> None:
+        self._call("on_evaluate", metrics=metrics)
 
     def state_json(self) -> str:
         """The state as a checkpoint keeps it (transformers' ``TrainerState.save_to_json`` layout)."""

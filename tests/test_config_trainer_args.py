@@ -68,7 +68,7 @@ def test_an_inert_field_warns_once_naming_the_reason(monkeypatch):
 
 
 @pytest.mark.parametrize(("values", "reason"), [
-    ({"eval_strategy": "steps"}, "evaluation while training is not built yet"),
+    ({"eval_strategy": "epoch"}, "it takes 'no', 'steps'"),
     ({"push_to_hub": True}, "nothing is uploaded to the Hub"),
     ({"hub_token": "hf_secret"}, "written into checkpoints and exported scripts"),
     ({"deepspeed": "ds.json"}, "accelerate launch"),
