@@ -57,10 +57,10 @@ class GRPOFields:
     disable_dropout: bool = built(False, "model", """Set every dropout probability to 0, so that log-probs of the
         same tokens are deterministic.""")
     cast_lm_head_to_fp32: bool = built(False, "model", """Keep the LM head of the policy (and reference) in float32
-        and compute the logits in float32, whatever the model's dtype and mixed precision (ScaleRL recipe). Needs an
-        output layer not tied to the input embeddings (``tie_word_embeddings=False``), as in TRL. Under FSDP with
-        mixed precision the head's float32 weights are gathered in the mixed-precision dtype, so the products are
-        float32 but of rounded weights; FSDP without mixed precision needs float32 weights.""")
+        and compute the logits in float32, whatever the model's dtype and mixed precision (ScaleRL recipe). A head
+        tied to the input embeddings makes them float32 too, their outputs cast back to the model's dtype, as in TRL.
+        Under FSDP with mixed precision the head's float32 weights are gathered in the mixed-precision dtype, so the
+        products are float32 but of rounded weights; FSDP without mixed precision needs float32 weights.""")
 
     # ------------------------------------------------------------------ data
     num_generations: int = built(8, "batch_layout", """Completions sampled per prompt (the group size G). At least

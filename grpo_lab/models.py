@@ -152,8 +152,10 @@ class Float32Head(torch.nn.Linear):
 def cast_lm_head_to_fp32(model) -> None:
     """The ScaleRL recipe's float32 LM head (arXiv:2510.13786): the output layer's weights in float32
     and its products computed in float32 (see :class:`Float32Head`), so the log-probs the loss and
-    the importance ratios use carry no bfloat16 rounding of the logits. Only for a model whose
-    output layer is a plain linear layer not tied to the input embeddings."""
+    the importance ratios use carry no bfloat16 rounding of the logits. The output layer must be a
+    plain linear layer. Tied to the input embeddings, as TRL allows, the shared weights become
+    float32, and the embeddings' outputs are cast back to the dtype the rest of the model computes
+    in, so that only the head's products change."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
     if head is None or type(head) not in (torch.nn.Linear, Float32Head):
@@ -162,15 +164,18 @@ def cast_lm_head_to_fp32(model) -> None:
             f"{type(head).__module__}.{type(head).__qualname__}. If an adapter or a quantization wraps it, leave it "
             "out of the adapter's target_modules and of quantization; otherwise set cast_lm_head_to_fp32=False."
         )
-    if embeddings is not None and head.weight is embeddings.weight:
-        raise ValueError(
-            "cast_lm_head_to_fp32=True needs an output layer of its own, but this model ties it to the input "
-            "embeddings (tie_word_embeddings=True in its config): casting it would cast the embeddings too (TRL "
-            "refuses it as well). Use a model with an output layer of its own (tie_word_embeddings=False), or set "
-            "cast_lm_head_to_fp32=False."
-        )
+    tied = embeddings is not None and head.weight is embeddings.weight
+    dtype = head.weight.dtype
     head.float()
     head.__class__ = Float32Head
+    if tied and dtype != torch.float32 and not getattr(embeddings, "_grpo_lab_output_dtype", None):
+        embeddings._grpo_lab_output_dtype = dtype
+        embeddings.register_forward_hook(_embeddings_in_model_dtype)
+
+
+def _embeddings_in_model_dtype(module, args, output):
+    """The output of float32 embeddings tied to a float32 head, in the model's own dtype."""
+    return output.to(module._grpo_lab_output_dtype)
 
 
 def keep_4bit_layers_differentiable(model) -> None:

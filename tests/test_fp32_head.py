@@ -49,10 +49,22 @@ def test_a_step_keeps_the_float32_head_in_the_policy_the_reference_and_a_reloade
     assert given.lm_head.weight.dtype == torch.float32 and torch.equal(given.lm_head.weight, head.weight)
 
 
-def test_a_tied_output_layer_is_refused_with_the_fix(task, tmp_path):
-    with pytest.raises(ValueError, match=r"ties it to the input embeddings.*tie_word_embeddings=False.*"
-                                         r"cast_lm_head_to_fp32=False"):
-        _session(task, task.model, tmp_path, cast_lm_head_to_fp32=True)
+def test_a_tied_output_layer_trains_in_float32_and_the_embeddings_keep_the_models_dtype(task, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tied = AutoModelForCausalLM.from_pretrained(task.model, dtype=torch.bfloat16)
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    session = _session(task, tied, tmp_path, cast_lm_head_to_fp32=True, learning_rate=1e-2)
+    model = session.engine.unwrapped_model
+    assert type(model.lm_head) is Float32Head and model.lm_head.weight is model.get_input_embeddings().weight
+    assert model.lm_head.weight.dtype == torch.float32
+    ids = torch.tensor([[5, 17, 30, 41, 8]])
+    with torch.no_grad():
+        assert model.get_input_embeddings()(ids).dtype == torch.bfloat16  # the layers above compute as before
+        hidden = model.model(ids).last_hidden_state
+        assert torch.equal(model(ids).logits, hidden.float() @ model.lm_head.weight.T)
+    session.step()
+    assert model.lm_head.weight.dtype == torch.float32 and torch.isfinite(model.lm_head.weight).all()
 
 
 def test_an_adapter_on_the_output_layer_is_refused_with_the_fix(task, untied_bf16, tmp_path):
