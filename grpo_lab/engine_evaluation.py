@@ -73,6 +73,7 @@ class EvaluationStage:
         gathered = [dist.gather(self.accelerator, torch.cat(parts).to(self.accelerator.device)).cpu()
                     for parts in (rewards, lengths, truncated)]
         metrics = _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
+        metrics["num_tokens"] = float(self.num_input_tokens_seen)  # the training run's count, as TRL logs it
         if tool_counts.get("tool_calls"):
             metrics.update(tool_metrics(self.accelerator, tool_counts))
         return metrics
@@ -88,7 +89,8 @@ def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, rep
     """An eval set's metrics under TRL's names: ``reward`` and ``reward_std`` (the weighted sum of the
     reward functions, its mean and standard deviation over every completion), ``rewards/<fn>/mean``
     and ``std`` (None rewards left out), ``frac_reward_zero_std`` (share of prompts whose completions
-    all got the same reward), and ``completions/{mean,min,max}_length`` and ``clipped_ratio``."""
+    all got the same reward), ``completions/{mean,min,max}_length`` and ``clipped_ratio``, and
+    ``completions/{mean,min,max}_terminated_length`` over the completions that ended (0 when none did)."""
     weights = torch.tensor(reward_weights) if reward_weights else torch.ones(rewards_BF.shape[1])
     reward_B = torch.nansum(rewards_BF * weights, dim=1)
     groups_GN = reward_B.view(-1, repeats)
@@ -102,4 +104,7 @@ def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, rep
     metrics["completions/min_length"] = float(lengths_B.min())
     metrics["completions/max_length"] = float(lengths_B.max())
     metrics["completions/clipped_ratio"] = float(truncated_B.mean())
+    ended_B = lengths_B[truncated_B == 0]
+    for stat, value in (("mean", ended_B.mean), ("min", ended_B.min), ("max", ended_B.max)):
+        metrics[f"completions/{stat}_terminated_length"] = float(value()) if len(ended_B) else 0.0
     return metrics

@@ -30,9 +30,10 @@ from grpo_lab.safe_write import check_writable, first_process, remove_partial_wr
 from grpo_lab.session import GRPOSession
 from grpo_lab.trainer_evaluation import TrainerEvaluation
 from grpo_lab.trainer_events import TrainerEvents, TrainOutput
+from grpo_lab.trainer_results import TrainerResults
 
 
-class GRPOTrainer(TrainerEvaluation):
+class GRPOTrainer(TrainerEvaluation, TrainerResults):
     """Train with GRPO from a script; same arguments as :class:`grpo_lab.GRPOSession`."""
 
     def __init__(

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -313,3 +314,17 @@ def test_a_round_samples_in_as_few_calls_as_the_context_allows():
     assert groups == [([0], 20), ([1, 2, 3], 24)]
     assert all(max(len(contexts[r]) for r in rows) + most <= 112 for rows, most in groups)
     assert _sampling_groups({}, {}, 128) == []
+
+
+def test_the_trl_tools_script_runs_as_written(tmp_path, tool_model):
+    """examples/trl_scripts/tools.py, a TRL script with only its import changed: its log rows carry
+    TRL's tool-loop metrics beside the training ones."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trl_scripts",
+                          "tools.py")
+    done = subprocess.run([sys.executable, script, "--model", str(tool_model), "--output_dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    assert [row["step"] for row in rows] == [1, 2, 2]
+    for row in rows[:2]:
+        assert {"tools/call_frequency", "tools/failure_frequency", "loss", "reward", "num_tokens"} <= set(row)

@@ -35,6 +35,9 @@ def test_eval_metrics_by_hand():
     assert metrics["frac_reward_zero_std"] == 0.5  # group 1 (1, 1) agrees; group 2 (0.5, 2.5) does not
     assert (metrics["completions/mean_length"], metrics["completions/min_length"],
             metrics["completions/max_length"], metrics["completions/clipped_ratio"]) == (5.0, 3.0, 8.0, 0.25)
+    # the 8-token completion was cut: the three that ended have lengths 3, 5, 4
+    assert (metrics["completions/mean_terminated_length"], metrics["completions/min_terminated_length"],
+            metrics["completions/max_terminated_length"]) == (4.0, 3.0, 5.0)
 
 
 def _no_time(frame):
@@ -68,6 +71,8 @@ def test_evaluate_logs_trls_eval_metrics_and_runs_on_evaluate(task, tmp_path):
     names = [f"rewards/{name}/{stat}" for name in ("correctness_reward", "format_reward") for stat in ("mean", "std")]
     expected = {"reward", "reward_std", "frac_reward_zero_std", *names, "completions/mean_length",
                 "completions/min_length", "completions/max_length", "completions/clipped_ratio", "runtime",
+                "completions/mean_terminated_length", "completions/min_terminated_length",
+                "completions/max_terminated_length", "num_tokens",
                 "samples_per_second", "steps_per_second"}
     assert set(metrics) - {"epoch"} == {f"eval_{key}" for key in expected}  # epoch: as transformers adds it
     assert trainer.state.log_history[-1] == {**metrics, "step": 0}
