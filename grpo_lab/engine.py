@@ -36,6 +36,7 @@ from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts
 from grpo_lab.types import Advantages, Rollout, Scores
+from grpo_lab.stream_sampler import StreamSampler, first_row
 
 
 class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
@@ -76,7 +77,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.rollout_owner = None
         self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
-        self.sampler = build.prompt_sampler(config, self.batching, len(train_dataset))
+        self.sampler = build.prompt_sampler(config, self.batching, train_dataset)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         self.steps_per_batch = config.num_iterations * spg // ga
         self.scheduler = self._new_scheduler() if scheduler is None else scheduler
@@ -192,16 +193,22 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         a rollout function (or tools), whose extra keys are known only once it has run (score() checks then)."""
         if self.custom_rollout is not None:
             return None
-        return [name for name in self.train_dataset.column_names if name != "prompt"]
+        names = self.train_dataset.column_names
+        if names is None:  # a stream without declared features: its first row's keys
+            names = list(first_row(self.train_dataset))
+        return [name for name in names if name != "prompt"]
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
         """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
         dataset has (by indexing a format-free view with a list, which is cheaper than select().to_dict()).
         Refuses, naming the row, a prompt that cannot be rendered or does not fit the model's context
         with the current ``max_completion_length``."""
-        if self._rows_source is not self.train_dataset:
-            self._rows_source, self._rows_view = self.train_dataset, self.train_dataset.with_format(None)
-        rows = self._rows_view[indices]
+        if isinstance(self.sampler, StreamSampler):
+            rows = self.sampler.rows_at(indices)
+        else:
+            if self._rows_source is not self.train_dataset:
+                self._rows_source, self._rows_view = self.train_dataset, self.train_dataset.with_format(None)
+            rows = self._rows_view[indices]
         # The drawn prompts must fit the context with the current max_completion_length; raised here,
         # generate() puts the sampler back, and the error names the rows (generation's would not).
         drawn = list(dict.fromkeys(indices))

@@ -39,11 +39,15 @@ from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens
 from grpo_lab.rollout.tools import ToolCalling, check_tools
 from grpo_lab.sampler import PromptSampler
+from grpo_lab.stream_sampler import StreamSampler, first_row, is_stream
 
 
 def check_dataset(dataset, name: str) -> None:
     if dataset is None:
         raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
+    if is_stream(dataset):
+        check_stream(dataset, name)
+        return
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
         raise TypeError(
             f"{name} must be a datasets.Dataset (got {type(dataset).__name__}). Build one from rows with "
@@ -59,6 +63,19 @@ def check_dataset(dataset, name: str) -> None:
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
 
 
+def check_stream(dataset, name: str) -> None:
+    """A streamed dataset's checks: a 'prompt' column (from its features, else its first row), and a row."""
+    row = first_row(dataset)
+    if row is None:
+        raise ValueError(f"{name} is an empty stream: it needs at least one prompt.")
+    columns = dataset.column_names or list(row)
+    if "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts "
+            "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+
+
 def eval_sets(eval_dataset) -> dict[str | None, object]:
     """The eval sets by name: ``{}`` for None, ``{None: dataset}`` for one dataset, and a dict or
     ``DatasetDict`` of named sets as it is (their metrics are logged as ``eval_<name>_...``)."""
@@ -70,12 +87,17 @@ def eval_sets(eval_dataset) -> dict[str | None, object]:
 
 
 def named_eval_dataset(eval_dataset):
-    """A dict of eval sets as a ``DatasetDict`` (which checkpoints save and load as one); else as given."""
-    if isinstance(eval_dataset, dict) and not hasattr(eval_dataset, "save_to_disk"):
-        from datasets import DatasetDict
+    """The eval set(s) as the engine keeps them: a streamed set read into a ``Dataset`` (an eval set
+    is read whole at every evaluation anyway), and a dict of sets as a ``DatasetDict`` (which
+    checkpoints save and load as one)."""
+    from datasets import Dataset, DatasetDict
 
-        return DatasetDict(eval_dataset)
-    return eval_dataset
+    def kept(dataset):
+        return Dataset.from_list(list(dataset)) if is_stream(dataset) else dataset
+
+    if isinstance(eval_dataset, dict):
+        return DatasetDict({name: kept(dataset) for name, dataset in eval_dataset.items()})
+    return None if eval_dataset is None else kept(eval_dataset)
 
 
 def eval_set_label(name: str | None) -> str:
@@ -92,6 +114,11 @@ def checked_config(args, train_dataset, eval_dataset, reward_funcs) -> GRPOConfi
     config = args if args is not None else GRPOConfig()
     check_dataset(train_dataset, "train_dataset")
     check_column_names(train_dataset, "train_dataset")
+    if is_stream(train_dataset) and config.max_steps <= 0:
+        raise ValueError(
+            "train_dataset is a stream (datasets.IterableDataset), whose length is unknown: set max_steps, as "
+            "transformers requires, instead of num_train_epochs."
+        )
     if isinstance(eval_dataset, dict) and not eval_dataset:
         raise ValueError("eval_dataset is an empty dict: give named eval sets, e.g. {'easy': easy, 'hard': hard}.")
     for name, dataset in eval_sets(eval_dataset).items():
@@ -158,7 +185,7 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
     prompt_tokens = prompt_tokens_source = None
     named = [("train_dataset", train_dataset)] + [(eval_set_label(n), d) for n, d in eval_sets(eval_dataset).items()]
     for dataset_name, dataset in named:
-        if dataset is not None and len(dataset) <= PROMPT_CHECK_ROWS:
+        if dataset is not None and not is_stream(dataset) and len(dataset) <= PROMPT_CHECK_ROWS:
             tokens = dataset_prompt_tokens(dataset, tokenizer, config.chat_template_kwargs, dataset_name)
             check_prompt_room(
                 tokens, range(len(dataset)), context=context, dataset=dataset_name,
@@ -280,14 +307,18 @@ def custom_rollout(rollout_func, tools, tokenizer, model, train_dataset, config:
         )
     if tools is None:
         return None, rollout_func
-    tools = check_tools(tools, tokenizer, train_dataset[0]["prompt"], config.chat_template_kwargs)
+    first = first_row(train_dataset) if is_stream(train_dataset) else train_dataset[0]
+    tools = check_tools(tools, tokenizer, first["prompt"], config.chat_template_kwargs)
     return tools, ToolCalling(tools, tokenizer, eos_token_ids(tokenizer, model), config.chat_template_kwargs)
 
 
-def prompt_sampler(config: GRPOConfig, batching, dataset_size: int) -> PromptSampler:
-    """The order prompts are drawn in: shared by all processes (the sampler's own generator)."""
+def prompt_sampler(config: GRPOConfig, batching, train_dataset) -> PromptSampler | StreamSampler:
+    """The order prompts are drawn in, shared by all processes: seeded shuffling of a dataset, or a
+    stream's own order."""
+    if is_stream(train_dataset):
+        return StreamSampler(train_dataset, batching.generation_batch_size // config.num_generations)
     return PromptSampler(
-        dataset_size=dataset_size,
+        dataset_size=len(train_dataset),
         prompts_per_batch=batching.generation_batch_size // config.num_generations,
         seed=config.data_seed if config.data_seed is not None else config.seed,
         shuffle=config.shuffle_dataset is not False,

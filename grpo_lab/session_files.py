@@ -32,6 +32,7 @@ from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
 from grpo_lab.safe_write import atomic_directory_write
 from grpo_lab.stages import drives_stages
 from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict
+from grpo_lab.stream_sampler import is_stream
 
 if TYPE_CHECKING:
     from grpo_lab.session import GRPOSession
@@ -170,7 +171,8 @@ def _write_checkpoint(engine, extra: dict, per_process: list, gathered: tuple, t
     shown = is_progress_bar_enabled()
     disable_progress_bar()  # a checkpoint is not worth three progress bars per save
     try:
-        engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
+        if not is_stream(engine.train_dataset):  # a stream is not stored; its position is in the state
+            engine.train_dataset.save_to_disk(str(directory / "train_dataset"))
         if engine.eval_dataset is not None:
             engine.eval_dataset.save_to_disk(str(directory / "eval_dataset"))
     finally:
@@ -183,6 +185,12 @@ def _saved_datasets(directory: Path, train_dataset, eval_dataset):
     from datasets import load_from_disk
 
     if train_dataset is None:
+        if not (directory / "train_dataset").exists():
+            raise ValueError(
+                f"{directory} was written by a run that streamed its prompts (an IterableDataset), which a "
+                "checkpoint does not store: pass the same stream as train_dataset=; the run continues from the "
+                "position saved in the checkpoint."
+            )
         train_dataset = load_from_disk(str(directory / "train_dataset"))
     if eval_dataset is None and (directory / "eval_dataset").exists():
         eval_dataset = load_from_disk(str(directory / "eval_dataset"))
