@@ -18,7 +18,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
-from grpo_lab import dist
+from grpo_lab import dist, notices
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
@@ -125,6 +125,7 @@ def checked_config(args, train_dataset, eval_dataset, reward_funcs) -> GRPOConfi
         check_dataset(dataset, eval_set_label(name))
         check_column_names(dataset, eval_set_label(name))
     check_reward_weights(config.reward_weights, reward_funcs)
+    log_setting_notes(config)  # every process, as TRL's are
     return config
 
 
@@ -201,6 +202,24 @@ def model_reference(model, name: str | None):
     """How the run names its model (``export`` writes it): ``model`` as a string, or the ``name`` of a
     transformers model object."""
     return str(model) if not isinstance(model, PreTrainedModel) else name
+
+
+def log_setting_notes(config: GRPOConfig) -> None:
+    """The notes TRL logs at its trainer's start about loss types and importance-sampling levels
+    that depart from their papers' setups, logged the same way (grpo_lab's logger)."""
+    level, loss = config.importance_sampling_level, config.loss_type
+    if loss == "luspo" and level != "sequence":
+        notices.log_warning("loss_type='luspo' with importance_sampling_level='token': the LUSPO paper uses "
+                            "importance_sampling_level='sequence'.")
+    if loss == "vespo" and level != "token":
+        notices.log_warning("loss_type='vespo' computes its sequence-level weights itself: leave "
+                            "importance_sampling_level at 'token' (the default).")
+    if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        notices.log_warning(
+            f"importance_sampling_level='sequence' with loss_type={loss!r}: this loss adds up token terms, so each "
+            "sequence counts in proportion to its length instead of once, unlike the GSPO paper's per-sequence "
+            "objective; loss_type='grpo' follows the paper."
+        )
 
 
 def check_policy(policy, config: GRPOConfig) -> None:

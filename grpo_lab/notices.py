@@ -1,8 +1,11 @@
 """Warnings that point at the caller's line: the first frame outside grpo_lab, however deep inside
-the package (session, trainer, engine, backend) the warning is raised."""
+the package (session, trainer, engine, backend) the warning is raised; and the warnings TRL gives
+through its logger, given through grpo_lab's logger (``logging.getLogger("grpo_lab")``) with TRL's
+wording, where TRL users and their tools look for them."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -21,3 +24,8 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 def _inside(filename: str) -> bool:
     return filename.startswith(_PACKAGE) or "/torch/utils/_contextlib.py" in filename.replace("\\", "/")
+
+
+def log_warning(message: str) -> None:
+    """A warning TRL logs, logged the same way (a ``logging`` warning of the ``grpo_lab`` logger)."""
+    logging.getLogger("grpo_lab").warning(message)

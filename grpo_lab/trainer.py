@@ -82,6 +82,11 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         return self.session.model
 
     @property
+    def ref_model(self):
+        """The reference model (beta > 0; kept in step with the policy by ``sync_ref_model``), else None."""
+        return self.session.engine.ref_model
+
+    @property
     def state(self):
         """transformers' ``TrainerState``: ``global_step``, ``epoch``, ``max_steps``, ``log_history``..."""
         return self._events.state

@@ -161,14 +161,17 @@ def test_unusable_reward_values(make_session, task, returned, message):
     _steps_fine(session)
 
 
-def test_all_none_rewards_warn_and_are_excluded(make_session):
+def test_all_none_rewards_are_logged_with_trls_words_and_are_excluded(make_session, caplog):
     def picky(completions, **kwargs):
         return [None] + [1.0] * (len(completions) - 1)
 
     session = make_session(reward_funcs=[picky])
     session.generate()
-    with pytest.warns(UserWarning, match="All reward functions returned None for 1 completion"):
+    with caplog.at_level("WARNING", logger="grpo_lab"):
         scores = session.score()
+    (record,) = [r for r in caplog.records if r.name == "grpo_lab"]
+    assert record.getMessage().startswith("All reward functions returned None for 1 completion(s) of this batch, "
+                                          "e.g. sample 0")
     assert math.isnan(scores.rewards_BF[0, 0]) and scores.rewards_BF[1:, 0].eq(1.0).all()
     _steps_fine(session)
 

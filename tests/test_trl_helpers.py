@@ -86,3 +86,17 @@ def test_the_entropy_threshold_is_taken_over_both_processes(tmp_path):
     # both of its tokens (alone, process 0 would keep 0.2 and 0.3)
     assert (tmp_path / "kept-0.json").read_text() == "[[false, false, true, false]]"
     assert (tmp_path / "kept-1.json").read_text() == "[[true, true, false, false]]"
+
+
+def test_trls_notes_on_loss_and_sampling_level_go_to_the_logger(caplog):
+    from grpo_lab import GRPOConfig
+    from grpo_lab.engine_build import log_setting_notes
+
+    with caplog.at_level("WARNING", logger="grpo_lab"):
+        log_setting_notes(GRPOConfig(importance_sampling_level="sequence", loss_type="dapo"))
+        log_setting_notes(GRPOConfig(loss_type="luspo"))
+        log_setting_notes(GRPOConfig(importance_sampling_level="sequence", loss_type="grpo"))  # the paper's setup
+    messages = [record.getMessage() for record in caplog.records if record.name == "grpo_lab"]
+    assert len(messages) == 2
+    assert messages[0].startswith("importance_sampling_level='sequence' with loss_type='dapo'")
+    assert messages[1].startswith("loss_type='luspo' with importance_sampling_level='token'")

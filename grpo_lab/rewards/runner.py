@@ -298,9 +298,9 @@ def score_completions(
     all_none = torch.isnan(rewards_BF).all(dim=1)
     if all_none.any():
         first = int(all_none.nonzero()[0])
-        notices.warn(
-            f"All reward functions returned None for {int(all_none.sum())} completion(s), e.g. "
-            f"{_sample_preview(kwargs, first)}. Such completions get no reward signal; check that at "
-            "least one reward function applies to every sample.",
+        notices.log_warning(
+            f"All reward functions returned None for {int(all_none.sum())} completion(s) of this batch, e.g. "
+            f"{_sample_preview(kwargs, first)}. Check that at least one reward function returns a number for "
+            "every sample."
         )
     return rewards_BF, logs
