@@ -34,6 +34,7 @@ from grpo_lab.config_checks import (
     field_defaults,
 )
 from grpo_lab.config_fields import REWARD_TIMEOUT, TrainingArgumentsFields, built, setting
+from grpo_lab.config_trainer_args import apply_activation_checkpointing
 
 __all__ = [
     "AGGREGATIONS", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_TYPES", "NOT_YET_IMPLEMENTED", "OPTIMIZERS", "REPORTERS",
@@ -69,6 +70,7 @@ class GRPOConfig(TrainingArgumentsFields):
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        apply_activation_checkpointing(self)
         self.validate()
 
     def __setattr__(self, name: str, value) -> None:
@@ -183,7 +185,12 @@ class GRPOConfig(TrainingArgumentsFields):
         """The full config as YAML; also written to ``path`` when given."""
         import yaml
 
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        # transformers' other TrainingArguments fields only where set: they differ between transformers
+        # versions, and a file that names none at their default loads under any of them
+        defaults = _defaults()
+        values = {k: v for k, v in self.to_dict().items()
+                  if not (_fields()[k].metadata.get("trainer_argument") and v == defaults[k])}
+        text = yaml.safe_dump(values, sort_keys=False)
         if path is not None:
             Path(path).write_text(text)
         return text

@@ -37,6 +37,7 @@ IMPLEMENTED: dict[str, tuple] = {
     "save_strategy": ("steps", "no"),
     "activation_checkpointing": (None, True, False),
     "activation_checkpointing_kwargs": (),
+    "logging_nan_inf_filter": (),
     "eval_strategy": ("no", "steps"),
     "eval_steps": (),
     "eval_delay": (),
@@ -83,7 +84,6 @@ INERT: dict[str, str] = {
     "full_determinism": "set torch.use_deterministic_algorithms(True) yourself; seeds are set from `seed`",
     "include_num_input_tokens_seen": "num_tokens, logged every step, counts the tokens seen",
     "skip_memory_metrics": "memory metrics are not collected",
-    "logging_nan_inf_filter": "a step whose loss is not finite is logged as it is",
     "log_level": "grpo_lab's messages are Python warnings; set transformers' verbosity with transformers.logging",
     "log_level_replica": "grpo_lab's messages are Python warnings",
     "log_on_each_node": "the main process logs",
@@ -278,7 +278,6 @@ def check_trainer_arguments(config, defaults: dict) -> None:
         elif name not in _warned:
             _warned.add(name)
             notices.warn(f"{name}={plain!r} has no effect in grpo_lab: {INERT.get(name, GENERIC_REASON)}.")
-    _apply_activation_checkpointing(config)
     _check_best_model(config)
 
 
@@ -300,16 +299,15 @@ def _check_best_model(config) -> None:
         )
 
 
-def _apply_activation_checkpointing(config) -> None:
-    """transformers 5's ``activation_checkpointing`` names set ``gradient_checkpointing`` (and its
-    kwargs) when given; a contradiction between the two names is refused."""
+def apply_activation_checkpointing(config) -> None:
+    """transformers 5's ``activation_checkpointing`` names, given at construction, set
+    ``gradient_checkpointing`` (and its kwargs) and are then cleared, so that a later edit of
+    ``gradient_checkpointing`` is not undone by the next check."""
     for new, old in (("activation_checkpointing", "gradient_checkpointing"),
                      ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")):
         value = getattr(config, new, None)
-        if value is None:
-            continue
-        if getattr(config, old) not in (value, None) and old == "gradient_checkpointing_kwargs":
-            raise ValueError(f"{new}={value!r} and {old}={getattr(config, old)!r} disagree: set one of them.")
-        object.__setattr__(config, old, value)
+        if value is not None:
+            object.__setattr__(config, old, value)
+            object.__setattr__(config, new, None)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import dist
-from grpo_lab.engine_build import check_dataset, eval_set_label, eval_sets
+from grpo_lab.engine_build import check_dataset, eval_set_label, eval_sets, named_eval_dataset
 from grpo_lab.metrics import tool_metrics
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rollout.prompts import wrap_completions
+from grpo_lab.state import rng_state, set_rng_state
 from grpo_lab.types import generated_mask
 
 
@@ -19,21 +20,33 @@ class EvaluationStage:
     def evaluate(self, dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample ``num_generations_eval`` completions per prompt of ``dataset`` (default: the eval
         set) and report reward metrics under ``metric_key_prefix`` (``eval_reward``...), as TRL
-        does; a dict of named sets is reported set by set (``eval_<name>_reward``...).
+        does; a dict of named sets is reported set by set (``eval_<name>_reward``...). With several
+        processes, each evaluates its share of the prompts; the last ``len % processes`` prompts are
+        left out so that every process has as many.
 
         The training run is left as it was: the weights, and every random generator the run draws
         from (the CPU's and the accelerator's), are restored, so a run that evaluates trains exactly
         as one that does not."""
-        sets = eval_sets(self.eval_dataset if dataset is None else dataset)
+        sets = eval_sets(self.eval_dataset if dataset is None else named_eval_dataset(dataset))
         if not sets:
             raise ValueError("There is no eval set: give eval_dataset to the session or trainer, or a dataset here.")
-        if self.published_version != self.global_step:
-            self.publish_weights()
-        metrics = {}
+        processes = self.accelerator.num_processes
         for name, data in sets.items():
             check_dataset(data, eval_set_label(name))
-            prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-            metrics.update({f"{prefix}_{key}": value for key, value in self._evaluate_set(data).items()})
+            if len(data) < processes:
+                raise ValueError(
+                    f"{eval_set_label(name)} has {len(data)} prompt(s), fewer than the {processes} processes that "
+                    "share it: give it at least one prompt per process."
+                )
+        if self.published_version != self.global_step:
+            self.publish_weights()
+        metrics, kept = {}, rng_state()  # Python's and numpy's too: a reward function may draw from them
+        try:
+            for name, data in sets.items():
+                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                metrics.update({f"{prefix}_{key}": value for key, value in self._evaluate_set(data).items()})
+        finally:
+            set_rng_state(kept)
         return metrics
 
     def _evaluate_set(self, dataset) -> dict[str, float]:

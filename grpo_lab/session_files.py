@@ -4,6 +4,7 @@ for the files and :mod:`grpo_lab.state` for what they hold)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from grpo_lab.checkpoint import (
     safe_batch,
     save_engine,
 )
-from grpo_lab.config import GRPOConfig
+from grpo_lab.config import GRPOConfig, read_yaml_mapping
 from grpo_lab.dist import (
     check_savable, full_model_state, full_optimizer_state, full_state, gather_to_main, launched_processes, on_main,
 )
@@ -125,7 +126,7 @@ class SessionFiles:
             kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
         train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
         if kwargs.get("args") is None:
-            kwargs["args"] = GRPOConfig.from_yaml(directory / "config.yaml")
+            kwargs["args"] = _saved_config(directory / "config.yaml")
             if not trust_remote_code:
                 kwargs["args"] = _without_remote_code(kwargs["args"], directory)
         own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
@@ -178,6 +179,20 @@ def _write_checkpoint(engine, extra: dict, per_process: list, gathered: tuple, t
     finally:
         if shown:
             enable_progress_bar()
+
+
+def _saved_config(path: Path) -> GRPOConfig:
+    """A checkpoint's config; a field this version does not have (a TrainingArguments field of the
+    transformers version that wrote it) is left out, with a warning."""
+    values = read_yaml_mapping(path)
+    fields = {field.name for field in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        notices.warn(
+            f"{path} sets {', '.join(unknown)}, which this GRPOConfig does not have (the checkpoint was written with "
+            "another transformers or grpo_lab version); those settings are left out."
+        )
+    return GRPOConfig(**{name: value for name, value in values.items() if name in fields})
 
 
 def _saved_datasets(directory: Path, train_dataset, eval_dataset):

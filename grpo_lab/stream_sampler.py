@@ -3,13 +3,15 @@
 :class:`StreamSampler` has :class:`grpo_lab.sampler.PromptSampler`'s interface. A stream has no
 length and no random access, so it is read in order, ``prompts_per_batch`` rows a batch, and the
 rows of the current batch are kept for the engine to read. Its position (epoch, rows read in that
-epoch) is all a checkpoint needs: a resumed run skips that many rows of the same stream
-(``IterableDataset.skip``). When the stream ends, a new epoch starts from its beginning
-(``set_epoch`` reshuffles a shuffled stream) and the rows that did not fill a batch are dropped,
-as a map-style dataset's are. Every process reads the whole stream, so all draw the same batches.
+epoch) is all a checkpoint needs: a resumed run reads past that many rows of the same stream. When
+the stream ends, a new epoch starts from its beginning (``set_epoch`` reshuffles a shuffled
+stream) and the rows that did not fill a batch are dropped, as a map-style dataset's are. Every
+process reads the whole stream, so all draw the same batches.
 """
 
 from __future__ import annotations
+
+import itertools
 
 
 def is_stream(dataset) -> bool:
@@ -36,8 +38,10 @@ class StreamSampler:
         self._iterator = None
 
     def _stream(self):
+        # islice, not IterableDataset.skip: skip() returns a stream without the shuffling and epoch
+        # set on this one, so a shuffled stream would resume in its first epoch's order
         self.dataset.set_epoch(self.epoch)
-        return iter(self.dataset.skip(self.position) if self.position else self.dataset)
+        return itertools.islice(iter(self.dataset), self.position, None)
 
     def next_indices(self) -> list[int]:
         rows: list[dict] = []

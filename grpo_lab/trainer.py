@@ -147,8 +147,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         self._events.attach(self.session)
         logging_steps = steps_between(self.args.logging_steps, total)
         eval_steps = logging_steps if self.args.eval_steps is None else steps_between(self.args.eval_steps, total)
+        save_steps = steps_between(self.args.save_steps, total)
+        self._check_best_model_steps(save_steps, eval_steps)
         self._events.train_begin(global_step=self.session.global_step, max_steps=total, logging_steps=logging_steps,
-                                 save_steps=steps_between(self.args.save_steps, total), eval_steps=eval_steps)
+                                 save_steps=save_steps, eval_steps=eval_steps)
 
     def _warn_about_an_earlier_run(self) -> None:
         """Warn when a fresh run starts in an ``output_dir`` where an earlier run left checkpoints or metrics."""

@@ -15,6 +15,7 @@ import time
 from transformers.trainer_utils import speed_metrics
 
 from grpo_lab.checkpoint import MODEL_DIR, load_saved_weights
+from grpo_lab.dist import sharding
 from grpo_lab.engine_build import eval_sets
 
 DEFAULT_BEST_METRIC = "reward"
@@ -54,26 +55,43 @@ class TrainerEvaluation:
         return metrics
 
     def _check_evaluation(self) -> None:
-        """Refuse, before training, an evaluation schedule without an eval set to run on."""
+        """Refuse, before training, an evaluation schedule without an eval set to run on, and loading
+        the best checkpoint into a model sharded over the processes."""
         wants = self.args.eval_strategy != "no" or self.args.eval_on_start
         if wants and self.eval_dataset is None:
             raise ValueError(
                 f"eval_strategy={self.args.eval_strategy!r} (or eval_on_start=True) evaluates during training, but "
                 "there is no eval_dataset: pass eval_dataset= to the trainer, or set eval_strategy='no'."
             )
+        if self.args.load_best_model_at_end and sharding(self.accelerator) is not None:
+            raise NotImplementedError(
+                "load_best_model_at_end=True cannot load a checkpoint into a model sharded over the processes (FSDP) "
+                "yet. Leave it off; state.best_model_checkpoint still names the best checkpoint, which "
+                "GRPOSession.load() or from_pretrained on its model/ folder reads."
+            )
+
+    def _check_best_model_steps(self, save_steps: int, eval_steps: int) -> None:
+        """transformers' rule, on the resolved step counts: every evaluated step must be saved."""
+        if self.args.load_best_model_at_end and save_steps % eval_steps:
+            raise ValueError(
+                f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps; for this run they "
+                f"resolve to {save_steps} and {eval_steps} steps. Give both as steps, or as fractions that divide."
+            )
 
     def _evaluate_in_training(self) -> None:
         """An evaluation the schedule (or a callback) asked for, and the best metric it may set."""
         metrics = self.evaluate()
+        if self.args.metric_for_best_model is None and not self.args.load_best_model_at_end:
+            return  # as in transformers, a best checkpoint is tracked only when asked for
         name, greater = best_metric_name(self.args)
         if name not in metrics:
-            if self.args.metric_for_best_model is not None or self.args.load_best_model_at_end:
-                raise KeyError(
-                    f"metric_for_best_model={self.args.metric_for_best_model!r} looks for {name!r}, which the "
-                    f"evaluation did not report; it reported {', '.join(sorted(metrics))}."
-                )
-            return
+            raise KeyError(
+                f"metric_for_best_model={self.args.metric_for_best_model!r} looks for {name!r}, which the "
+                f"evaluation did not report; it reported {', '.join(sorted(metrics))}."
+            )
         state, value = self.state, metrics[name]
+        if value is None or math.isnan(value):
+            return  # no evidence either way (e.g. every reward of the metric was None)
         if state.best_metric is None or (value > state.best_metric if greater else value < state.best_metric):
             state.best_metric, state.best_global_step = value, state.global_step
 

@@ -16,7 +16,9 @@ transformers' meaning:
 - the run's last row holds ``train_runtime``, ``train_samples_per_second``,
   ``train_steps_per_second``, ``total_flos`` (0: not counted), ``train_loss`` (the mean of the steps'
   ``loss`` in this call of ``train()``) and the step metrics of the steps not logged yet, as TRL's
-  does; ``TrainOutput.metrics`` is that row without ``total_flos``.
+  does; ``TrainOutput.metrics`` is that row without ``total_flos``;
+- with ``logging_nan_inf_filter`` (the default), a NaN or infinite loss is left out of ``loss``
+  and ``train_loss``, as transformers leaves it out.
 
 ``metrics.jsonl`` and the trackers still get every step's own row.
 """
@@ -39,12 +41,16 @@ TRAINER_LOGGED_KEYS = frozenset({"loss", "grad_norm", "learning_rate"})
 """What transformers' Trainer adds to a logged row (the rest are TRL's step metrics)."""
 
 
-def window_row(rows: list[dict]) -> dict:
-    """One ``log_history`` row from the per-step rows of a logging window (see the module's docstring)."""
+def window_row(rows: list[dict], *, finite_loss: bool = True) -> dict:
+    """One ``log_history`` row from the per-step rows of a logging window (see the module's docstring);
+    with ``finite_loss`` (``logging_nan_inf_filter``), a step whose loss is NaN or infinite is left
+    out of the ``loss`` mean, as transformers leaves it out."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "step")
     logged = {}
     for key in keys:
         values = [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+        if key == "loss" and finite_loss:
+            values = [value for value in values if math.isfinite(value)]
         if key in LAST_STEP_KEYS:
             logged[key] = values[-1] if values else None
             continue
@@ -59,8 +65,8 @@ class GRPOFlowCallback(DefaultFlowCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         logging, saving = args.logging_strategy == "steps", args.save_strategy == "steps"
-        first = state.global_step == 1 and args.logging_first_step
-        if logging and (state.global_step % state.logging_steps == 0 or first):
+        if (logging and state.global_step % state.logging_steps == 0) or (
+                state.global_step == 1 and args.logging_first_step):
             control.should_log = True
         if saving and state.global_step % state.save_steps == 0:
             control.should_save = True
@@ -128,11 +134,12 @@ class TrainerEvents:
         """After an optimizer step: update the state, run ``on_step_end`` and log if asked."""
         self.state.global_step, self.state.epoch = row["step"], row.get("epoch", self.state.epoch)
         self._window.append(row)
-        if isinstance(row.get("loss"), (int, float)):
-            self._losses.append(row["loss"])
+        loss = row.get("loss")
+        if isinstance(loss, (int, float)) and (math.isfinite(loss) or not self.args.logging_nan_inf_filter):
+            self._losses.append(loss)
         self._call("on_step_end")
         if self.control.should_log:
-            self.log(window_row(self._window))
+            self.log(window_row(self._window, finite_loss=self.args.logging_nan_inf_filter))
             self._window = []
         return self.control
 
@@ -154,12 +161,11 @@ class TrainerEvents:
         return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
 
     def resumed(self, state_file: Path, session) -> None:
-        """After a resume: the log history and best metric the checkpoint kept (a checkpoint written
-        by ``session.save()`` has none: the history starts empty), the state's step the session's."""
-        if state_file.exists():
-            kept = TrainerState.load_from_json(str(state_file))
-            self.state.log_history, self.state.best_metric = kept.log_history, kept.best_metric
-            self.state.best_model_checkpoint = kept.best_model_checkpoint
+        """After a resume: the state the checkpoint kept (log history, best metric and checkpoint), or a
+        fresh one for a checkpoint written by ``session.save()``; this process's flags; the session's step."""
+        flags = self.state.is_world_process_zero, self.state.is_local_process_zero
+        self.state = TrainerState.load_from_json(str(state_file)) if state_file.exists() else TrainerState()
+        self.state.is_world_process_zero, self.state.is_local_process_zero = flags
         self.state.global_step = session.global_step
         self.attach(session)
 

@@ -119,3 +119,22 @@ def test_logging_and_save_strategies_and_logging_first_step_drive_the_trainer(ta
     assert [row["step"] for row in quiet.state.log_history] == [2]  # the closing row only
     assert "train_loss" in quiet.state.log_history[0]
     assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_activation_checkpointing_is_applied_once_and_a_later_edit_stands():
+    config = GRPOConfig(activation_checkpointing=False)
+    assert config.activation_checkpointing is None and config.gradient_checkpointing is False
+    config.gradient_checkpointing = True
+    config.validate()
+    assert config.gradient_checkpointing is True
+
+
+def test_config_files_name_trainer_fields_only_where_set_and_checkpoints_drop_unknown_ones(tmp_path):
+    from grpo_lab.session_files import _saved_config
+
+    text = GRPOConfig(logging_first_step=True).to_yaml()
+    assert "logging_first_step: true" in text and "dataloader_num_workers" not in text
+    path = tmp_path / "config.yaml"
+    path.write_text(text + "a_field_of_another_transformers: 3\n")
+    with pytest.warns(UserWarning, match="sets a_field_of_another_transformers, which this GRPOConfig does not have"):
+        assert _saved_config(path).logging_first_step is True

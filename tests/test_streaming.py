@@ -69,3 +69,23 @@ def test_a_streamed_trainer_resumes_at_the_stream_position(task, tmp_path):
     pd.testing.assert_frame_equal(resumed.session.history.drop(columns=drop), whole.session.history.drop(columns=drop))
     with pytest.raises(ValueError, match="streamed its prompts .* pass the same stream as train_dataset="):
         GRPOSession.load(tmp_path / "whole" / "checkpoint-2")
+
+
+def test_a_shuffled_stream_resumes_in_the_epoch_order_it_was_in():
+    stream = _stream([{"prompt": f"p{i}"} for i in range(6)]).shuffle(seed=3, buffer_size=6)
+    sampler = StreamSampler(stream, prompts_per_batch=2)
+    drawn, states = [], []
+    for _ in range(6):  # three epochs of three batches... two epochs: 3 batches each
+        states.append(sampler.state_dict())
+        drawn.append(sampler.rows_at(sampler.next_indices())["prompt"])
+    assert drawn[:3] != drawn[3:]  # set_epoch reshuffled the second pass
+    for state, expected in zip(states, drawn):
+        resumed = StreamSampler(stream, prompts_per_batch=2)
+        resumed.load_state_dict(state)
+        assert resumed.rows_at(resumed.next_indices())["prompt"] == expected
+
+
+def test_a_session_evaluates_a_stream_it_is_given(make_session, task):
+    session = make_session()
+    metrics = session.evaluate(task.eval_dataset.select(range(4)).to_iterable_dataset())
+    assert "eval_reward" in metrics

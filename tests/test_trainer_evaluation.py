@@ -123,3 +123,11 @@ def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(task, tmp_path):
             torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=name)
     state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["best_model_checkpoint"] == str(best)
+
+
+def test_no_best_checkpoint_is_tracked_unless_asked_for(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=3, eval_strategy="steps", eval_steps=1, save_steps=1,
+                       save_total_limit=1)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint is None and trainer.state.best_metric is None
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-3"]

@@ -2,6 +2,7 @@
 keys and reduction), ``control``, callbacks and their events, ``train()``'s ``TrainOutput``."""
 
 import json
+import math
 
 import pytest
 from transformers import TrainerCallback
@@ -156,3 +157,24 @@ def test_log_history_has_trls_keys_on_the_same_run(task, tmp_path):
     for mine, trl_row in zip(ours.state.log_history, theirs.state.log_history):
         assert set(mine) - grpo_lab_only == set(trl_row)
     assert set(out.metrics) - grpo_lab_only == set(trl_out.metrics)
+
+
+def test_nan_and_infinite_losses_are_left_out_of_the_loss_means():
+    rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": float("nan")}, {"step": 3, "loss": float("inf")}]
+    assert window_row(rows)["loss"] == 1.0
+    assert window_row(rows, finite_loss=False)["loss"] == math.inf  # NaN left out, as for every metric
+
+
+def test_logging_first_step_logs_step_one_even_with_logging_off():
+    from types import SimpleNamespace
+
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    from grpo_lab.trainer_events import GRPOFlowCallback
+
+    args = SimpleNamespace(logging_strategy="no", save_strategy="no", eval_strategy="no", eval_delay=0,
+                           logging_first_step=True)
+    state = TrainerState(global_step=1, max_steps=5, logging_steps=2, save_steps=2, eval_steps=2)
+    assert GRPOFlowCallback().on_step_end(args, state, TrainerControl()).should_log
+    state.global_step = 2
+    assert not GRPOFlowCallback().on_step_end(args, state, TrainerControl()).should_log

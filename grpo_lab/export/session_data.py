@@ -7,10 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_lab.credentials import Secrets
+from grpo_lab.stream_sampler import is_stream
 
 
 def save_session_data(engine, data_dir: Path, secrets: Secrets) -> None:
     """Write the datasets, tokenizer and adapter config of ``engine`` into ``data_dir``."""
+    if is_stream(engine.train_dataset):
+        raise NotImplementedError(
+            "export cannot carry a streamed train_dataset (an IterableDataset): the script would have no prompts. "
+            "Export a session built on a datasets.Dataset, or edit the exported script to build the stream."
+        )
     engine.train_dataset.save_to_disk(str(data_dir / "train"))
     if engine.eval_dataset is not None:
         engine.eval_dataset.save_to_disk(str(data_dir / "eval"))
