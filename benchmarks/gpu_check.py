@@ -20,6 +20,9 @@ the reason):
 - ``loss_options``: two steps each through the loss path's other branches (a KL reference, a reused
   batch, the off-policy and entropy masks, cispo with an entropy bonus).
 - ``trainer``: ``GRPOTrainer.train()`` for a few steps, a checkpoint, ``save_model()``.
+- ``evaluation``: a trainer that evaluates at every step has the same history and weights as one
+  that does not (evaluation restores every random generator, the accelerator's included), set
+  against the difference between two runs without evaluation.
 - ``trl``: TRL's GRPOTrainer on the same model and settings (step time, peak memory, tokens/s),
   where ``trl`` imports.
 - ``vllm_colocate``: a colocated vLLM session's steps (full-weight sync), where ``vllm`` imports.
@@ -351,6 +354,41 @@ class Checks:
         return {"train_s": round(elapsed, 2), "steps": self.steps, "checkpoints": checkpoints, "save_model": saved,
                 "peak_memory_mib": round(self.memory.peak_mib(), 1), "ok": saved and bool(checkpoints)}
 
+    def evaluation(self) -> dict:
+        """A trainer that evaluates at every step trains as one that does not: the same history and
+        weights. The run without evaluation is repeated first, to tell evaluation's effect from the
+        device's own run-to-run differences (a GPU's nondeterministic kernels)."""
+        import torch
+
+        from grpo_lab import GRPOTrainer
+
+        def run(name: str, **overrides):
+            args = self.config(name, max_steps=self.steps, per_device_eval_batch_size=4, **overrides)
+            trainer = GRPOTrainer(self.model_dir, self.reward_funcs, args=args, train_dataset=self.task.train_dataset,
+                                  eval_dataset=self.task.eval_dataset, processing_class=self.tokenizer)
+            trainer.train()
+            weights = {k: v.detach().float().cpu() for k, v in trainer.model.state_dict().items()}
+            evaluations = sum("eval_reward" in row for row in trainer.state.log_history)
+            history = trainer.session.history.drop(columns=["step_time"])
+            del trainer
+            gc.collect()
+            return history, weights, evaluations
+
+        def gap(first, second) -> tuple[bool, float]:
+            same_history = first[0].equals(second[0])
+            return same_history, max(float((first[1][k] - second[1][k]).abs().max()) for k in first[1])
+
+        plain, again = run("without_evaluation"), run("without_evaluation_again")
+        evaluated = run("with_evaluation", eval_strategy="steps", eval_steps=1)
+        repeat_history, repeat_diff = gap(plain, again)
+        history, diff = gap(plain, evaluated)
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        return {"evaluations": evaluated[2], "repeat_history_equal": repeat_history,
+                "repeat_weights_max_abs_diff": repeat_diff, "history_equal": history,
+                "weights_max_abs_diff": diff,
+                "ok": evaluated[2] == self.steps and (history or not repeat_history) and diff <= repeat_diff}
+
     def trl(self) -> dict:
         if importlib.util.find_spec("trl") is None:
             return {"skipped": "trl does not import here"}
@@ -401,8 +439,8 @@ class Checks:
         return {**result, "ok": True}
 
 
-ORDER = ("environment", "speed_paths_fp32", "speed_paths_default", "lora", "loss_options", "trainer", "trl",
-         "vllm_colocate")
+ORDER = ("environment", "speed_paths_fp32", "speed_paths_default", "lora", "loss_options", "trainer", "evaluation",
+         "trl", "vllm_colocate")
 
 
 def markdown(report: dict) -> str:

@@ -18,7 +18,7 @@ def test_the_device_check_runs_every_check_on_a_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     checks = report["checks"]
     assert list(checks) == ["environment", "speed_paths_fp32", "speed_paths_default", "lora", "loss_options",
-                            "trainer", "trl", "vllm_colocate"]
+                            "trainer", "evaluation", "trl", "vllm_colocate"]
     assert checks["environment"]["default_precision"] == "fp32" and checks["environment"]["model_parameters"] > 0
     assert checks["speed_paths_fp32"]["sampled_tokens_equal"] is True
     assert checks["speed_paths_fp32"]["logprob_max_abs_diff"] < 1e-3
@@ -29,6 +29,9 @@ def test_the_device_check_runs_every_check_on_a_cpu(tmp_path):
     assert checks["loss_options"]["status"] == "ok"
     assert checks["loss_options"]["kl_reused_batch_masks"]["kl"] is not None
     assert checks["trainer"]["checkpoints"] == ["checkpoint-2"] and checks["trainer"]["save_model"] is True
+    evaluation = checks["evaluation"]
+    assert evaluation["status"] == "ok" and evaluation["evaluations"] == 2
+    assert evaluation["history_equal"] and evaluation["weights_max_abs_diff"] == 0.0  # a CPU run repeats exactly
     assert checks["trl"]["status"] == "ok" or checks["trl"]["skipped"] == "trl does not import here"
     assert checks["vllm_colocate"] == {"status": "skipped", "wall_s": checks["vllm_colocate"]["wall_s"],
                                        "skipped": "vLLM colocate is checked on a GPU "
