@@ -42,6 +42,7 @@ import gc
 import importlib
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -356,8 +357,9 @@ class Checks:
 
     def evaluation(self) -> dict:
         """A trainer that evaluates at every step trains as one that does not: the same history and
-        weights. The run without evaluation is repeated first, to tell evaluation's effect from the
-        device's own run-to-run differences (a GPU's nondeterministic kernels)."""
+        weights. The run without evaluation is made twice, to tell evaluation's effect from the
+        device's own run-to-run differences (a GPU's nondeterministic kernels), and the run with
+        evaluation is set against the second (the first in a process also warms the kernels up)."""
         import torch
 
         from grpo_lab import GRPOTrainer
@@ -378,15 +380,29 @@ class Checks:
             same_history = first[0].equals(second[0])
             return same_history, max(float((first[1][k] - second[1][k]).abs().max()) for k in first[1])
 
-        plain, again = run("without_evaluation"), run("without_evaluation_again")
-        evaluated = run("with_evaluation", eval_strategy="steps", eval_steps=1)
-        repeat_history, repeat_diff = gap(plain, again)
+        def first_difference(first, second) -> str | None:
+            for step, (a, b) in enumerate(zip(first[0].to_dict("records"), second[0].to_dict("records")), 1):
+                differing = [key for key in a if a[key] != b.get(key) and a[key] == a[key]]
+                if differing:
+                    return f"step {step}: {', '.join(differing[:6])}"
+            return None
+
+        # CUDA's atomics (index_add in the backward of prompt sharing, among others) make two runs differ
+        # in their last bits; torch's deterministic algorithms make the comparison exact where they exist
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            first, plain = run("without_evaluation"), run("without_evaluation_again")
+            evaluated = run("with_evaluation", eval_strategy="steps", eval_steps=1)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        repeat_history, repeat_diff = gap(first, plain)
         history, diff = gap(plain, evaluated)
         if self.device == "cuda":
             torch.cuda.empty_cache()
         return {"evaluations": evaluated[2], "repeat_history_equal": repeat_history,
                 "repeat_weights_max_abs_diff": repeat_diff, "history_equal": history,
-                "weights_max_abs_diff": diff,
+                "weights_max_abs_diff": diff, "first_difference": first_difference(plain, evaluated),
                 "ok": evaluated[2] == self.steps and (history or not repeat_history) and diff <= repeat_diff}
 
     def trl(self) -> dict:
@@ -483,6 +499,9 @@ def main() -> int:
         return 0
     installed = install_missing(args.wheelhouse) if args.wheelhouse else None
 
+    # cuBLAS is deterministic only with a fixed workspace (set before CUDA starts); the evaluation
+    # check compares runs bit for bit
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
