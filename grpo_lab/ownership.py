@@ -43,7 +43,10 @@ class Activity:
     stop_request: str | None = None
     """Where it was asked to end (:meth:`OwnerGuard.request_stop`): ``"stage"`` between two
     stages, ``"step"`` after the current update(); None: not asked. A loop that holds the session
-    (the dashboard's Run N) reads it; a cell's ``session.run()`` ends on an interrupt instead."""
+    (the dashboard's Run N, ``await session.arun(n)``) reads it; a cell's ``session.run()`` ends on
+    an interrupt instead."""
+    stoppable: bool = False
+    """Whether it reads :attr:`stop_request` (so the dashboard's Stop and Finish step reach it)."""
 
     @property
     def where(self) -> str:
@@ -109,12 +112,13 @@ class OwnerGuard:
     def hold(
         self, description: str, *, now: str | None = None, started_by: str | None = None,
         how_to_stop: str | None = None, steps: int | None = None, finishes_step: bool = False,
+        stoppable: bool = False,
     ) -> Iterator[None]:
         """Hold the session for this thread while the block runs, or raise :class:`SessionBusyError`
         at once if another thread holds it. Nested holds of the owning thread only set ``now`` (the
         stage running) and, with ``finishes_step``, count an optimizer step when the block succeeds;
         the other arguments describe an outermost hold (``started_by`` and ``how_to_stop`` default
-        to the cell, or the background thread, that calls)."""
+        to the cell, or the background thread, that calls; ``stoppable``: the block reads stop requests)."""
         thread = threading.current_thread()
         with self._lock:
             held = self._activity
@@ -123,7 +127,7 @@ class OwnerGuard:
             outermost = held is None
             if outermost:
                 held = Activity(description, started_by or _started_by(thread), how_to_stop or _how_to_stop(thread),
-                                thread.ident, steps)
+                                thread.ident, steps, stoppable=stoppable)
             outer_now = held.now
             self._activity = dataclasses.replace(held, now=now or outer_now)
             self._depth += 1

@@ -13,7 +13,6 @@ after ``update()`` is ``loss()`` again until the batch is used up. Views subscri
 
 from __future__ import annotations
 
-import numbers
 import time
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.live_config import apply_edits
 from grpo_lab.ownership import Activity, OwnerGuard
 from grpo_lab.session_files import SessionFiles
+from grpo_lab.session_loops import SessionLoops
 from grpo_lab.session_views import SessionViews
 from grpo_lab.stages import STAGES, StageOrderError, check_stage_order, drives_stages
 from grpo_lab.state import rng_state, set_rng_state
@@ -34,7 +34,7 @@ from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 __all__ = ["GRPOSession", "STAGES", "StageOrderError"]
 
 
-class GRPOSession(SessionFiles, SessionViews):
+class GRPOSession(SessionLoops, SessionFiles, SessionViews):
     """Stateful, stage-by-stage GRPO. Same arguments as :class:`grpo_lab.GRPOTrainer`."""
 
     def __init__(
@@ -145,20 +145,22 @@ class GRPOSession(SessionFiles, SessionViews):
         return self._owner.activity
 
     def request_stop(self, where: str = "stage") -> bool:
-        """Ask what drives the session from another thread (the dashboard's Run N) to end: ``"stage"``
+        """Ask what drives the session from another thread (the dashboard's Run N, ``arun``) to end: ``"stage"``
         between two stages, ``"step"`` after the current update(). Returns whether anything was
         running. A cell's ``session.run()`` is ended by interrupting the kernel instead."""
         return self._owner.request_stop(where)
 
     def hold(self, description: str, *, started_by: str | None = None, how_to_stop: str | None = None,
-             steps: int | None = None):
+             steps: int | None = None, stoppable: bool = False):
         """A context manager that holds the session for this thread while several calls drive it (the
         dashboard's Run N loop): the thread's own calls nest inside it, another thread's calls raise
         ``grpo_lab.ownership.SessionBusyError`` naming ``description``, ``started_by`` and
         ``how_to_stop`` (by default: the cell, or background thread, that calls). ``steps``: the
-        optimizer steps it will run, for "step 3 of 10" in that message. Every stage, ``step()``,
-        ``run()``, ``evaluate()``, ``save()`` and ``discard_batch()`` holds the session this way."""
-        return self._owner.hold(description, started_by=started_by, how_to_stop=how_to_stop, steps=steps)
+        optimizer steps it will run, for "step 3 of 10" in that message; ``stoppable``: the loop reads
+        ``session.activity.stop_request``, so the dashboard's Stop buttons turn on. Every stage,
+        ``step()``, ``run()``, ``evaluate()``, ``save()`` and ``discard_batch()`` holds the session this way."""
+        return self._owner.hold(description, started_by=started_by, how_to_stop=how_to_stop, steps=steps,
+                                stoppable=stoppable)
 
     def on(self, callback: Callable[[str, object], None]) -> Callable[[], None]:
         """Call ``callback(event, payload)`` after every stage and when the session turns busy or idle;
@@ -328,30 +330,6 @@ class GRPOSession(SessionFiles, SessionViews):
         """Drop the current generation batch; the next stage becomes generate()."""
         self.rollout = self.scores = self.advantages_result = self.loss_result = None
         self.batch_step = 0
-
-    @drives_stages
-    def step(self) -> dict[str, float]:
-        """Run what is left of the current iteration, up to and including update()."""
-        while True:
-            stage = self.next_stage
-            result = getattr(self, stage)()
-            if stage == "update":
-                return result
-
-    def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
-        """Run ``n`` optimizer steps; Ctrl-C (interrupting the kernel) ends cleanly between stages, nothing lost."""
-        from grpo_lab.progress import progress_bar
-
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ValueError(f"run(n) takes a whole number of optimizer steps >= 0, got {n!r}; e.g. session.run(3).")
-        first = len(self._history)
-        with self._owner.hold(f"session.run({n})", steps=n), progress_bar(n, enabled=progress) as bar:
-            try:
-                for _ in range(n):
-                    bar.advance(self.step())
-            except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
-                bar.note(f"stopped after {len(self._history) - first} step(s); next stage: {self.next_stage}()")
-        return pd.DataFrame(self._history[first:])
 
     @drives_stages
     def evaluate(self, dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:

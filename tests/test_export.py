@@ -336,6 +336,9 @@ def test_notebook_without_exported_session_is_rejected(tmp_path):
     (["# export\nimport math\nx = (1,\ny = 2"], "not valid Python in cell 0, line 3: '(' was never closed."),
     (["print(1)", "# export\n\n\nimport math\ndef f(:\n    pass"],
      "not valid Python in cell 1, line 5: invalid syntax."),
+    (["# export\nx = 1", "# export\nawait session.arun(3)"],
+     "not valid Python in cell 1, line 2: 'await' outside function. A top-level `await` (such as `await "
+     "session.arun(n)`) runs only in a notebook: move it to a cell that is not exported"),
     (["# export\n!ls"], "Cell 0 is exported but uses IPython magics or shell lines (% or !), which a script cannot "
                         "run. Move them to a cell that is not exported"),
     (["# export\nfrom grpo_lab import GRPOSession\na = GRPOSession('m', [], args=None)",

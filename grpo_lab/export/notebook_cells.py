@@ -3,7 +3,6 @@ and where a line of their joined code comes from."""
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,11 +75,15 @@ def exported_cells(notebook, notebook_path: Path) -> ExportedCells:
         next_line += piece.count("\n") + 1
     cells = ExportedCells([index for index, _ in chosen], "\n".join(pieces), starts)
     try:
-        ast.parse(cells.code)
+        compile(cells.code, "<exported cells>", "exec")  # compiled, not run: also refuses a top-level await
     except SyntaxError as error:
         where = ""
         if error.lineno is not None:
             index, line = cells.where(error.lineno)
             where = f" in cell {index}, line {line}"
-        raise ExportError(f"The exported cells are not valid Python{where}: {error.msg}.") from error
+        hint = ""
+        if "'await' outside" in error.msg:
+            hint = (" A top-level `await` (such as `await session.arun(n)`) runs only in a notebook: move it to a "
+                    "cell that is not exported; the script trains with trainer.train().")
+        raise ExportError(f"The exported cells are not valid Python{where}: {error.msg}.{hint}") from error
     return cells

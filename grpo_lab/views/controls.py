@@ -17,6 +17,7 @@ import threading
 import ipywidgets as widgets
 
 from grpo_lab.ownership import SessionBusyError
+from grpo_lab.session_loops import run_stages
 from grpo_lab.views.base import View, guarded
 
 RUN_N = "the dashboard's Run N button"
@@ -98,15 +99,9 @@ class Controls(View):
     def _run_loop(self, n: int) -> None:
         done, last, failure = 0, None, None
         try:
-            with self.session.hold(f"Run N ({n} steps)", started_by=RUN_N, how_to_stop=STOP_RUN_N, steps=n):
-                while done < n and self._stop_request() != "stage":
-                    stage = self.session.next_stage
-                    getattr(self.session, stage)()
-                    last = stage
-                    if stage == "update":
-                        done += 1
-                        if self._stop_request() == "step":
-                            break
+            with self.session.hold(f"Run N ({n} steps)", started_by=RUN_N, how_to_stop=STOP_RUN_N, steps=n,
+                                   stoppable=True):
+                done, last = run_stages(self.session, n, self._stop_request)
         except Exception as error:
             failure = error
         finally:  # whatever ends the loop, the buttons come back
@@ -130,15 +125,15 @@ class Controls(View):
     @guarded
     def refresh(self, note: str = "") -> None:
         activity = self.session.activity
-        run_n = self._run_active or (activity is not None and activity.started_by == RUN_N)  # from any dashboard
+        stoppable = self._run_active or (activity is not None and activity.stoppable)  # Run N of any dashboard, arun
         for button in [*self.stage_buttons.values(), self.step_button, self.run_button]:
             button.disabled = activity is not None or self._run_active
-        self.stop_button.disabled = self.finish_button.disabled = not run_n
+        self.stop_button.disabled = self.finish_button.disabled = not stoppable
         next_stage = self.session.next_stage
         for name, button in self.stage_buttons.items():
             button.button_style = "primary" if name == next_stage else ""
         if activity is not None:
-            stops = " Stop ends it between stages, Finish step after the current update()." if run_n else ""
+            stops = " Stop ends it between stages, Finish step after the current update()." if stoppable else ""
             where = f" ({html.escape(activity.where)})" if activity.where else ""
             self.status.value = (  # the global step first, as when idle: "step (\d+)" finds it either way
                 f"step {self.session.global_step}; <b>{html.escape(activity.description)}</b> running, started by "

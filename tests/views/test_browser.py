@@ -59,6 +59,16 @@ FACTS = """(i) => {
 }"""
 
 
+def save(page, path: Path, timeout: float = 30) -> None:
+    """Save the notebook (Ctrl+S) and wait until the file on disk is rewritten."""
+    before = path.stat().st_mtime_ns
+    page.keyboard.press("Control+s")
+    deadline = time.time() + timeout
+    while path.stat().st_mtime_ns == before:
+        assert time.time() < deadline, f"{path.name} was not saved"
+        time.sleep(0.1)
+
+
 def facts(page, dashboard: int = 0):
     return page.evaluate(FACTS, dashboard)
 
@@ -119,11 +129,9 @@ def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_r
         assert lab.widget_problems(page) == []
 
 
-def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
-    shots = Path(os.environ.get("GRPO_LAB_SCREENSHOTS", tmp_path / "shots"))
-    shots.mkdir(parents=True, exist_ok=True)
-    lab.write_notebook(tmp_path / "reload.ipynb", [SETUP, "session.show()", "session.run(6)"])
-    with lab.jupyter_lab(tmp_path, save_widget_state=True) as (base, token), lab.browser_page(height=2400) as page:
+def test_a_reload_mid_run_is_live_again_within_two_updates_from_run_n_and_from_a_cell_arun(tmp_path):
+    lab.write_notebook(tmp_path / "reload.ipynb", [SETUP, "session.show()", "await session.arun(60)"])
+    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
         lab.open_notebook(page, base, token, "reload.ipynb")
         lab.run_cell(page, 0)
         lab.run_cell(page, 1)
@@ -138,32 +146,55 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
                                ".length >= 3", timeout=60_000)
         page.reload()
         lab.wait_for_notebook(page)
-        restored = wait_step_from_status(page)
-        # within two updates of the restore, the curves hold every step so far, inside their axes:
-        # the step in the controls and the points in the plot are read in one go, as the page shows them
-        deadline, caught_up = time.time() + 120, None
-        while caught_up is None:
-            assert time.time() < deadline, "the curves did not catch up with the steps after the reload"
-            now = page.evaluate(STEP_AND_POINTS)
-            if now["step"] is not None and now["step"] <= restored + 2 and now["points"] == now["step"]:
-                caught_up = now
-            elif now["step"] is not None and now["step"] > restored + 2:
-                raise AssertionError(f"two updates after the reload at step {restored}, the page shows {now}")
-            time.sleep(0.1)
-        assert facts(page)["outside"] == []
+        assert_caught_up_within_two_updates(page, last_step=20)
         page.wait_for_function("() => /ran 20 step/.test(document.querySelector('.grpo-controls').innerText)",
                                timeout=120_000)
         wait_reward_points(page, 20)
 
-        # run(6) in a cell: the kernel answers a reloaded page only when the cell has ended; then the
-        # curves hold all 26 steps, inside their axes.
+        # await session.arun(60) in a cell trains on a worker thread while the cell awaits: the kernel
+        # answers the reloaded page at once, and the dashboard's Stop ends the cell's run between stages.
         lab.run_cell(page, 2, wait=False)
         page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
                                ".length >= 22", timeout=60_000)
         page.keyboard.press("Control+s")
         page.reload()
         lab.wait_for_notebook(page)
-        shown = wait_reward_points(page, 26, timeout=180)
+        assert_caught_up_within_two_updates(page, last_step=80)
+        stop = page.locator(".grpo-dashboard").first.get_by_role("button", name="Stop", exact=True)
+        assert stop.is_enabled()
+        stop.click()
+        # the reloaded page did not send the cell, so its prompt does not show the end: the controls do
+        page.wait_for_function("() => { const c = document.querySelector('.grpo-controls'); return !/running/"
+                               ".test(c.innerText) && [...c.querySelectorAll('button')].some(b => b.textContent.trim()"
+                               " === 'Step' && !b.disabled); }", timeout=120_000)
+        stopped = wait_step_from_status(page)
+        assert 22 <= stopped < 80
+        time.sleep(2)
+        assert wait_step_from_status(page) == stopped  # ended, not paused
+        assert wait_reward_points(page, stopped)["outside"] == []
+        assert lab.widget_problems(page) == []
+
+
+def test_a_reload_during_a_cell_run_with_saved_widget_state_then_a_kernel_restart(tmp_path):
+    shots = Path(os.environ.get("GRPO_LAB_SCREENSHOTS", tmp_path / "shots"))
+    shots.mkdir(parents=True, exist_ok=True)
+    lab.write_notebook(tmp_path / "reload.ipynb", [SETUP, "session.show()", "session.run(3)", "session.run(6)"])
+    with lab.jupyter_lab(tmp_path, save_widget_state=True) as (base, token), lab.browser_page(height=2400) as page:
+        lab.open_notebook(page, base, token, "reload.ipynb")
+        for index in range(3):
+            lab.run_cell(page, index)
+        wait_reward_points(page, 3)
+
+        # run(6) in a cell holds the kernel's shell channel, where JupyterLab asks which widgets are live
+        # before it restores saved ones: the reloaded page gets its views back when the cell has ended,
+        # then the curves hold every step, inside their axes.
+        lab.run_cell(page, 3, wait=False)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
+                               ".length >= 5", timeout=60_000)
+        save(page, tmp_path / "reload.ipynb")
+        page.reload()
+        lab.wait_for_notebook(page)
+        shown = wait_reward_points(page, 9, timeout=180)
         assert shown["outside"] == [], shown["outside"]
         assert page.locator(".grpo-live-note:visible").count() == 0
         page.keyboard.press("Control+s")
@@ -174,13 +205,13 @@ def test_reload_mid_run_and_reopen_after_a_kernel_restart(tmp_path):
         page.reload()
         lab.wait_for_notebook(page)
         page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
-                               ".length === 26", timeout=60_000)
+                               ".length === 9", timeout=60_000)
         page.wait_for_function(
             "() => { const notes = [...document.querySelectorAll('.grpo-dashboard .grpo-live-note')];"
             " return notes.length >= 4 && notes.every(n => n.offsetParent !== null && /Not live/.test(n.innerText)); }",
             timeout=30_000,
         )
-        assert "as of step 26" in page.locator(".grpo-curves .grpo-live-note").first.inner_text()
+        assert "as of step 9" in page.locator(".grpo-curves .grpo-live-note").first.inner_text()
         page.locator(".grpo-dashboard").first.screenshot(path=str(shots / "reopened_after_restart.png"))
 
 
@@ -189,6 +220,24 @@ STEP_AND_POINTS = """() => {
   return {step: status ? Number(status[1]) : null,
           points: document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point').length};
 }"""
+
+
+def assert_caught_up_within_two_updates(page, last_step: int) -> None:
+    """After a reload mid-run: the views come back while the run goes on (before ``last_step``), and
+    within two updates of the restore the curves hold every step so far, inside their axes (the
+    step in the controls and the points in the plot read in one go)."""
+    restored = wait_step_from_status(page)
+    assert restored < last_step, f"the views came back only at step {restored}, when the run had ended"
+    deadline, caught_up = time.time() + 120, None
+    while caught_up is None:
+        assert time.time() < deadline, "the curves did not catch up with the steps after the reload"
+        now = page.evaluate(STEP_AND_POINTS)
+        if now["step"] is not None and now["step"] <= restored + 2 and now["points"] == now["step"]:
+            caught_up = now
+        elif now["step"] is not None and now["step"] > restored + 2:
+            raise AssertionError(f"two updates after the reload at step {restored}, the page shows {now}")
+        time.sleep(0.1)
+    assert facts(page)["outside"] == []
 
 
 def wait_step_from_status(page, timeout: float = 60) -> int:

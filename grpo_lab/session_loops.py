@@ -1,0 +1,107 @@
+"""Loops over a GRPOSession's stages: ``step()``, ``run(n)``, and ``await arun(n)`` for notebooks.
+
+``run(n)`` trains on the calling thread. In a notebook cell that is the kernel's main thread, which
+then answers nothing else until the cell ends, so a reloaded page gets its widgets back only then
+(Jupyter restores widgets over the same shell channel the running cell holds). ``await
+session.arun(n)`` trains on a worker thread while the cell awaits; ipykernel dispatches widget
+messages while an async cell awaits, so the page, its buttons and a reload are answered at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+from collections.abc import Callable
+
+import pandas as pd
+
+from grpo_lab.stages import drives_stages
+
+ARUN = "a cell (await session.arun)"
+STOP_ARUN = (
+    "press Stop on the dashboard (it ends between stages; Finish step ends after the current update()), "
+    "interrupt the kernel, or call session.request_stop()"
+)
+
+
+def check_steps(n, call: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"{call}(n) takes a whole number of optimizer steps >= 0, got {n!r}; e.g. session.{call}(3).")
+
+
+def run_stages(session, n: int, stop_request: Callable[[], str | None],
+               on_update: Callable[[dict], None] | None = None) -> tuple[int, str | None]:
+    """Run the session's stages until ``n`` optimizer steps are done or ``stop_request()`` says
+    where to end: ``"stage"`` before the next stage, ``"step"`` after the next update(). The caller
+    holds the session. ``on_update`` hears each step's metrics. Returns (steps done, last stage run)."""
+    done, last = 0, None
+    while done < n and stop_request() != "stage":
+        stage = session.next_stage
+        result = getattr(session, stage)()
+        last = stage
+        if stage == "update":
+            done += 1
+            if on_update is not None:
+                on_update(result)
+            if stop_request() == "step":
+                break
+    return done, last
+
+
+class SessionLoops:
+    """``step``, ``run`` and ``arun`` of :class:`grpo_lab.session.GRPOSession`."""
+
+    @drives_stages
+    def step(self) -> dict[str, float]:
+        """Run what is left of the current iteration, up to and including update()."""
+        while True:
+            stage = self.next_stage
+            result = getattr(self, stage)()
+            if stage == "update":
+                return result
+
+    def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
+        """Run ``n`` optimizer steps; Ctrl-C (interrupting the kernel) ends cleanly between stages, nothing lost.
+
+        In a notebook, ``await session.arun(n)`` does the same while the page stays answered."""
+        from grpo_lab.progress import progress_bar
+
+        check_steps(n, "run")
+        first = len(self._history)
+        with self._owner.hold(f"session.run({n})", steps=n), progress_bar(n, enabled=progress) as bar:
+            try:
+                for _ in range(n):
+                    bar.advance(self.step())
+            except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
+                bar.note(f"stopped after {len(self._history) - first} step(s); next stage: {self.next_stage}()")
+        return pd.DataFrame(self._history[first:])
+
+    async def arun(self, n: int, *, progress: bool = True) -> pd.DataFrame:
+        """``run(n)`` to ``await`` in a notebook cell (``await session.arun(20)``): the steps run on a
+        worker thread while the cell awaits, so the kernel keeps answering the page: a reloaded page
+        gets its live views back at once, and the dashboard's Stop (between stages) and Finish step
+        (after the current update()) end the run. Interrupting the kernel ends it between stages,
+        nothing lost. Returns the metrics of the steps it ran, as ``run`` does."""
+        from grpo_lab.progress import progress_bar
+
+        check_steps(n, "arun")
+        first, cancelled = len(self._history), []
+
+        def stop_request() -> str | None:
+            activity = self.activity
+            return "stage" if cancelled else (activity.stop_request if activity is not None else None)
+
+        def train() -> None:
+            with self._owner.hold(f"await session.arun({n})", started_by=ARUN, how_to_stop=STOP_ARUN, steps=n,
+                                  stoppable=True), progress_bar(n, enabled=progress) as bar:
+                done, _ = run_stages(self, n, stop_request, on_update=bar.advance)
+                if done < n:
+                    bar.note(f"stopped after {done} step(s); next stage: {self.next_stage}()")
+
+        work = asyncio.ensure_future(asyncio.to_thread(train))
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
+            cancelled.append(True)
+            await work
+        return pd.DataFrame(self._history[first:])
