@@ -270,14 +270,14 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
                 pictured = True
             time.sleep(0.2)
         assert lab.widget_problems(page) == []
-        assert pictured, f"the reward curve never showed 50 points while run(50) ran: {sorted(set(seen))}"
+        assert pictured, f"the reward curve never showed 50 points while arun(50) ran: {sorted(set(seen))}"
         if os.environ.get("GRPO_LAB_DOCS_IMAGES") == "1":
             shutil.copy(shots / "dashboard.png", ROOT / "docs" / "images" / "dashboard.png")
 
-        # 1 step by update() + 50 by run(50): 51 points in the reward trace, grown while run(50) ran.
+        # 1 step by update() + 50 by arun(50): 51 points in the reward trace, grown while arun(50) ran.
         shown = wait_reward_points(page, 51)
         growth = sorted(set(n for n in seen if 1 < n < 51))
-        assert len(growth) >= 3, f"curves did not grow while run(50) executed: point counts seen {sorted(set(seen))}"
+        assert len(growth) >= 3, f"curves did not grow while arun(50) executed: point counts seen {sorted(set(seen))}"
         assert (shown["outside"] == [] and shown["legendsDrawn"] == shown["legendsWanted"]
                 and shown["xTitles"] == shown["panels"])
         assert page.locator(".grpo-completions-view .grpo-token").count() > 8
