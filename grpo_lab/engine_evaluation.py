@@ -1,17 +1,17 @@
-"""The engine's evaluation: reward metrics of ``num_generations_eval`` completions per prompt of each
-eval set, without training and without touching the training run's random state."""
+"""The engine's evaluation: reward, length and loss metrics of ``num_generations_eval`` completions per
+prompt of each eval set, without training and without touching the training run's random state."""
 
 from __future__ import annotations
 
 import torch
 
-from grpo_lab import dist
+from grpo_lab import dist, ops
 from grpo_lab.engine_build import check_dataset, eval_set_label, eval_sets, named_eval_dataset
-from grpo_lab.metrics import tool_metrics
+from grpo_lab.metrics import loss_metrics, tool_metrics
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rollout.prompts import wrap_completions
 from grpo_lab.state import rng_state, set_rng_state
-from grpo_lab.types import generated_mask
+from grpo_lab.types import Rollout, generated_mask
 
 
 class EvaluationStage:
@@ -19,8 +19,9 @@ class EvaluationStage:
 
     def evaluate(self, dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample ``num_generations_eval`` completions per prompt of ``dataset`` (default: the eval
-        set) and report reward metrics under ``metric_key_prefix`` (``eval_reward``...), as TRL
-        does; a dict of named sets is reported set by set (``eval_<name>_reward``...). With several
+        set) and report reward, length and loss metrics under ``metric_key_prefix`` (``eval_reward``,
+        ``eval_loss``...), as TRL does; a dict of named sets is reported set by set
+        (``eval_<name>_reward``...). With several
         processes, each evaluates its share of the prompts; the last ``len % processes`` prompts are
         left out so that every process has as many.
 
@@ -41,12 +42,14 @@ class EvaluationStage:
         if self.published_version != self.global_step:
             self.publish_weights()
         metrics, kept = {}, rng_state()  # Python's and numpy's too: a reward function may draw from them
+        training = self.model.training
         try:
             for name, data in sets.items():
                 prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
                 metrics.update({f"{prefix}_{key}": value for key, value in self._evaluate_set(data).items()})
         finally:
             set_rng_state(kept)
+            self.model.train(training)
         return metrics
 
     def _evaluate_set(self, dataset) -> dict[str, float]:
@@ -60,7 +63,7 @@ class EvaluationStage:
         prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
         columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
         size = config.per_device_eval_batch_size * repeats
-        rewards, lengths, truncated, tool_counts = [], [], [], {}
+        rewards, lengths, truncated, tool_counts, losses = [], [], [], {}, []
         cuda = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(config.seed + self.accelerator.process_index)
@@ -81,15 +84,60 @@ class EvaluationStage:
                     trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
                 )
                 rewards.append(rewards_BF)
+                losses.append(self._eval_loss_metrics(batch, env_mask_BT, rewards_BF, repeats))
                 lengths.append(generated_mask(batch.completion_mask_BT, env_mask_BT).sum(1).float())
                 truncated.append(batch.is_truncated_B.float())
         gathered = [dist.gather(self.accelerator, torch.cat(parts).to(self.accelerator.device)).cpu()
                     for parts in (rewards, lengths, truncated)]
-        metrics = _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
+        metrics = {key: sum(part[key] for part in losses) / len(losses) for key in losses[0]}
+        metrics |= _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
         metrics["num_tokens"] = float(self.num_input_tokens_seen)  # the training run's count, as TRL logs it
         if tool_counts.get("tool_calls"):
             metrics.update(tool_metrics(self.accelerator, tool_counts))
         return metrics
+
+
+    def _eval_loss_metrics(self, batch, env_mask_BT, rewards_BF, repeats: int) -> dict[str, float]:
+        """TRL's eval loss metrics of one eval chunk (whole groups of ``repeats``): the loss of the
+        current settings on these completions, on-policy (ratio 1, so every clip ratio is 0), with
+        advantages within their groups, the model in eval mode and no gradient; and ``entropy``
+        (and ``kl`` when beta > 0) over the generated tokens. Mean over processes, as TRL's
+        ``eval_loss`` is the mean of each process's batch losses."""
+        config = self.config
+        B = len(batch.completion_ids_BT)
+        rollout = Rollout(
+            prompts=[None] * B, completions=[None] * B, completion_texts=[""] * B, columns={},
+            prompt_ids_BP=batch.prompt_ids_BP, prompt_mask_BP=batch.prompt_mask_BP,
+            completion_ids_BT=batch.completion_ids_BT, completion_mask_BT=batch.completion_mask_BT,
+            is_truncated_B=batch.is_truncated_B, group_index_B=torch.arange(B) // repeats, env_mask_BT=env_mask_BT,
+        )
+        weights = torch.tensor(config.reward_weights, dtype=torch.float32) if config.reward_weights else None
+        advantages_B = ops.compute_advantages(
+            rewards_BF, num_generations=repeats, reward_weights_F=weights, scale_rewards=config.scale_rewards,
+            multi_objective_aggregation=config.multi_objective_aggregation,
+        ).advantages_B
+        settings = ops.LossSettings.from_config(config)
+        entropy_coef = ops.applied_entropy_coef(self.entropy_coef, self.last_step_entropy,
+                                                adaptive=config.use_adaptive_entropy, target=config.entropy_target)
+        self.model.eval()
+        with torch.no_grad(), self.accelerator.autocast():
+            ref_BT = self._reference_logprobs(rollout) if config.beta > 0 else None
+            logprobs_BT, entropies_BT, _ = self.logprobs_and_aux_loss(self.model, rollout, torch.arange(B),
+                                                                     with_entropy=True)
+            device = logprobs_BT.device
+            mask_BT = rollout.generated_mask_BT.float().to(device)
+            if config.mask_truncated_completions:
+                mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(device))
+            normalizer = (dist.total(self.accelerator, mask_BT.sum()) / self.accelerator.num_processes).clamp(min=1.0)
+            out = ops.policy_loss(
+                logprobs_BT, None, advantages_B.to(device), mask_BT, settings=settings,
+                ref_logprobs_BT=None if ref_BT is None else ref_BT.to(device), num_items_in_batch=normalizer,
+                entropies_BT=entropies_BT, entropy_coef=entropy_coef,
+            )
+        clip = ops.clip_diagnostics(out.ratio_BT.expand_as(logprobs_BT), advantages_B.to(device), mask_BT,
+                                    epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
+                                    loss_type=settings.loss_type)
+        return loss_metrics(self.accelerator, clip, entropies_BT, out.kl_BT, mask_BT, float(out.loss))
 
 
 def _count_tools(tool_counts: dict, extra: dict) -> None:

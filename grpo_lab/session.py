@@ -333,9 +333,9 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
 
     @drives_stages
     def evaluate(self, dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Reward metrics of ``num_generations_eval`` completions per prompt of the eval set (or of
-        ``dataset``; a dict of named sets is reported set by set), as TRL names them
-        (``eval_reward``...). The training run is left exactly as it was."""
+        """Reward, length and loss metrics of ``num_generations_eval`` completions per prompt of the eval
+        set (or of ``dataset``; a dict of named sets is reported set by set), as TRL names them
+        (``eval_reward``, ``eval_loss``...). The training run is left exactly as it was."""
         return self.engine.evaluate(dataset, metric_key_prefix=metric_key_prefix)
 
     def __repr__(self) -> str:

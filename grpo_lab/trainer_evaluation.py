@@ -18,9 +18,10 @@ from grpo_lab.checkpoint import MODEL_DIR, load_saved_weights
 from grpo_lab.dist import sharding
 from grpo_lab.engine_build import eval_sets
 
-DEFAULT_BEST_METRIC = "reward"
-"""``metric_for_best_model`` when ``load_best_model_at_end`` is set without one. transformers picks
-``loss``; GRPO's evaluation here reports rewards, not a loss, and a higher reward is better."""
+DEFAULT_BEST_METRIC = "loss"
+"""``metric_for_best_model`` when ``load_best_model_at_end`` is set without one, as transformers
+picks it: the eval loss (lower is better). For GRPO a reward is usually the better choice: set
+``metric_for_best_model="reward"``."""
 
 
 def best_metric_name(args) -> tuple[str, bool]:

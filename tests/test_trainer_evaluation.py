@@ -72,7 +72,8 @@ def test_evaluate_logs_trls_eval_metrics_and_runs_on_evaluate(task, tmp_path):
     expected = {"reward", "reward_std", "frac_reward_zero_std", *names, "completions/mean_length",
                 "completions/min_length", "completions/max_length", "completions/clipped_ratio", "runtime",
                 "completions/mean_terminated_length", "completions/min_terminated_length",
-                "completions/max_terminated_length", "num_tokens",
+                "completions/max_terminated_length", "num_tokens", "loss", "entropy", "clip_ratio/low_mean",
+                "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean",
                 "samples_per_second", "steps_per_second"}
     assert set(metrics) - {"epoch"} == {f"eval_{key}" for key in expected}  # epoch: as transformers adds it
     assert trainer.state.log_history[-1] == {**metrics, "step": 0}
@@ -131,3 +132,29 @@ def test_no_best_checkpoint_is_tracked_unless_asked_for(task, tmp_path):
     trainer.train()
     assert trainer.state.best_model_checkpoint is None and trainer.state.best_metric is None
     assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_eval_loss_is_the_on_policy_loss_of_the_eval_completions_by_hand(task, tmp_path, loss_type):
+    seen = []
+
+    def length_reward(completion_ids, **kwargs):  # rewards known from the lengths the loss weighs by
+        seen.extend(len(ids) for ids in completion_ids)
+        return [float(len(ids) % 3) for ids in completion_ids]
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "per_device_eval_batch_size": 4,
+                            "num_generations_eval": 4, "loss_type": loss_type, "temperature": 1.5})
+    trainer = GRPOTrainer(task.model, [length_reward], args=config, train_dataset=task.train_dataset,
+                          eval_dataset=task.eval_dataset.select(range(4)))
+    metrics = trainer.evaluate()
+    lengths = torch.tensor(seen, dtype=torch.float32)
+    rewards = (lengths % 3).view(4, 4)
+    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+    assert advantages.abs().sum() > 0  # the check below can tell a loss from zero
+    # ratio 1: each token's objective is -A; dapo averages over every token, grpo over each sequence's first
+    expected = -(advantages * lengths).sum() / lengths.sum() if loss_type == "dapo" else -advantages.mean()
+    assert metrics["eval_loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert metrics["eval_entropy"] > 0 and math.isfinite(metrics["eval_entropy"])
+    assert all(metrics[f"eval_clip_ratio/{name}"] == 0.0
+               for name in ("low_mean", "low_min", "high_mean", "high_max", "region_mean"))
+    assert "eval_kl" not in metrics
