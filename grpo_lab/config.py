@@ -256,6 +256,20 @@ def steps_between(value: float, total_steps: int) -> int:
     return max(1, math.ceil(value * total_steps)) if value < 1 else int(value)
 
 
+def resolved_eval_steps(config, total_steps: int) -> int:
+    """``eval_steps`` in optimizer steps (``logging_steps`` when unset, as transformers reads it)."""
+    value = config.logging_steps if config.eval_steps is None else config.eval_steps
+    return steps_between(value, total_steps)
+
+
+def evaluation_due(config, global_step: int, total_steps: int) -> bool:
+    """Whether ``eval_strategy="steps"`` evaluates after optimizer step ``global_step``: every
+    ``eval_steps`` from ``eval_delay`` on, and at the run's last step (transformers' schedule)."""
+    if config.eval_strategy != "steps" or global_step < config.eval_delay:
+        return False
+    return global_step % resolved_eval_steps(config, total_steps) == 0 or global_step >= total_steps
+
+
 def _copy(value):
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}

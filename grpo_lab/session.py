@@ -68,6 +68,7 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
         self.loss_result: LossResult | None = None
         self.batch_step = 0
         self._history: list[dict] = []
+        self._evaluations: list[dict] = []
         self._completion_log: list[dict[str, list]] = []  # columns of each batch's completions
         self._listeners: list[Callable[[str, object], None]] = []
         self._step_started: float | None = None
@@ -114,6 +115,12 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
     def history(self) -> pd.DataFrame:
         """One row per optimizer step, TRL's metric names as columns."""
         return pd.DataFrame(self._history)
+
+    @property
+    def evaluations(self) -> pd.DataFrame:
+        """One row per ``evaluate()`` (called, or run by ``eval_strategy="steps"`` in ``run``, ``arun``
+        and Run N): the optimizer step it evaluated after, and its ``eval_...`` metrics."""
+        return pd.DataFrame(self._evaluations)
 
     @property
     def last_metrics(self) -> dict:
@@ -169,8 +176,9 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
         Events: a stage's name (``"generate"``, ``"score"``, ``"advantages"``, ``"loss"``,
         ``"update"``) with its result; ``"busy"`` with an :class:`grpo_lab.ownership.Activity` when a
         caller starts driving the session (once per outermost call: ``run(3)`` is one, not one per
-        stage), and ``"idle"`` with None when it ends, error or interrupt included. A callback that
-        wants stages only compares the name, as the views do."""
+        stage), ``"idle"`` with None when it ends, error or interrupt included, and ``"evaluate"`` with
+        the metrics of each ``evaluate()``. A callback that wants stages only compares the name, as the
+        views do."""
         self._listeners.append(callback)
 
         def unsubscribe() -> None:
@@ -336,7 +344,10 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
         """Reward, length and loss metrics of ``num_generations_eval`` completions per prompt of the eval
         set (or of ``dataset``; a dict of named sets is reported set by set), as TRL names them
         (``eval_reward``, ``eval_loss``...). The training run is left exactly as it was."""
-        return self.engine.evaluate(dataset, metric_key_prefix=metric_key_prefix)
+        metrics = self.engine.evaluate(dataset, metric_key_prefix=metric_key_prefix)
+        self._evaluations.append({"step": self.global_step, **metrics})
+        self._notify("evaluate", metrics)
+        return metrics
 
     def __repr__(self) -> str:
         return (

@@ -150,6 +150,7 @@ def _checkpoint_records(session) -> dict:
     engine = session.engine
     return {
         "history": plain_values(session._history),
+        "evaluations": plain_values(session._evaluations),
         "completion_log": plain_values(session._completion_log),
         "config_changes": plain_values(session.config_changes),
         "applied_config": plain_values(session._applied_config),
@@ -238,6 +239,7 @@ def _restore(session, state: dict, built: dict) -> None:
     own = own_process_state(state, accelerator.process_index, accelerator.num_processes)
     restore_engine(session.engine, state, own["rng"])
     session._history = extra["history"]
+    session._evaluations = extra.get("evaluations", [])  # absent from a checkpoint made before they were kept
     session._completion_log = extra["completion_log"]
     session.config_changes = extra["config_changes"] + [
         {"step": state["global_step"] + 1, "field": name, "old": old, "new": new} for name, (old, new) in built.items()

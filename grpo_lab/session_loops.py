@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from grpo_lab.config import evaluation_due
 from grpo_lab.stages import drives_stages
 
 ARUN = "a cell (await session.arun)"
@@ -33,7 +34,17 @@ def run_stages(session, n: int, stop_request: Callable[[], str | None],
                on_update: Callable[[dict], None] | None = None) -> tuple[int, str | None]:
     """Run the session's stages until ``n`` optimizer steps are done or ``stop_request()`` says
     where to end: ``"stage"`` before the next stage, ``"step"`` after the next update(). The caller
-    holds the session. ``on_update`` hears each step's metrics. Returns (steps done, last stage run)."""
+    holds the session. ``on_update`` hears each step's metrics. With ``eval_strategy="steps"`` the
+    session evaluates on the trainer's schedule (and first, with ``eval_on_start``, when nothing has
+    trained or been evaluated yet). Returns (steps done, last stage run)."""
+    config, engine = session.config, session.engine
+    if (config.eval_strategy != "no" or config.eval_on_start) and engine.eval_dataset is None:
+        raise ValueError(
+            f"eval_strategy={config.eval_strategy!r} (or eval_on_start=True) evaluates while training, but the "
+            "session has no eval_dataset: build it with eval_dataset=, or set session.config.eval_strategy = 'no'."
+        )
+    if config.eval_on_start and session.global_step == 0 and not session._evaluations:
+        session.evaluate()
     done, last = 0, None
     while done < n and stop_request() != "stage":
         stage = session.next_stage
@@ -43,6 +54,8 @@ def run_stages(session, n: int, stop_request: Callable[[], str | None],
             done += 1
             if on_update is not None:
                 on_update(result)
+            if evaluation_due(config, session.global_step, engine.total_steps()):
+                session.evaluate()
             if stop_request() == "step":
                 break
     return done, last
@@ -62,6 +75,7 @@ class SessionLoops:
 
     def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
         """Run ``n`` optimizer steps; Ctrl-C (interrupting the kernel) ends cleanly between stages, nothing lost.
+        With ``eval_strategy="steps"`` it evaluates as the trainer does (``session.evaluations``).
 
         In a notebook, ``await session.arun(n)`` does the same while the page stays answered."""
         from grpo_lab.progress import progress_bar
@@ -70,8 +84,7 @@ class SessionLoops:
         first = len(self._history)
         with self._owner.hold(f"session.run({n})", steps=n), progress_bar(n, enabled=progress) as bar:
             try:
-                for _ in range(n):
-                    bar.advance(self.step())
+                run_stages(self, n, lambda: None, on_update=bar.advance)
             except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
                 bar.note(f"stopped after {len(self._history) - first} step(s); next stage: {self.next_stage}()")
         return pd.DataFrame(self._history[first:])

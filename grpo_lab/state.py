@@ -157,9 +157,11 @@ def load_engine_state_dict(engine, state: dict) -> None:
 
 
 def session_records(session) -> dict:
-    """The session's own records: history, completion log, config edits, and where it stands in its batch."""
+    """The session's own records: history, evaluations, completion log, config edits, and where it
+    stands in its batch."""
     return {
         "history": session._history,
+        "evaluations": session._evaluations,
         "completion_log": session._completion_log,
         "config_changes": session.config_changes,
         "applied_config": session._applied_config,
@@ -191,6 +193,7 @@ def load_session_state_dict(session, state: dict) -> None:
     set_rng_state(state["rng"])
     records = copy.deepcopy(state["records"])
     session._history, session._completion_log = records["history"], records["completion_log"]
+    session._evaluations = records.get("evaluations", [])  # absent from a state dict made before they were kept
     session.config_changes, session._applied_config = records["config_changes"], records["applied_config"]
     session.batch_step, session._last_stage = records["batch_step"], records["last_stage"]
     for name, value in copy.deepcopy(state["config"]).items():

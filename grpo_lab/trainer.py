@@ -22,7 +22,7 @@ from pathlib import Path
 from grpo_lab import dist, notices, ops
 from grpo_lab.accel import release_freed_memory
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
-from grpo_lab.config import GRPOConfig, steps_between
+from grpo_lab.config import GRPOConfig, resolved_eval_steps, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
@@ -146,7 +146,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
     def _begin_events(self, total: int) -> None:
         self._events.attach(self.session)
         logging_steps = steps_between(self.args.logging_steps, total)
-        eval_steps = logging_steps if self.args.eval_steps is None else steps_between(self.args.eval_steps, total)
+        eval_steps = resolved_eval_steps(self.args, total)
         save_steps = steps_between(self.args.save_steps, total)
         self._check_best_model_steps(save_steps, eval_steps)
         self._events.train_begin(global_step=self.session.global_step, max_steps=total, logging_steps=logging_steps,

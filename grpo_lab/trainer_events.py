@@ -33,6 +33,7 @@ from pathlib import Path
 
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
 from transformers.trainer_utils import TrainOutput, speed_metrics
+from grpo_lab.config import evaluation_due
 
 LAST_STEP_KEYS = frozenset({"grad_norm", "learning_rate", "num_tokens", "epoch"})
 """Logged as the last step's value, not the window's mean: transformers' Trainer logs the last
@@ -70,13 +71,11 @@ class GRPOFlowCallback(DefaultFlowCallback):
             control.should_log = True
         if saving and state.global_step % state.save_steps == 0:
             control.should_save = True
-        evaluating = args.eval_strategy == "steps" and args.eval_delay <= state.global_step
-        if evaluating and state.global_step % state.eval_steps == 0:
+        if evaluation_due(args, state.global_step, state.max_steps):  # a run ends evaluated, as transformers'
             control.should_evaluate = True
         if state.global_step >= state.max_steps:
             control.should_training_stop = True
             control.should_save = saving  # the end of a run is always resumable, unless saving is off
-            control.should_evaluate = evaluating  # a run ends evaluated, as transformers' does
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):

@@ -74,6 +74,18 @@ _NOT_DRAWN = {
 """grpo_lab's metrics that no panel draws (counters, and statistics a drawn series summarises)."""
 
 
+_EVALUATED = ("reward", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "entropy",
+              "kl", "loss")
+"""Training metrics whose evaluation twin (``eval_reward``...) is drawn beside them; every
+``rewards/<fn>/mean`` too."""
+
+
+def eval_prefixes(columns) -> list[str]:
+    """The prefixes of the evaluations' metric names: ``eval``, a named set's ``eval_<name>``, or a
+    ``metric_key_prefix`` (every evaluation reports ``<prefix>_reward``)."""
+    return sorted({c[: -len("_reward")] for c in columns if c.endswith("_reward")})
+
+
 def _grpo_lab_names(columns: list[str]) -> set[str]:
     """The columns grpo_lab itself logs, drawn or not: what is left was logged by reward functions."""
     names = set(_NOT_DRAWN) | {"kl"} | {c for c in columns if c.startswith("rewards/")}
@@ -93,6 +105,7 @@ class Series:
     spread: np.ndarray | None = None  # a band: y ± spread
     right: bool = False  # drawn on the panel's right-hand axis
     absent: np.ndarray | None = None  # True where the step did not log this metric: a plain gap
+    evaluation: str | None = None  # an evaluation's series: its prefix ("eval", "eval_hard")
 
     def nonfinite_steps(self) -> list[float]:
         """Steps that logged a NaN or infinite value: drawn as a gap with a marker (a step that did
@@ -262,6 +275,7 @@ def curve_panels(
     loss_zero: bool = False,
     config_changes: list[dict] = (),
     absent: dict[str, np.ndarray] | None = None,
+    evaluations: pd.DataFrame | None = None,
 ) -> Curves:
     """The curves view's data: one panel per metric group, x = optimizer step.
 
@@ -269,8 +283,10 @@ def curve_panels(
     learning-signal panel. ``loss_zero``: the loss panel says so (see
     :func:`loss_is_zero_by_construction`) on a fixed range instead of magnifying rounding.
     ``absent``: per column, True at the steps that did not log it (see :func:`absent_steps`), a
-    plain gap rather than a non-finite value. Panels constant over two or more steps are left out
-    and named in ``constant``.
+    plain gap rather than a non-finite value. ``evaluations``: ``session.evaluations``; each
+    evaluated twin of a drawn metric (``eval_reward`` beside ``reward``, per eval set) is a series
+    of its panel, at the steps evaluated. Panels constant over two or more steps are left out and
+    named in ``constant``.
     """
     if history.empty:
         return Curves([], [], config_marks(list(config_changes)), 0)
@@ -290,6 +306,7 @@ def curve_panels(
                 spread = history[spec.band[1]].to_numpy(dtype=float)
             right = bool(spec.right) and name == spec.right[0]
             panel.series.append(Series(name, steps, y, spread, right=right, absent=absent.get(name)))
+            panel.series.extend(_evaluated(evaluations, name))
         if spec.title == "loss" and loss_zero:
             panel.note, panel.y_range = LOSS_ZERO_NOTE, (-1.0, 1.0)
         if len(steps) >= 2 and not panel.note and all(_is_constant(s.y) for s in panel.series):
@@ -299,6 +316,21 @@ def curve_panels(
         panel.right_range = _right_range(panel)
         panels.append(panel)
     return Curves(panels, constant, config_marks(list(config_changes)), len(steps))
+
+
+def _evaluated(evaluations: pd.DataFrame | None, name: str) -> list[Series]:
+    """The series of ``name``'s evaluated twins, one per eval set (none for a metric not evaluated)."""
+    if evaluations is None or evaluations.empty or not (
+            name in _EVALUATED or name.startswith("rewards/") and name.endswith("/mean")):
+        return []
+    found = []
+    for prefix in eval_prefixes(evaluations.columns):
+        column = f"{prefix}_{name}"
+        if column in evaluations:
+            rows = evaluations[evaluations[column].notna()]
+            found.append(Series(column, rows["step"].to_numpy(dtype=float), rows[column].to_numpy(dtype=float),
+                                evaluation=prefix))
+    return found
 
 
 def absent_steps(rows: list[dict], columns) -> dict[str, np.ndarray]:

@@ -101,9 +101,11 @@ function figure(spec, arrays, columns) {
         data.push({ ...common, type: "scatter", mode: "lines", x, y: y.map((v, j) => v + spread[j]), line: { width: 0 },
                     fill: "tonexty", fillcolor: "rgba(31,119,180,0.18)", hoverinfo: "skip", name: `± ${shortName(s.name)}_std (within groups)` });
       }
+      const label = s.evaluation ? `${s.evaluation} ${shortName(s.name.slice(s.evaluation.length + 1))}` : shortName(s.name);
       data.push({
-        ...common, type: "scatter", mode: "lines+markers", x, y, name: shortName(s.name) + (s.right ? " (right axis)" : ""),
-        marker: { size: 4, color: colour }, line: { color: colour, width: 1.5, dash: s.right ? "dot" : "solid" },
+        ...common, type: "scatter", mode: "lines+markers", x, y, name: label + (s.right ? " (right axis)" : ""),
+        marker: { size: s.evaluation ? 7 : 4, color: colour, symbol: s.evaluation ? "diamond" : "circle" },
+        line: { color: colour, width: 1.5, dash: s.evaluation ? "dash" : s.right ? "dot" : "solid" },
         connectgaps: false, hovertemplate: `step %{x}: %{y:.4g}<extra>${s.name}</extra>`,
       });
     });

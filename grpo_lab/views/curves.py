@@ -14,10 +14,11 @@ EMPTY = "No optimizer step yet: the curves start after the first update()."
 
 class CurvesView(View):
     """Training curves, one small plot per metric group, redrawn from the full history after every
-    update(). The figure widget exists from the start and its state is the whole picture, so a view
-    of it made at any time (a reloaded page included) draws every step so far."""
+    update() and evaluate() (an evaluated metric's series beside its training one). The figure
+    widget exists from the start and its state is the whole picture, so a view of it made at any
+    time (a reloaded page included) draws every step so far."""
 
-    events = ("update",)
+    events = ("update", "evaluate")
 
     def __init__(self, session):
         self.smoothing = widgets.FloatSlider(value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing",
@@ -50,6 +51,7 @@ class CurvesView(View):
         self.curves = curve_data.curve_panels(
             history, self.smoothing.value, nonzero_advantage=self._nonzero_advantage(), loss_zero=loss_zero,
             config_changes=session.config_changes, absent=curve_data.absent_steps(session._history, history.columns),
+            evaluations=session.evaluations,
         )
         self.figure.show_curves(self.curves, EMPTY)
 

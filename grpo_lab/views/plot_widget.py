@@ -84,6 +84,7 @@ def curves_state(curves: Curves, empty_text: str) -> tuple[dict, list[bytes]]:
                 "y": buffer(s.y),
                 "spread": None if s.spread is None else buffer(s.spread),
                 "right": s.right,
+                "evaluation": s.evaluation,
                 "nonfinite": s.nonfinite_steps(),
             }
             for s in panel.series

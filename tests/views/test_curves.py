@@ -186,3 +186,38 @@ def test_learning_signal_panel_reads_the_sessions_completion_log(session):
     series = {s.name: s for s in signal.series}
     assert series[curve_data.NONZERO_ADVANTAGE].y.tolist() == pytest.approx(expected)
     assert series["frac_reward_zero_std"].y.tolist() == pytest.approx(session.history["frac_reward_zero_std"].tolist())
+
+
+def test_evaluations_are_drawn_beside_their_training_metric_one_series_per_eval_set():
+    history = _history(reward=[0.5, 0.75, 1.0], loss=[0.1, 0.2, 0.05], **{"rewards/a/mean": [0.0, 1.0, 1.0]},
+                       grad_norm=[1.0, 2.0, 3.0])
+    evaluations = pd.DataFrame([
+        {"step": 0, "eval_reward": 0.25, "eval_loss": 0.01, "eval_rewards/a/mean": 0.0, "eval_hard_reward": 0.0},
+        {"step": 2, "eval_reward": 0.5, "eval_loss": float("nan"), "eval_rewards/a/mean": 0.5,
+         "eval_hard_reward": 0.25},
+    ])
+    panels = _panels(curve_data.curve_panels(history, evaluations=evaluations))
+    assert curve_data.eval_prefixes(evaluations.columns) == ["eval", "eval_hard"]
+    reward = panels["reward"].series
+    assert [(s.name, s.evaluation) for s in reward] == [
+        ("reward", None), ("eval_reward", "eval"), ("eval_hard_reward", "eval_hard")]
+    assert reward[1].x.tolist() == [0.0, 2.0] and reward[1].y.tolist() == [0.25, 0.5]
+    assert reward[2].y.tolist() == [0.0, 0.25]
+    assert [s.name for s in panels["reward per function"].series] == ["rewards/a/mean", "eval_rewards/a/mean"]
+    loss = panels["loss"].series[1]
+    assert (loss.name, loss.x.tolist(), loss.y.tolist()) == ("eval_loss", [0.0], [0.01])  # NaN rows left out
+    assert [s.name for s in panels[curve_data.LEARNING_SIGNAL].series] == ["grad_norm"]  # not evaluated
+    spec, arrays = curves_state(curve_data.curve_panels(history, evaluations=evaluations), "")
+    drawn = next(p for p in spec["panels"] if p["title"] == "reward")["series"][1]
+    assert drawn["evaluation"] == "eval" and _decoded((spec, arrays), drawn["y"]).tolist() == [0.25, 0.5]
+
+
+def test_the_view_redraws_after_an_evaluation(session):
+    view = session.curves()
+    session.step()
+    metrics = session.evaluate()
+    reward = next(p for p in view.figure.spec["panels"] if p["title"] == "reward")["series"]
+    assert [s["name"] for s in reward] == ["reward", "eval_reward"]
+    assert _decoded((view.figure.spec, view.figure.arrays), reward[1]["y"]).tolist() == [metrics["eval_reward"]]
+    assert session.evaluations[["step", "eval_reward"]].to_dict("records") == [
+        {"step": 1, "eval_reward": metrics["eval_reward"]}]
