@@ -54,6 +54,7 @@ FACTS = """(i) => {
     xTitles: [...gd.querySelectorAll('.infolayer g[class^="g-x"][class$="title"]')]
       .filter((g) => /optimizer step/.test(g.textContent)).length,
     titles: [...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => a.textContent),
+    legendText: [...gd.querySelectorAll('.infolayer g[class^="legend"] .legendtext')].map((t) => t.textContent),
     outside,
   };
 }"""
@@ -94,7 +95,7 @@ def controls_text(page, dashboard: int = 0) -> str:
 def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_runs(tmp_path):
     lab.write_notebook(tmp_path / "steps.ipynb", [
         SETUP, "session.show()", "session.step()", "session.run(3)", "session.show()", "session.run(3)",
-        "print('global step', session.global_step)",
+        "print('global step', session.global_step)", "session.evaluate(task.eval_dataset)['eval_reward']",
     ])
     with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
         lab.open_notebook(page, base, token, "steps.ipynb")
@@ -126,6 +127,12 @@ def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_r
             wait_reward_points(page, 7, dashboard)
         page.wait_for_function("() => [...document.querySelectorAll('.grpo-dashboard button')]"
                                ".some(b => b.textContent.trim() === 'Step' && !b.disabled)")
+
+        lab.run_cell(page, 7)  # an evaluation is drawn beside the training reward, in both dashboards
+        for dashboard in (0, 1):
+            shown = wait_reward_points(page, 8, dashboard)  # 7 steps and the evaluation after step 7
+            assert "eval reward" in shown["legendText"], shown["legendText"]
+            assert shown["outside"] == []
         assert lab.widget_problems(page) == []
 
 
