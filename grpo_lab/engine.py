@@ -18,6 +18,7 @@ well defined), and micro-batches are taken in order rather than shuffled.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from transformers import TrainerState, set_seed
@@ -99,6 +100,10 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             speed_paths=self.speed_paths, remove_model_copy=self._remove_model_copy,
         )
         self.published_version = 0  # a backend starts from the policy it is built with
+        # The trainer's callbacks hear the events inside a step through this, by transformers' names:
+        # "on_substep_end" after each micro-batch but a step's last, "on_pre_optimizer_step" once the
+        # gradient is clipped, "on_optimizer_step" after the optimizer step.
+        self.step_events: Callable[[str], None] | None = None
         note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
                                  main_process=self.accelerator.is_main_process)
 
@@ -303,8 +308,11 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         grad_norm = float(self.accelerator.clip_grad_norm_(parameters, max_norm))
         skipped = not math.isfinite(grad_norm)
+        self._step_event("on_pre_optimizer_step")
         if not skipped:
             self.optimizer.step()
+        self._step_event("on_optimizer_step")
+        if not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
@@ -317,6 +325,10 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         if config.sync_ref_model and self.ref_model is not None and self.global_step % config.ref_model_sync_steps == 0:
             self._mix_reference()
         return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}
+
+    def _step_event(self, name: str) -> None:
+        if self.step_events is not None:
+            self.step_events(name)
 
     def publish_weights(self) -> None:
         """Hand the policy after the latest update to the generation backend (vLLM; nothing to do for

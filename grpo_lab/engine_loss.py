@@ -91,6 +91,8 @@ class LossStage:
                 aux_losses.append(step.aux_loss.detach())
             total_loss += float(step.loss.detach())
             parts.append((index_B, step.logprobs_BT.detach(), step.entropies_BT.detach(), step.out, step.mask_BT))
+            if not sync:
+                self._step_event("on_substep_end")
         if zero_K is not None:
             not_finite, skipped_fraction = self._skips_over_processes(not_finite, skipped, len(micro_batches))
         self._complete_gradients(none_ran=skipped == len(micro_batches), not_finite=not_finite)

@@ -201,7 +201,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                 self.evaluate()
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
-                    events.step_begin()
+                    events.step_begin(self.session.engine.sampler.epoch_progress)
                     row = self.session.step()
                     bar.advance(row)
                     on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
@@ -302,7 +302,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             return
         accelerator = self.accelerator
         session, self.session = self.session, None
-        self._events.detach()
+        self._events.detach(session)
         session.close()
         del session
         accelerator.free_memory()  # accelerate keeps the prepared model, which holds the process group
@@ -316,7 +316,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         session where an optimizer given in optimizers= holds its model's parameters: the checkpoint
         goes into that model."""
         session, self.session = self.session, None
-        self._events.detach()
+        self._events.detach(session)
         session.close()
         if not session.engine.owns_optimizer:
             return session

@@ -94,6 +94,7 @@ class TrainerEvents:
         self._window: list[dict] = []
         self._losses: list[float] = []
         self._started = 0.0
+        self._epoch: int | None = None  # the whole epoch on_epoch_begin was called for; None: none open
 
     def attach(self, session) -> None:
         """Point the callbacks' keywords at ``session``'s model, tokenizer, optimizer and schedule
@@ -102,9 +103,12 @@ class TrainerEvents:
         self.handler.processing_class = session.tokenizer
         self.handler.optimizer = session.engine.optimizer
         self.handler.lr_scheduler = session.engine.scheduler
+        session.engine.step_events = self._call
 
-    def detach(self) -> None:
+    def detach(self, session=None) -> None:
         """Let go of the session's model and optimizer (before a resume loads new ones, or at close)."""
+        if session is not None:
+            session.engine.step_events = None
         handler = self.handler
         handler.model = handler.processing_class = handler.optimizer = handler.lr_scheduler = None
 
@@ -123,11 +127,23 @@ class TrainerEvents:
         state.train_batch_size = self.args.per_device_train_batch_size
         state.num_train_epochs = self.args.num_train_epochs
         self.control.should_training_stop = False
-        self._window, self._losses, self._started = [], [], time.time()
+        self._window, self._losses, self._started, self._epoch = [], [], time.time(), None
         self._call("on_train_begin")
 
-    def step_begin(self) -> None:
+    def step_begin(self, epoch: float) -> None:
+        """Before an optimizer step that starts at ``epoch`` (fractional): ``on_epoch_begin`` first
+        when it is the first step of the run or of a new epoch."""
+        if self._epoch is None:
+            self._epoch = math.floor(epoch)
+            self._call("on_epoch_begin")
         self._call("on_step_begin")
+
+    def epoch_end(self) -> None:
+        """``on_epoch_end`` for the epoch open, if any: when a step finished it, and when the run ends
+        inside one (as transformers' loop ends an epoch that ``max_steps`` cut short)."""
+        if self._epoch is not None:
+            self._epoch = None
+            self._call("on_epoch_end")
 
     def step_end(self, row: dict) -> TrainerControl:
         """After an optimizer step: update the state, run ``on_step_end`` and log if asked."""
@@ -140,6 +156,8 @@ class TrainerEvents:
         if self.control.should_log:
             self.log(window_row(self._window, finite_loss=self.args.logging_nan_inf_filter))
             self._window = []
+        if self._epoch is not None and self.state.epoch is not None and math.floor(self.state.epoch) > self._epoch:
+            self.epoch_end()
         return self.control
 
     def log(self, logs: dict) -> None:
@@ -182,6 +200,7 @@ class TrainerEvents:
         leftover = window_row(self._window) if self._window else {}
         logs.update({k: v for k, v in leftover.items() if k not in TRAINER_LOGGED_KEYS})
         self._window = []
+        self.epoch_end()
         self.log(logs)
         self._call("on_train_end")
         metrics = {k: v for k, v in logs.items() if k != "total_flos"}

@@ -178,3 +178,56 @@ def test_logging_first_step_logs_step_one_even_with_logging_off():
     assert GRPOFlowCallback().on_step_end(args, state, TrainerControl()).should_log
     state.global_step = 2
     assert not GRPOFlowCallback().on_step_end(args, state, TrainerControl()).should_log
+
+
+class InsideSteps(TrainerCallback):
+    """Notes the events inside a step and the epoch events, with the step and what the optimizer holds."""
+
+    def __init__(self):
+        self.events = []
+
+    def _note(self, name, state, optimizer=None):
+        moved = None if optimizer is None else sum(len(s) > 0 for s in optimizer.state.values())
+        self.events.append((name, state.global_step) if moved is None else (name, state.global_step, moved))
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._note("epoch_begin", state)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._note("epoch_end", state)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._note("step_begin", state)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._note("substep_end", state)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self._note("pre_optimizer_step", state, optimizer)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self._note("optimizer_step", state, optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._note("step_end", state)
+
+
+def test_events_inside_a_step_and_epoch_events_come_as_transformers_sends_them(task, tmp_path):
+    recorder = InsideSteps()
+    # 4 prompts, 2 per optimizer step in 2 micro-batches of 4 completions: an epoch is 2 steps
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "save_strategy": "no", "disable_tqdm": True,
+                            "max_steps": 3, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2})
+    trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset.select(range(4)),
+                          callbacks=[recorder])
+    trainer.train()
+
+    def step(n, first_moves):  # the optimizer holds no state before its first step, then one per parameter
+        held = sum(p.requires_grad for p in trainer.model.parameters())
+        before = 0 if first_moves else held
+        return [("step_begin", n - 1), ("substep_end", n - 1), ("pre_optimizer_step", n - 1, before),
+                ("optimizer_step", n - 1, held), ("step_end", n)]
+
+    assert recorder.events == [
+        ("epoch_begin", 0), *step(1, True), *step(2, False), ("epoch_end", 2),
+        ("epoch_begin", 2), *step(3, False), ("epoch_end", 3),
+    ]
