@@ -2,7 +2,8 @@
 
 :class:`ToolCalling` is a rollout function (see :mod:`grpo_lab.rollout.custom`): it samples the
 completions, parses each for tool calls with the tokenizer's ``response_template``
-(``tokenizer.parse_response``), runs the tools, appends their results as the chat template renders
+(``tokenizer.parse_response``; one is set for the chat templates :mod:`grpo_lab.rollout.response_formats`
+recognises), runs the tools, appends their results as the chat template renders
 tool messages, and samples the model's next turn from the whole conversation so far, as token ids
 (never re-tokenized), until no completion calls a tool or ``max_tool_calling_iterations`` rounds
 have run. The tool results are context for the next turn but are not trained on (``env_mask`` 0),
@@ -14,12 +15,14 @@ drops one that overflows, and keeps one that fills the budget exactly).
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from grpo_lab import dist
 from grpo_lab.rewards.runner import run_coroutines
 from grpo_lab.rollout.prompts import is_conversational, render_prompts
+from grpo_lab.rollout.response_formats import FORMATS, known_response_template
 
 
 def _schema(tool) -> dict:
@@ -51,11 +54,17 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
                          "the model calls them by name.")
     for tool in tools:
         _schema(tool)
+    known = known_response_template(getattr(tokenizer, "chat_template", None))
+    if getattr(tokenizer, "response_template", None) is None and known is not None:
+        tokenizer.response_template = known[1]  # as TRL sets one for the chat templates it knows
+        logging.getLogger("grpo_lab").info("tools: the tokenizer has no response_template; its chat template "
+                                           "writes %s, whose template parses the calls.", known[0])
     if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
         raise ValueError(
             "tools need a tokenizer that parses the model's tool calls: this one has no response_template "
-            "(transformers' response parsing). Set tokenizer.response_template to a template for your model's "
-            "tool-call format and pass the tokenizer as processing_class."
+            "(transformers' response parsing), and its chat template writes none of the tool-call formats "
+            f"grpo_lab recognises ({', '.join(name for name, *_ in FORMATS)}). Set tokenizer.response_template "
+            "to a template for your model's tool-call format and pass the tokenizer as processing_class."
         )
     if "tools" in (chat_template_kwargs or {}):
         raise ValueError("chat_template_kwargs has a 'tools' entry: pass the functions as tools= instead.")
