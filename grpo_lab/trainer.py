@@ -52,6 +52,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         callbacks=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
+        self._open_sinks: list | None = None  # the trackers while train() runs (filled on the main process)
         if args is not None and first_process():  # the process that writes checkpoints
             check_writable(Path(args.output_dir), "write the run's output to")
         self._resume_kwargs = dict(
@@ -196,6 +197,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir, first_step)))
 
         on_main(self.accelerator, f"open the trackers report_to names ({', '.join(self.reporters)})", open_trackers)
+        self._open_sinks = sinks if self.reporters else None  # evaluations while training go to them too
         try:
             if self.args.eval_on_start:
                 self.evaluate()
@@ -217,8 +219,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                 self.save_checkpoint()
         except BaseException as error:
             # what was logged reaches the trackers, marked failed
+            self._open_sinks = None
             closing.__exit__(type(error), error, error.__traceback__)
             raise
+        self._open_sinks = None
         on_main(self.accelerator, "close the trackers", closing.close)
         self._load_best_model()
         samples = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps

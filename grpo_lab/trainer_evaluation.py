@@ -15,7 +15,7 @@ import time
 from transformers.trainer_utils import speed_metrics
 
 from grpo_lab.checkpoint import MODEL_DIR, load_saved_weights
-from grpo_lab.dist import sharding
+from grpo_lab.dist import on_main, sharding
 from grpo_lab.engine_build import eval_sets
 
 DEFAULT_BEST_METRIC = "loss"
@@ -43,7 +43,8 @@ class TrainerEvaluation:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate the policy on ``eval_dataset`` (default: the trainer's; a dict of named sets is
         reported set by set, ``eval_<name>_reward``...), log the metrics to ``state.log_history`` with
-        ``eval_runtime`` and the throughput, run the callbacks' ``on_evaluate``, and return them.
+        ``eval_runtime`` and the throughput (and, while ``train()`` runs, to the ``report_to`` trackers),
+        run the callbacks' ``on_evaluate``, and return them.
         ``ignore_keys`` is accepted for transformers' signature; nothing is ignored."""
         start = time.time()
         metrics = self.session.evaluate(eval_dataset, metric_key_prefix=metric_key_prefix)
@@ -52,6 +53,10 @@ class TrainerEvaluation:
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=sum(len(d) for d in sets),
                                      num_steps=sum(math.ceil(len(d) / per_call) for d in sets)))
         self._events.log(metrics)
+        sinks, step = self._open_sinks, self.session.global_step
+        if sinks is not None:  # the same on every process (the list is filled on the main one): collective
+            on_main(self.accelerator, f"log the evaluation at step {step}",
+                    lambda: [sink.log({"step": step, **metrics}) for sink in sinks])
         self._events.evaluated(metrics)
         return metrics
 

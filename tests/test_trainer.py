@@ -13,9 +13,10 @@ from grpo_lab.trainer import GRPOTrainer
 from tests.conftest import SMALL
 
 
-def _trainer(task, tmp_path, reward_funcs=None, **overrides):
+def _trainer(task, tmp_path, reward_funcs=None, eval_dataset=None, **overrides):
     config = task.config(**{**SMALL, "output_dir": str(tmp_path), **overrides})
-    return GRPOTrainer(task.model, reward_funcs or task.reward_funcs, args=config, train_dataset=task.train_dataset)
+    return GRPOTrainer(task.model, reward_funcs or task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                       eval_dataset=eval_dataset)
 
 
 def _no_time(frame: pd.DataFrame) -> pd.DataFrame:
@@ -81,13 +82,19 @@ def test_train_again_on_a_finished_run_does_nothing_until_max_steps_is_raised(ta
 def test_tensorboard_receives_the_metrics_jsonl_values(task, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _trainer(task, tmp_path, max_steps=2, report_to="tensorboard").train()
+    trainer = _trainer(task, tmp_path, eval_dataset=task.eval_dataset, max_steps=2, report_to="tensorboard",
+                       eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, num_generations_eval=2)
+    trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(tmp_path / "runs"))
     events.Reload()
     for name in ("reward", "loss", "entropy"):
         logged = [(e.step, e.value) for e in events.Scalars(name)]
         assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in rows]
+    evaluations = [row for row in trainer.state.log_history if "eval_reward" in row]
+    for name in ("eval_reward", "eval_loss"):  # the evaluations while training, at their steps
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in evaluations] and len(logged) == 2
 
 
 def _wandb_records(run_file):
