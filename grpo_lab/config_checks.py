@@ -115,6 +115,18 @@ def _check_counts(config) -> None:
         )
     if config.num_generations_eval is not None:
         _at_least("num_generations_eval", config.num_generations_eval, 1)
+    if config.eval_pass_at_k is not None:
+        samples = config.num_generations_eval or config.num_generations
+        ks = config.eval_pass_at_k
+        if not isinstance(ks, (list, tuple)) or not all(isinstance(k, int) and not isinstance(k, bool) and
+                                                         1 <= k <= samples for k in ks):
+            raise ValueError(
+                f"eval_pass_at_k must be a list of whole numbers k with 1 <= k <= {samples}, the completions per "
+                f"prompt in evaluation (num_generations_eval, else num_generations); got {ks!r}. E.g. "
+                f"eval_pass_at_k=[1, {samples}]."
+            )
+    if not _number(config.eval_pass_threshold) or not math.isfinite(config.eval_pass_threshold):
+        raise ValueError(f"eval_pass_threshold must be a finite number, got {config.eval_pass_threshold!r}.")
     for name in ("max_completion_length", "per_device_train_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps", "num_iterations", "ref_model_sync_steps"):
         _at_least(name, getattr(config, name), 1)

@@ -67,6 +67,13 @@ class GRPOFields:
         2: advantages compare completions within a group. The generation batch size must be a multiple of it.""")
     num_generations_eval: int | None = setting(None, "live", """Completions per prompt during evaluation; None uses
         ``num_generations``.""")
+    eval_pass_at_k: list[int] | None = setting(None, "live", """grpo_lab only: the k of ``pass@k`` to report per
+        reward function in evaluation (``eval_rewards/<fn>/pass@k``): the chance that at least one of k completions
+        of a prompt, drawn from its ``num_generations_eval`` without replacement, passes (reward >=
+        ``eval_pass_threshold``), by the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021), averaged
+        over prompts. Each k at most ``num_generations_eval``. None: not reported (TRL reports none).""")
+    eval_pass_threshold: float = setting(1.0, "live", """grpo_lab only: the reward at or above which a completion
+        passes a reward function, for ``eval_pass_at_k`` (1.0 suits verifiers that return 0 or 1).""")
     max_completion_length: int = setting(512, "live", """Maximum number of tokens generated per completion; longer
         ones are cut and flagged truncated. Also the constant divisor of the ``dr_grpo`` loss.""")
     ds3_gather_for_generation: bool = setting(True, "live", """DeepSpeed ZeRO-3: gather full weights for generation.

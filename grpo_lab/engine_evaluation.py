@@ -91,6 +91,10 @@ class EvaluationStage:
                     for parts in (rewards, lengths, truncated)]
         metrics = {key: sum(part[key] for part in losses) / len(losses) for key in losses[0]}
         metrics |= _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
+        for k in config.eval_pass_at_k or ():
+            for i, name in enumerate(self.reward_names):
+                passed_NG = (gathered[0][:, i] >= config.eval_pass_threshold).view(-1, repeats)  # NaN never passes
+                metrics[f"rewards/{name}/pass@{k}"] = pass_at_k(passed_NG, k)
         metrics["num_tokens"] = float(self.num_input_tokens_seen)  # the training run's count, as TRL logs it
         if tool_counts.get("tool_calls"):
             metrics.update(tool_metrics(self.accelerator, tool_counts))
@@ -138,6 +142,25 @@ class EvaluationStage:
                                     epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
                                     loss_type=settings.loss_type)
         return loss_metrics(self.accelerator, clip, entropies_BT, out.kl_BT, mask_BT, float(out.loss))
+
+
+def pass_at_k(passed_NG: torch.Tensor, k: int) -> float:
+    """The unbiased pass@k estimator (Chen et al. 2021, "Evaluating Large Language Models Trained on
+    Code", arXiv:2107.03374): for a prompt with n samples of which c pass, the chance that k drawn
+    without replacement hold at least one that passes,
+
+        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)   (1 when n - c < k),
+
+    averaged over the N prompts. ``passed_NG``: (N, n) booleans; 1 <= k <= n."""
+    n = passed_NG.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, the samples per prompt; got k={k}, n={n}.")
+    values = []
+    for c in passed_NG.sum(dim=1).tolist():
+        failing = n - int(c)
+        values.append(1.0 if failing < k else 1.0 - float(torch.prod(1.0 - k / torch.arange(failing + 1, n + 1,
+                                                                                             dtype=torch.float64))))
+    return sum(values) / len(values)
 
 
 def _count_tools(tool_counts: dict, extra: dict) -> None:

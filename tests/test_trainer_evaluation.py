@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from grpo_lab import GRPOTrainer
-from grpo_lab.engine_evaluation import _eval_metrics
+from grpo_lab.engine_evaluation import _eval_metrics, pass_at_k
 from tests.conftest import SMALL
 
 
@@ -158,3 +158,25 @@ def test_eval_loss_is_the_on_policy_loss_of_the_eval_completions_by_hand(task, t
     assert all(metrics[f"eval_clip_ratio/{name}"] == 0.0
                for name in ("low_mean", "low_min", "high_mean", "high_max", "region_mean"))
     assert "eval_kl" not in metrics
+
+
+def test_pass_at_k_by_hand():
+    passed = torch.tensor([[True, False, False, False], [True, True, True, False], [False, False, False, False]])
+    # n = 4: c = 1 -> 1 - C(3, 2) / C(4, 2) = 1 - 3/6; c = 3 -> fewer than 2 fail: 1; c = 0 -> 0
+    assert pass_at_k(passed, 2) == pytest.approx((0.5 + 1.0 + 0.0) / 3)
+    assert pass_at_k(passed, 1) == pytest.approx((0.25 + 0.75 + 0.0) / 3)  # pass@1 is the share passing
+    assert pass_at_k(passed, 4) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(passed, 5)
+
+
+def test_evaluation_reports_pass_at_k_per_reward_function_when_asked(task, tmp_path):
+    trainer = _trainer(task, tmp_path, max_steps=1, num_generations_eval=4, eval_pass_at_k=[1, 4])
+    metrics = trainer.evaluate()
+    for name in ("correctness_reward", "format_reward"):
+        # the rewards are 0 or 1: pass@1 is the mean reward, and pass@4 at least pass@1
+        assert metrics[f"eval_rewards/{name}/pass@1"] == pytest.approx(metrics[f"eval_rewards/{name}/mean"])
+        assert metrics[f"eval_rewards/{name}/pass@4"] >= metrics[f"eval_rewards/{name}/pass@1"]
+    assert not any("pass@" in key for key in _trainer(task, tmp_path / "plain", max_steps=1).evaluate())
+    with pytest.raises(ValueError, match=r"eval_pass_at_k must be a list of whole numbers k with 1 <= k <= 4"):
+        task.config(**{**SMALL, "output_dir": str(tmp_path), "num_generations_eval": 4, "eval_pass_at_k": [8]})
