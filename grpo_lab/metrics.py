@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import dist
+from grpo_lab.ops.advantages import batch_std
 
 
 def generation_metrics(accelerator, scores, rewards_BF, stats, *, num_tokens: int, epoch: float) -> dict[str, float]:
@@ -39,7 +40,7 @@ def generation_metrics(accelerator, scores, rewards_BF, stats, *, num_tokens: in
         metrics[f"rewards/{name}/mean"] = float(present.mean()) if len(present) else float("nan")
         metrics[f"rewards/{name}/std"] = float(present.std()) if len(present) > 1 else 0.0
     metrics["reward"] = float(torch.nanmean(stats.rewards_B))
-    metrics["reward_std"] = float(stats.std_B.mean())
+    metrics["reward_std"] = float(batch_std(stats.rewards_B))  # over the whole batch, as TRL 1.16 logs it
     metrics["frac_reward_zero_std"] = float(stats.is_std_zero_B.float().mean())
     metrics["epoch"] = float(epoch)
     for name, values in scores.metrics.items():

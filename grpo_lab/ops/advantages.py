@@ -72,6 +72,10 @@ def compute_advantages(
     being normalized are all equal (a group's r, one function's r_f within a group, GDPO's batch),
     their deviations are 0 exactly, not the rounding error of their float mean.
 
+    A completion no function scored (every r_if NaN) has r_i = NaN: it is left out of every mean
+    and standard deviation and its advantage is 0, as in TRL 1.16. ``rewards_B`` is always the
+    weighted sum r_i = sum_f w_f r_if (NaN for those completions), under either aggregation.
+
     Args:
         rewards_BF: (B, F) rewards, B a multiple of num_generations.
         reward_weights_F: (F,) weights; None means all 1.
@@ -97,20 +101,49 @@ def compute_advantages(
     )
 
 
+def _mean_and_std(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sample std along ``dim`` (all of ``values`` when None) leaving NaN out; with no NaN,
+    exactly ``torch.mean`` and ``torch.std`` (their summation order, so results stay bit for bit)."""
+    if not torch.isnan(values).any():
+        if dim is None:
+            return values.mean(), values.std() if values.numel() > 1 else torch.zeros((), dtype=values.dtype)
+        return values.mean(dim=dim), values.std(dim=dim)
+    return torch.nanmean(values, dim=dim), nanstd(values, dim=dim)
+
+
+def batch_std(values: torch.Tensor) -> torch.Tensor:
+    """The sample std of all of ``values``, NaN left out (0 for fewer than two numbers)."""
+    return _mean_and_std(values)[1] if (~torch.isnan(values)).sum() > 1 else torch.zeros((), dtype=values.dtype)
+
+
+def _unscorable(rewards_BF: torch.Tensor) -> torch.Tensor:
+    """(B,) True for a completion every reward function returned None for (all NaN): it has no
+    reward, stays out of every mean and standard deviation, and gets advantage 0 (TRL's rule)."""
+    return torch.isnan(rewards_BF).all(dim=1)
+
+
+def _weighted_sum(rewards_BF: torch.Tensor, weights_F: torch.Tensor, unscorable_B: torch.Tensor) -> torch.Tensor:
+    """sum_f w_f r_if with None (NaN) terms skipped; NaN where no function scored the completion."""
+    return torch.nansum(rewards_BF * weights_F, dim=1).masked_fill(unscorable_B, float("nan"))
+
+
 def _sum_then_normalize(
     rewards_BF: torch.Tensor, weights_F: torch.Tensor, num_generations: int, scale_rewards: str
 ) -> AdvantageStats:
     """TRL's default: the weighted sum of each completion's rewards, normalized within its group
-    (``scale_rewards``: by the group's std, the batch's, or not at all)."""
-    num_completions, G = rewards_BF.shape[0], num_generations
-    rewards_B = torch.nansum(rewards_BF * weights_F, dim=1)
+    (``scale_rewards``: by the group's std, the batch's, or not at all). Means and standard
+    deviations leave unscorable completions out."""
+    G = num_generations
+    unscorable_B = _unscorable(rewards_BF)
+    rewards_B = _weighted_sum(rewards_BF, weights_F, unscorable_B)
     grouped_NG = rewards_B.view(-1, G)
-    mean_grouped_B = grouped_NG.mean(dim=1).repeat_interleave(G)
+    group_mean_N, group_std_N = _mean_and_std(grouped_NG, dim=1)
+    mean_grouped_B = group_mean_N.repeat_interleave(G)
     tied_B = _tied(grouped_NG, dim=1).repeat_interleave(G)
     if scale_rewards in ("group", "none"):
-        std_B = grouped_NG.std(dim=1).repeat_interleave(G)
+        std_B = group_std_N.repeat_interleave(G)
     elif scale_rewards == "batch":
-        std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
+        std_B = _mean_and_std(rewards_B)[1].expand_as(rewards_B)
     else:
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
     advantages_B = (rewards_B - mean_grouped_B).masked_fill(tied_B, 0.0)
@@ -119,21 +152,24 @@ def _sum_then_normalize(
     is_std_zero_B = torch.isclose(std_B, torch.zeros_like(std_B))
     if scale_rewards != "batch":
         is_std_zero_B |= tied_B  # a rounding step's spread is no spread
-    return AdvantageStats(advantages_B, rewards_B, mean_grouped_B, std_B, is_std_zero_B)
+    return AdvantageStats(torch.nan_to_num(advantages_B, nan=0.0), rewards_B, mean_grouped_B, std_B, is_std_zero_B)
 
 
 def _normalize_then_sum(rewards_BF: torch.Tensor, weights_F: torch.Tensor, num_generations: int) -> AdvantageStats:
     """GDPO: each function's rewards normalized within the group, weighted and summed, then the sums
-    normalized over the batch."""
-    (num_completions, num_funcs), G = rewards_BF.shape, num_generations
+    normalized over the batch. ``rewards_B`` holds the plain weighted sums (what ``reward`` logs);
+    ``mean_grouped_B`` and ``std_B`` the batch statistics of the normalized sums."""
+    num_funcs, G = rewards_BF.shape[1], num_generations
+    unscorable_B = _unscorable(rewards_BF)
     grouped_NGF = rewards_BF.view(-1, G, num_funcs)
     mean_N1F = torch.nanmean(grouped_NGF, dim=1, keepdim=True)
     std_N1F = nanstd(grouped_NGF, dim=1, keepdim=True)
     deviations_NGF = (grouped_NGF - mean_N1F).masked_fill(_tied(grouped_NGF, dim=1, keepdim=True), 0.0)
     normalized_BF = (deviations_NGF / (std_N1F + STD_EPSILON)).view(-1, num_funcs)
-    rewards_B = torch.nansum(normalized_BF * weights_F, dim=1)
-    std_B = rewards_B.std().expand_as(rewards_B) if num_completions > 1 else torch.zeros_like(rewards_B)
-    mean_grouped_B = rewards_B.mean().expand_as(rewards_B)
-    advantages_B = (rewards_B - mean_grouped_B).masked_fill(_tied(rewards_B, dim=0), 0.0) / (std_B + STD_EPSILON)
+    sums_B = _weighted_sum(normalized_BF, weights_F, unscorable_B)
+    mean, std = _mean_and_std(sums_B)
+    mean_grouped_B, std_B = mean.expand_as(sums_B), std.expand_as(sums_B)
+    advantages_B = (sums_B - mean_grouped_B).masked_fill(_tied(sums_B, dim=0), 0.0) / (std_B + STD_EPSILON)
     is_std_zero_B = torch.isclose(std_B, torch.zeros_like(std_B))
-    return AdvantageStats(advantages_B, rewards_B, mean_grouped_B, std_B, is_std_zero_B)
+    return AdvantageStats(torch.nan_to_num(advantages_B, nan=0.0), _weighted_sum(rewards_BF, weights_F, unscorable_B),
+                          mean_grouped_B, std_B, is_std_zero_B)

@@ -72,14 +72,41 @@ def test_reward_weights_hand_example():
 
 
 def test_nan_rewards_are_skipped_in_the_weighted_sum():
-    # NaN (a function returned None) drops out of the sum: r = [1, 2, 0 (all NaN), 3 + 1] = [1, 2, 0, 4];
-    # one group, mean 7/4 = 1.75 -> A (no scaling) = [-0.75, 0.25, -1.75, 2.25].
+    # NaN (a function returned None) drops out of the sum: r = [1, 2, NaN (no function scored it), 3 + 1];
+    # the unscored completion stays out of the group's mean, 7/3, and gets advantage 0 (TRL 1.16's rule):
+    # A (no scaling) = [1 - 7/3, 2 - 7/3, 0, 4 - 7/3] = [-4/3, -1/3, 0, 5/3].
     nan = float("nan")
     rewards_BF = torch.tensor([[1.0, nan], [nan, 2.0], [nan, nan], [3.0, 1.0]])
     stats = compute_advantages(rewards_BF, num_generations=4, scale_rewards="none")
-    assert_close(stats.rewards_B, torch.tensor([1.0, 2.0, 0.0, 4.0]))
-    assert_close(stats.advantages_B, torch.tensor([-0.75, 0.25, -1.75, 2.25]))
-    assert not torch.isnan(stats.advantages_B).any()
+    assert_close(stats.rewards_B, torch.tensor([1.0, 2.0, nan, 4.0]), equal_nan=True)
+    assert_close(stats.advantages_B, torch.tensor([-4 / 3, -1 / 3, 0.0, 5 / 3]))
+
+
+@pytest.mark.parametrize("mode", ["group", "batch"])
+def test_an_unscored_completion_stays_out_of_the_standard_deviation(mode):
+    # r = [0, 1, NaN | 2, 2, 2]. group: group 0's scored values 0, 1 -> mean 0.5, sample std 1/sqrt2, so
+    # A = +-0.5 / (1/sqrt2 + eps); group 1 is tied -> 0. batch: the five scored values 0, 1, 2, 2, 2 have
+    # mean 7/5 and sample variance (1.96 + 0.16 + 3 * 0.36) / 4 = 0.8, and each is centred on its group's mean.
+    nan = float("nan")
+    rewards_BF = torch.tensor([[0.0], [1.0], [nan], [2.0], [2.0], [2.0]])
+    stats = compute_advantages(rewards_BF, num_generations=3, scale_rewards=mode)
+    std = 1 / math.sqrt(2) if mode == "group" else math.sqrt(0.8)
+    assert_close(stats.advantages_B, torch.tensor([-0.5 / (std + EPS), 0.5 / (std + EPS), 0.0, 0.0, 0.0, 0.0]))
+
+
+def test_normalize_then_sum_gives_an_unscored_completion_advantage_zero_and_leaves_it_out():
+    # f = [1, 0, NaN | 3, 1, 1] in groups of 3 (one function): group 0's scored 1, 0 -> z = +-0.5 / (1/sqrt2 + eps)
+    # = +-a; group 1: mean 5/3, sample std sqrt(4/3) -> z = [4/3, -2/3, -2/3] / (sqrt(4/3) + eps). The batch
+    # statistics of the five sums (NaN left out) normalize them; the unscored row gets 0, its reward NaN.
+    nan = float("nan")
+    rewards_BF = torch.tensor([[1.0], [0.0], [nan], [3.0], [1.0], [1.0]])
+    a = 0.5 / (1 / math.sqrt(2) + EPS)
+    g = math.sqrt(4 / 3) + EPS
+    z = torch.tensor([a, -a, (4 / 3) / g, (-2 / 3) / g, (-2 / 3) / g], dtype=torch.float64)
+    expected = ((z - z.mean()) / (z.std() + EPS)).tolist()
+    stats = compute_advantages(rewards_BF, num_generations=3, multi_objective_aggregation="normalize_then_sum")
+    assert_close(stats.advantages_B, torch.tensor(expected[:2] + [0.0] + expected[2:]))
+    assert_close(stats.rewards_B, torch.tensor([1.0, 0.0, nan, 3.0, 1.0, 1.0]), equal_nan=True)
 
 
 def test_normalize_then_sum_hand_example():
@@ -97,7 +124,7 @@ def test_normalize_then_sum_hand_example():
     r = [p - q, q - p, s, -s]
     std = math.sqrt((2 * (p - q) ** 2 + 2 * s**2) / 3)
     stats = compute_advantages(rewards_BF, num_generations=2, multi_objective_aggregation="normalize_then_sum")
-    assert_close(stats.rewards_B, torch.tensor(r))
+    assert_close(stats.rewards_B, torch.tensor([1.0, 2.0, 5.0, 1.0]))  # the plain sums, what `reward` logs
     assert_close(stats.mean_grouped_B, torch.zeros(4), atol=1e-6, rtol=0)
     assert_close(stats.std_B, torch.full((4,), std))
     assert_close(stats.advantages_B, torch.tensor([x / (std + EPS) for x in r]))
@@ -114,7 +141,9 @@ def test_normalize_then_sum_ignores_nan_per_function():
     z1 = [x / (2 + EPS) for x in (-1, -1, -1, 3)]
     expected_r = [z1[0], z1[1] - z2, z1[2], z1[3] + z2]
     stats = compute_advantages(rewards_BF, num_generations=4, multi_objective_aggregation="normalize_then_sum")
-    assert_close(stats.rewards_B, torch.tensor(expected_r))
+    r = torch.tensor(expected_r, dtype=torch.float64)
+    assert_close(stats.advantages_B, ((r - r.mean()) / (r.std() + EPS)).float())
+    assert_close(stats.rewards_B, torch.tensor([0.0, 1.0, 0.0, 7.0]))
 
 
 def test_group_advantages_sum_to_zero_in_every_mode():
