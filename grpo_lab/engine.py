@@ -100,10 +100,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             speed_paths=self.speed_paths, remove_model_copy=self._remove_model_copy,
         )
         self.published_version = 0  # a backend starts from the policy it is built with
-        # The trainer's callbacks hear the events inside a step through this, by transformers' names:
-        # "on_substep_end" after each micro-batch but a step's last, "on_pre_optimizer_step" once the
-        # gradient is clipped, "on_optimizer_step" after the optimizer step.
-        self.step_events: Callable[[str], None] | None = None
+        self.step_events: Callable[[str], None] | None = None  # see _step_event
         note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
                                  main_process=self.accelerator.is_main_process)
 
@@ -327,6 +324,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}
 
     def _step_event(self, name: str) -> None:
+        """Tell ``step_events`` (the trainer's callbacks, by transformers' names) of an event inside a
+        step: "on_substep_end" after each micro-batch but a step's last, "on_pre_optimizer_step" once
+        the gradient is clipped, "on_optimizer_step" after the optimizer step."""
         if self.step_events is not None:
             self.step_events(name)
 

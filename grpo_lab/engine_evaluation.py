@@ -121,8 +121,7 @@ class EvaluationStage:
             multi_objective_aggregation=config.multi_objective_aggregation,
         ).advantages_B
         settings = ops.LossSettings.from_config(config)
-        entropy_coef = ops.applied_entropy_coef(self.entropy_coef, self.last_step_entropy,
-                                                adaptive=config.use_adaptive_entropy, target=config.entropy_target)
+        entropy_coef = self.applied_entropy_coef()
         self.model.eval()
         with torch.no_grad(), self.accelerator.autocast():
             ref_BT = self._reference_logprobs(rollout) if config.beta > 0 else None

@@ -60,10 +60,7 @@ class LossStage:
         step_index = torch.cat(micro_batches)
         loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
         settings = ops.LossSettings.from_config(config)
-        entropy_coef = ops.applied_entropy_coef(
-            self.entropy_coef, self.last_step_entropy, adaptive=config.use_adaptive_entropy,
-            target=config.entropy_target,
-        )
+        entropy_coef = self.applied_entropy_coef()
         parts, total_loss = [], 0.0
         entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
         masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
@@ -106,6 +103,12 @@ class LossStage:
             result.metrics["backward_skipped_fraction"] = skipped_fraction
         self._add_step_metrics(result.metrics, aux_losses, masked_sequences, len(step_index))
         return result
+
+    def applied_entropy_coef(self) -> float:
+        """The entropy weight a loss uses now (:func:`grpo_lab.ops.applied_entropy_coef` of the engine's state)."""
+        config = self.config
+        return ops.applied_entropy_coef(self.entropy_coef, self.last_step_entropy,
+                                        adaptive=config.use_adaptive_entropy, target=config.entropy_target)
 
     def _reference_logprobs_autocast(self, rollout):
         with self.accelerator.autocast():

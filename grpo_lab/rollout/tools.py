@@ -39,6 +39,23 @@ def _schema(tool) -> dict:
         ) from error
 
 
+def _check_response_template(tokenizer) -> None:
+    """A tokenizer that parses tool calls: one without a ``response_template`` gets the one for the
+    format its chat template writes (as TRL sets one for the chat templates it knows), else it is refused."""
+    known = known_response_template(getattr(tokenizer, "chat_template", None))
+    if getattr(tokenizer, "response_template", None) is None and known is not None:
+        tokenizer.response_template = known[1]
+        logging.getLogger("grpo_lab").info("tools: the tokenizer has no response_template; its chat template "
+                                           "writes %s, whose template parses the calls.", known[0])
+    if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
+        raise ValueError(
+            "tools need a tokenizer that parses the model's tool calls: this one has no response_template "
+            "(transformers' response parsing), and its chat template writes none of the tool-call formats "
+            f"grpo_lab recognises ({', '.join(name for name, *_ in FORMATS)}). Set tokenizer.response_template "
+            "to a template for your model's tool-call format and pass the tokenizer as processing_class."
+        )
+
+
 def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | None) -> list:
     """The tools as a list, after checking what the loop needs: named callables that can be described
     to the model, a tokenizer that parses tool calls and a chat template that renders them, and
@@ -54,18 +71,7 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
                          "the model calls them by name.")
     for tool in tools:
         _schema(tool)
-    known = known_response_template(getattr(tokenizer, "chat_template", None))
-    if getattr(tokenizer, "response_template", None) is None and known is not None:
-        tokenizer.response_template = known[1]  # as TRL sets one for the chat templates it knows
-        logging.getLogger("grpo_lab").info("tools: the tokenizer has no response_template; its chat template "
-                                           "writes %s, whose template parses the calls.", known[0])
-    if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
-        raise ValueError(
-            "tools need a tokenizer that parses the model's tool calls: this one has no response_template "
-            "(transformers' response parsing), and its chat template writes none of the tool-call formats "
-            f"grpo_lab recognises ({', '.join(name for name, *_ in FORMATS)}). Set tokenizer.response_template "
-            "to a template for your model's tool-call format and pass the tokenizer as processing_class."
-        )
+    _check_response_template(tokenizer)
     if "tools" in (chat_template_kwargs or {}):
         raise ValueError("chat_template_kwargs has a 'tools' entry: pass the functions as tools= instead.")
     call = {"role": "assistant", "content": "",
