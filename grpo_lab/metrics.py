@@ -1,12 +1,13 @@
 """Step metrics under TRL's names, reduced over processes.
 
-Generation metrics describe the generation batch (all processes): ``reward``, ``reward_std`` (mean
-of the per-group standard deviations), ``rewards/<fn>/mean|std`` (None rewards excluded),
+Generation metrics describe the generation batch (all processes): ``reward``, ``reward_std`` (the
+batch's sample standard deviation), ``rewards/<fn>/mean|std`` (None rewards excluded),
 ``frac_reward_zero_std``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``
 (share truncated), ``completions/{mean,min,max}_terminated_length`` and ``num_tokens`` (prompt and
 completion tokens seen so far). Loss metrics describe one optimizer step: ``loss``, ``entropy``,
 ``kl`` (when beta > 0) and the clip ratios ``clip_ratio/{low_mean,low_min,high_mean,high_max,
-region_mean}``; min/max are taken over processes, as TRL does. With vLLM, the importance-sampling
+region_mean}``: the means over tokens, the min and max over sequences (each sequence's share of
+clipped tokens) of every process, as TRL does. With vLLM, the importance-sampling
 stats ``sampling/importance_sampling_ratio/{min,mean,max}`` and
 ``sampling/sampling_logp_difference/{mean,max}`` join the generation metrics.
 """
@@ -52,6 +53,17 @@ def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor
     return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
 
 
+def _sequence_means(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """(B,) each sequence's mean over its counted tokens; NaN for a sequence with none."""
+    return (values_BT * mask_BT).sum(dim=1) / mask_BT.sum(dim=1)
+
+
+def _nan_extreme(values: torch.Tensor, extreme) -> float:
+    """``extreme`` (torch.min or torch.max) of the values that are numbers; NaN when none is."""
+    numbers = values[~torch.isnan(values)]
+    return float(extreme(numbers)) if len(numbers) else float("nan")
+
+
 def loss_metrics(accelerator, clip, entropies_BT, kl_BT, mask_BT, loss: float) -> dict[str, float]:
     device = accelerator.device
     mask_BT = mask_BT.float()
@@ -62,13 +74,15 @@ def loss_metrics(accelerator, clip, entropies_BT, kl_BT, mask_BT, loss: float) -
     low = across(_masked_mean(clip.is_low_clipped_BT.float(), mask_BT))
     high = across(_masked_mean(clip.is_high_clipped_BT.float(), mask_BT))
     region = across(_masked_mean(clip.is_region_clipped_BT.float(), mask_BT))
+    low_per_sequence = dist.gather(accelerator, _sequence_means(clip.is_low_clipped_BT.float(), mask_BT).to(device))
+    high_per_sequence = dist.gather(accelerator, _sequence_means(clip.is_high_clipped_BT.float(), mask_BT).to(device))
     metrics = {
         "loss": float(across(torch.tensor(loss)).mean()),
         "entropy": float(across(_masked_mean(entropies_BT, mask_BT)).mean()),
         "clip_ratio/low_mean": float(low.mean()),
-        "clip_ratio/low_min": float(low.min()),
+        "clip_ratio/low_min": _nan_extreme(low_per_sequence.cpu(), torch.min),
         "clip_ratio/high_mean": float(high.mean()),
-        "clip_ratio/high_max": float(high.max()),
+        "clip_ratio/high_max": _nan_extreme(high_per_sequence.cpu(), torch.max),
         "clip_ratio/region_mean": float(region.mean()),
     }
     if kl_BT is not None:
