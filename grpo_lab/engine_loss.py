@@ -191,6 +191,7 @@ class LossStage:
             off_policy_mask_B1=off_policy_B1,
             entropies_BT=entropies_BT,
             entropy_coef=entropy_coef,
+            accumulation_steps=micro_batches,
         )
         loss = out.loss if settings.spec.normalizes_globally else out.loss / micro_batches
         if aux_loss is not None:

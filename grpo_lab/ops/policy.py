@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_lab.ops.losses import CLIP_MASKS, LOSS_AGGREGATIONS, OBJECTIVES
-from grpo_lab.ops.registry import GLOBAL_NORMALIZER_LOSSES, LOSSES, LossSettings, loss_spec
+from grpo_lab.ops.registry import LOSSES, LossSettings, loss_spec
 
 
 @dataclass
@@ -99,30 +99,19 @@ def entropy_bonus(
     entropies_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     *,
-    loss_type: str,
-    num_items_in_batch: float | torch.Tensor | None = None,
     entropy_mask_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The entropy term H of ``L = L_policy - entropy_coef x H``: the mean entropy of the kept tokens
-    (``k = m x entropy_mask``, all completion tokens without ``top_entropy_quantile``), weighted so that
-    the micro-batches of an optimizer step add up to an average of their kept-token means:
-
-    - dapo, cispo, vespo (``GLOBAL_NORMALIZER_LOSSES``): ``(sum k H / max(sum k, 1)) x sum m / N`` with
-      N the optimizer step's tokens (as in :func:`aggregate_loss`): each micro-batch's kept-token mean
-      weighted by its share of the step's tokens (``sum m H / N`` when every token is kept, so over the
-      step exactly the mean token entropy; with an entropy mask, the step's kept-token mean when
-      micro-batches keep equal shares);
-    - every other loss type: ``sum k H / max(sum k, 1)``, this micro-batch's mean (the caller averages
-      micro-batches as it averages their losses).
+    """The entropy term H of ``L = L_policy - entropy_coef x H / a``: the mean entropy of the kept
+    tokens of one micro-batch, ``sum k H / max(sum k, 1)`` with ``k = m x entropy_mask`` (all
+    completion tokens without ``top_entropy_quantile``). As in TRL 1.16, the loss type's normaliser
+    never scales it: each micro-batch adds its own kept-token mean, divided by the a micro-batches
+    of the optimizer step (:func:`policy_loss`).
 
     Shapes: entropies (B, T) with gradient; masks (B, T). Returns a scalar.
     """
     mask_BT = mask_BT.to(entropies_BT.dtype)
     kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT.to(entropies_BT.dtype)
-    mean = (entropies_BT * kept_BT).sum() / kept_BT.sum().clamp(min=1.0)
-    if loss_type in GLOBAL_NORMALIZER_LOSSES and num_items_in_batch is not None:
-        return mean * mask_BT.sum() / torch.as_tensor(num_items_in_batch).clamp(min=1.0)
-    return mean
+    return (entropies_BT * kept_BT).sum() / kept_BT.sum().clamp(min=1.0)
 
 
 def applied_entropy_coef(coef: float, last_entropy: float | None, *, adaptive: bool, target: float) -> float:
@@ -260,6 +249,7 @@ def policy_loss(
     off_policy_mask_B1: torch.Tensor | None = None,
     entropies_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    accumulation_steps: int = 1,
     **setting_values,
 ) -> PolicyLossOutput:
     """The GRPO loss of one micro-batch, in TRL's order of operations:
@@ -273,7 +263,11 @@ def policy_loss(
     4. plus ``beta x KL`` with KL = k3 (times r when ``use_bias_correction_kl``);
     5. :func:`aggregate_loss` over ``mask``;
     6. minus ``entropy_coef x H`` (:func:`entropy_bonus`, over the tokens the entropy mask keeps)
-       when ``entropy_coef`` is not 0; ``entropies`` must then carry their gradient.
+       when ``entropy_coef`` is not 0; ``entropies`` must then carry their gradient. For the loss
+       types whose normaliser counts the whole step's tokens (dapo, cispo, vespo) the bonus is also
+       divided by ``accumulation_steps`` (the step's micro-batches); the caller divides the other
+       loss types' whole loss by it. Either way each micro-batch adds ``entropy_coef x H / a``, as
+       TRL 1.16 does.
 
     Settings: ``settings`` (:class:`LossSettings`: loss_type, epsilon_low, epsilon_high, delta,
     importance_sampling_level, the sapo and vespo shapes, beta, use_bias_correction_kl,
@@ -299,9 +293,10 @@ def policy_loss(
     if entropy_coef != 0.0:
         if entropies_BT is None:
             raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
-        bonus = entropy_bonus(entropies_BT, mask_BT, loss_type=settings.loss_type,
-                              num_items_in_batch=num_items_in_batch, entropy_mask_BT=entropy_mask_BT)
-        loss = loss - entropy_coef * bonus
+        bonus = entropy_bonus(entropies_BT, mask_BT, entropy_mask_BT=entropy_mask_BT)
+        # a globally normalised loss is already this micro-batch's share of the step; others the caller divides
+        share = accumulation_steps if loss_spec(settings.loss_type).normalizes_globally else 1
+        loss = loss - entropy_coef * bonus / share
     return PolicyLossOutput(
         loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT, entropy_bonus=bonus,
     )

@@ -265,19 +265,25 @@ H_BT = torch.tensor([[0.5, 1.0, 2.0], [1.5, 0.5, 9.0]], dtype=torch.float64)  # 
 """Per-token entropies for the entropy-bonus tests: sum over real tokens = 5.5 nats over 5 tokens."""
 
 
-def test_entropy_bonus_is_the_mean_token_entropy_for_every_normaliser():
-    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="bnpo"), scalar(5.5 / 5))
-    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="grpo"), scalar(5.5 / 5))
-    # dapo: over the optimizer step's N = 10 tokens, so two such micro-batches add up to the mean.
-    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="dapo", num_items_in_batch=10), scalar(5.5 / 10))
-    # With top_entropy_quantile's mask keeping 0.5, 2.0 and 0.5 (3 of 5 tokens): their mean, 1.0, for
-    # every loss type; dapo weights it by the micro-batch's 5 of the step's 10 tokens.
+def test_entropy_bonus_is_the_micro_batchs_mean_token_entropy():
+    assert_close(entropy_bonus(H_BT, MASK_BT), scalar(5.5 / 5))
+    # With top_entropy_quantile's mask keeping 0.5, 2.0 and 0.5 (3 of 5 tokens): their mean, 1.0.
     entropy_mask_BT = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
-    assert_close(entropy_bonus(H_BT, MASK_BT, loss_type="grpo", entropy_mask_BT=entropy_mask_BT), scalar(1.0))
-    assert_close(
-        entropy_bonus(H_BT, MASK_BT, loss_type="dapo", num_items_in_batch=10, entropy_mask_BT=entropy_mask_BT),
-        scalar(1.0 * 5 / 10),
-    )
+    assert_close(entropy_bonus(H_BT, MASK_BT, entropy_mask_BT=entropy_mask_BT), scalar(1.0))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo", "grpo", "bnpo"])
+def test_each_micro_batch_adds_its_bonus_over_the_accumulation_steps_whatever_the_normaliser(loss_type):
+    # TRL 1.16: loss_k = policy_k - c x H_k / a for each of a micro-batches, H_k the micro-batch's mean
+    # token entropy (1.1 here), never scaled by the loss type's normaliser (dapo's step tokens, N = 10).
+    # A globally normalised loss type's policy_loss is the micro-batch's share already, so the bonus is
+    # divided here; the others' whole loss is divided by a by the caller (the engine), bonus included.
+    extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+    plain = run(loss_type, num_items_in_batch=10, **extra).loss
+    with_bonus = run(loss_type, num_items_in_batch=10, entropies_BT=H_BT, entropy_coef=0.1, accumulation_steps=2,
+                     **extra).loss
+    divided_here = loss_type in ("dapo", "cispo", "vespo")
+    assert_close(plain - with_bonus, scalar(0.1 * 1.1 / (2 if divided_here else 1)))
 
 
 def test_entropy_coef_subtracts_the_bonus_and_its_gradient_reaches_the_entropies():
