@@ -267,7 +267,7 @@ def evaluation_due(config, global_step: int, total_steps: int) -> bool:
     ``eval_steps`` from ``eval_delay`` on, and at the run's last step (transformers' schedule)."""
     if config.eval_strategy != "steps" or global_step < config.eval_delay:
         return False
-    return global_step % resolved_eval_steps(config, total_steps) == 0 or global_step >= total_steps
+    return global_step % resolved_eval_steps(config, total_steps) == 0 or global_step == total_steps
 
 
 def _copy(value):

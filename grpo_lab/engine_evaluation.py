@@ -84,12 +84,14 @@ class EvaluationStage:
                     trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
                 )
                 rewards.append(rewards_BF)
-                losses.append(self._eval_loss_metrics(batch, env_mask_BT, rewards_BF, repeats))
+                losses.append((len(chunk), self._eval_loss_metrics(batch, env_mask_BT, rewards_BF, repeats)))
                 lengths.append(generated_mask(batch.completion_mask_BT, env_mask_BT).sum(1).float())
                 truncated.append(batch.is_truncated_B.float())
         gathered = [dist.gather(self.accelerator, torch.cat(parts).to(self.accelerator.device)).cpu()
                     for parts in (rewards, lengths, truncated)]
-        metrics = {key: sum(part[key] for part in losses) / len(losses) for key in losses[0]}
+        # TRL's eval_loss weighs each batch's loss by its size; its other loss metrics are batch means
+        metrics = {key: sum(part[key] for _, part in losses) / len(losses) for key in losses[0][1]}
+        metrics["loss"] = sum(size * part["loss"] for size, part in losses) / sum(size for size, _ in losses)
         metrics |= _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
         for k in config.eval_pass_at_k or ():
             for i, name in enumerate(self.reward_names):
@@ -104,9 +106,9 @@ class EvaluationStage:
     def _eval_loss_metrics(self, batch, env_mask_BT, rewards_BF, repeats: int) -> dict[str, float]:
         """TRL's eval loss metrics of one eval chunk (whole groups of ``repeats``): the loss of the
         current settings on these completions, on-policy (ratio 1, so every clip ratio is 0), with
-        advantages within their groups, the model in eval mode and no gradient; and ``entropy``
-        (and ``kl`` when beta > 0) over the generated tokens. Mean over processes, as TRL's
-        ``eval_loss`` is the mean of each process's batch losses."""
+        the model in eval mode and no gradient, as TRL's ``prediction_step`` computes it (without
+        vLLM's importance-sampling correction); and ``entropy`` (and ``kl`` when beta > 0) over the
+        generated tokens. Means over processes, as TRL's are."""
         config = self.config
         B = len(batch.completion_ids_BT)
         rollout = Rollout(
@@ -115,32 +117,51 @@ class EvaluationStage:
             completion_ids_BT=batch.completion_ids_BT, completion_mask_BT=batch.completion_mask_BT,
             is_truncated_B=batch.is_truncated_B, group_index_B=torch.arange(B) // repeats, env_mask_BT=env_mask_BT,
         )
-        weights = torch.tensor(config.reward_weights, dtype=torch.float32) if config.reward_weights else None
-        advantages_B = ops.compute_advantages(
-            rewards_BF, num_generations=repeats, reward_weights_F=weights, scale_rewards=config.scale_rewards,
-            multi_objective_aggregation=config.multi_objective_aggregation,
-        ).advantages_B
+        advantages_B = self._eval_advantages(rewards_BF, repeats)
         settings = ops.LossSettings.from_config(config)
-        entropy_coef = self.applied_entropy_coef()
         self.model.eval()
         with torch.no_grad(), self.accelerator.autocast():
             ref_BT = self._reference_logprobs(rollout) if config.beta > 0 else None
-            logprobs_BT, entropies_BT, _ = self.logprobs_and_aux_loss(self.model, rollout, torch.arange(B),
-                                                                     with_entropy=True)
+            logprobs_BT, entropies_BT = self._eval_token_scores(rollout)
             device = logprobs_BT.device
             mask_BT = rollout.generated_mask_BT.float().to(device)
             if config.mask_truncated_completions:
                 mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(device))
+            entropy_mask_BT = None
+            if config.top_entropy_quantile < 1.0:
+                entropy_mask_BT = ops.entropy_mask(entropies_BT, mask_BT, quantile=config.top_entropy_quantile)
             normalizer = (dist.total(self.accelerator, mask_BT.sum()) / self.accelerator.num_processes).clamp(min=1.0)
             out = ops.policy_loss(
                 logprobs_BT, None, advantages_B.to(device), mask_BT, settings=settings,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT.to(device), num_items_in_batch=normalizer,
-                entropies_BT=entropies_BT, entropy_coef=entropy_coef,
+                entropy_mask_BT=entropy_mask_BT, entropies_BT=entropies_BT, entropy_coef=self.applied_entropy_coef(),
             )
         clip = ops.clip_diagnostics(out.ratio_BT.expand_as(logprobs_BT), advantages_B.to(device), mask_BT,
                                     epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
                                     loss_type=settings.loss_type)
         return loss_metrics(self.accelerator, clip, entropies_BT, out.kl_BT, mask_BT, float(out.loss))
+
+    def _eval_advantages(self, rewards_BF, repeats: int) -> torch.Tensor:
+        """This process's advantages of an eval chunk, from the rewards of every process's chunk (as
+        training's: batch scaling and ``normalize_then_sum`` use the whole gathered batch)."""
+        config = self.config
+        gathered_BF = dist.gather(self.accelerator, rewards_BF.to(self.accelerator.device)).cpu()
+        weights = torch.tensor(config.reward_weights, dtype=torch.float32) if config.reward_weights else None
+        advantages_B = ops.compute_advantages(
+            gathered_BF, num_generations=repeats, reward_weights_F=weights, scale_rewards=config.scale_rewards,
+            multi_objective_aggregation=config.multi_objective_aggregation,
+        ).advantages_B
+        return advantages_B[dist.local_slice(self.accelerator, gathered_BF.shape[0])]
+
+    def _eval_token_scores(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of an eval chunk's completions, ``per_device_train_batch_size``
+        at a time (a chunk holds every completion of ``per_device_eval_batch_size`` prompts)."""
+        size, parts = self.config.per_device_train_batch_size, []
+        for start in range(0, len(rollout), size):
+            index_B = torch.arange(start, min(start + size, len(rollout)))
+            logprobs_BT, entropies_BT, _ = self.logprobs_and_aux_loss(self.model, rollout, index_B, with_entropy=True)
+            parts.append((logprobs_BT, entropies_BT))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def pass_at_k(passed_NG: torch.Tensor, k: int) -> float:
@@ -170,19 +191,22 @@ def _count_tools(tool_counts: dict, extra: dict) -> None:
 
 def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, repeats: int) -> dict[str, float]:
     """An eval set's metrics under TRL's names: ``reward`` and ``reward_std`` (the weighted sum of the
-    reward functions, its mean and standard deviation over every completion), ``rewards/<fn>/mean``
+    reward functions, its mean and standard deviation over every completion some function scored), ``rewards/<fn>/mean``
     and ``std`` (None rewards left out), ``frac_reward_zero_std`` (share of prompts whose completions
     all got the same reward), ``completions/{mean,min,max}_length`` and ``clipped_ratio``, and
     ``completions/{mean,min,max}_terminated_length`` over the completions that ended (0 when none did)."""
     weights = torch.tensor(reward_weights) if reward_weights else torch.ones(rewards_BF.shape[1])
-    reward_B = torch.nansum(rewards_BF * weights, dim=1)
+    reward_B = torch.nansum(rewards_BF * weights, dim=1).masked_fill(torch.isnan(rewards_BF).all(dim=1), float("nan"))
     groups_GN = reward_B.view(-1, repeats)
-    metrics = {"reward": float(reward_B.mean()), "reward_std": float(reward_B.std()) if len(reward_B) > 1 else 0.0}
+    metrics = {"reward": float(torch.nanmean(reward_B)), "reward_std": float(ops.batch_std(reward_B))}
     for i, name in enumerate(names):
         scored = rewards_BF[:, i][~torch.isnan(rewards_BF[:, i])]
         metrics[f"rewards/{name}/mean"] = float(scored.mean()) if len(scored) else float("nan")
         metrics[f"rewards/{name}/std"] = float(scored.std()) if len(scored) > 1 else float("nan")
-    metrics["frac_reward_zero_std"] = float((groups_GN == groups_GN[:, :1]).all(1).float().mean())
+    numbers_GN = ~torch.isnan(groups_GN)  # a completion no function scored counts in no group's spread
+    highest = groups_GN.masked_fill(~numbers_GN, -torch.inf).amax(dim=1)
+    lowest = groups_GN.masked_fill(~numbers_GN, torch.inf).amin(dim=1)
+    metrics["frac_reward_zero_std"] = float((highest <= lowest).float().mean())
     metrics["completions/mean_length"] = float(lengths_B.mean())
     metrics["completions/min_length"] = float(lengths_B.min())
     metrics["completions/max_length"] = float(lengths_B.max())

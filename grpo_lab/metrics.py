@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import dist
-from grpo_lab.ops.advantages import batch_std
+from grpo_lab.ops import batch_std
 
 
 def generation_metrics(accelerator, scores, rewards_BF, stats, *, num_tokens: int, epoch: float) -> dict[str, float]:
@@ -49,10 +49,6 @@ def generation_metrics(accelerator, scores, rewards_BF, stats, *, num_tokens: in
     return metrics
 
 
-def _masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
-
-
 def _sequence_means(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """(B,) each sequence's mean over its counted tokens; NaN for a sequence with none."""
     return (values_BT * mask_BT).sum(dim=1) / mask_BT.sum(dim=1)
@@ -65,28 +61,30 @@ def _nan_extreme(values: torch.Tensor, extreme) -> float:
 
 
 def loss_metrics(accelerator, clip, entropies_BT, kl_BT, mask_BT, loss: float) -> dict[str, float]:
+    """A step's loss metrics, reduced as TRL 1.16 reduces them: ``loss`` the mean over processes;
+    ``entropy``, ``kl`` and the clip ratios' means over every process's counted tokens (a token-
+    weighted mean); ``clip_ratio/low_min`` and ``high_max`` over every process's sequences."""
     device = accelerator.device
     mask_BT = mask_BT.float()
 
-    def across(value: torch.Tensor) -> torch.Tensor:
-        return dist.gather(accelerator, value.reshape(1).float().to(device)).cpu()
+    def over_tokens(values_BT: torch.Tensor) -> float:
+        local = torch.stack([(values_BT.float() * mask_BT).sum(), mask_BT.sum()]).to(device)
+        totals = dist.gather(accelerator, local.reshape(1, 2)).sum(dim=0)
+        return float(totals[0] / totals[1].clamp(min=1.0))
 
-    low = across(_masked_mean(clip.is_low_clipped_BT.float(), mask_BT))
-    high = across(_masked_mean(clip.is_high_clipped_BT.float(), mask_BT))
-    region = across(_masked_mean(clip.is_region_clipped_BT.float(), mask_BT))
     low_per_sequence = dist.gather(accelerator, _sequence_means(clip.is_low_clipped_BT.float(), mask_BT).to(device))
     high_per_sequence = dist.gather(accelerator, _sequence_means(clip.is_high_clipped_BT.float(), mask_BT).to(device))
     metrics = {
-        "loss": float(across(torch.tensor(loss)).mean()),
-        "entropy": float(across(_masked_mean(entropies_BT, mask_BT)).mean()),
-        "clip_ratio/low_mean": float(low.mean()),
+        "loss": float(dist.mean(accelerator, torch.tensor(loss, device=device))),
+        "entropy": over_tokens(entropies_BT),
+        "clip_ratio/low_mean": over_tokens(clip.is_low_clipped_BT),
         "clip_ratio/low_min": _nan_extreme(low_per_sequence.cpu(), torch.min),
-        "clip_ratio/high_mean": float(high.mean()),
+        "clip_ratio/high_mean": over_tokens(clip.is_high_clipped_BT),
         "clip_ratio/high_max": _nan_extreme(high_per_sequence.cpu(), torch.max),
-        "clip_ratio/region_mean": float(region.mean()),
+        "clip_ratio/region_mean": over_tokens(clip.is_region_clipped_BT),
     }
     if kl_BT is not None:
-        metrics["kl"] = float(across(_masked_mean(kl_BT, mask_BT)).mean())
+        metrics["kl"] = over_tokens(kl_BT)
     return metrics
 
 

@@ -45,6 +45,11 @@ class PromptSampler:
         return indices
 
     @property
+    def next_draw_starts_epoch(self) -> bool:
+        """Whether the next batch comes from a new epoch (this one has no full batch left)."""
+        return self.position + self.prompts_per_batch > self.dataset_size
+
+    @property
     def epoch_progress(self) -> float:
         """Epochs completed, fractional (TRL's ``epoch`` metric)."""
         return self.epoch + self.position / self.dataset_size

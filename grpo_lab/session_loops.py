@@ -21,7 +21,7 @@ from grpo_lab.stages import drives_stages
 ARUN = "a cell (await session.arun)"
 STOP_ARUN = (
     "press Stop on the dashboard (it ends between stages; Finish step ends after the current update()), "
-    "interrupt the kernel, or call session.request_stop()"
+    "or interrupt the kernel (it ends between stages)"
 )
 
 
@@ -94,7 +94,9 @@ class SessionLoops:
         worker thread while the cell awaits, so the kernel keeps answering the page: a reloaded page
         gets its live views back at once, and the dashboard's Stop (between stages) and Finish step
         (after the current update()) end the run. Interrupting the kernel ends it between stages,
-        nothing lost. Returns the metrics of the steps it ran, as ``run`` does."""
+        nothing lost, and it returns as ``run`` does (a cancellation does not propagate: the run
+        ends cleanly; a stage that never returns is not cut short). Returns the metrics of the
+        steps it ran."""
         from grpo_lab.progress import progress_bar
 
         check_steps(n, "arun")
@@ -112,9 +114,10 @@ class SessionLoops:
                     bar.note(f"stopped after {done} step(s); next stage: {self.next_stage}()")
 
         work = asyncio.ensure_future(asyncio.to_thread(train))
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
-            cancelled.append(True)
-            await work
+        while not work.done():
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
+                cancelled.append(True)
+        work.result()  # the worker's own error, if it failed
         return pd.DataFrame(self._history[first:])

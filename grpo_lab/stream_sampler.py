@@ -69,6 +69,11 @@ class StreamSampler:
         return {name: [self.rows[i][name] for i in indices] for name in names}
 
     @property
+    def next_draw_starts_epoch(self) -> bool:
+        """A stream's end shows only when it is read: its epochs end within a draw."""
+        return False
+
+    @property
     def epoch_progress(self) -> float:
         """Passes over the stream completed (its length is unknown, so no fraction of one)."""
         return float(self.epoch)

@@ -203,7 +203,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                 self.evaluate()
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
                 while self.session.global_step < total:
-                    events.step_begin(self.session.engine.sampler.epoch_progress)
+                    events.step_begin()
                     row = self.session.step()
                     bar.advance(row)
                     on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
@@ -213,6 +213,8 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                     if control.should_save or (control.should_training_stop and saving):
                         self.save_checkpoint()  # a run that stops is resumable from where it stopped
                         saved_at = row["step"]
+                    if self.session.rollout is None and self.session.engine.sampler.next_draw_starts_epoch:
+                        events.epoch_end()  # the step used the epoch's last batch
                     if control.should_training_stop:
                         break
             if row and saving and saved_at != row["step"]:

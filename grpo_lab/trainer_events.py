@@ -94,7 +94,7 @@ class TrainerEvents:
         self._window: list[dict] = []
         self._losses: list[float] = []
         self._started = 0.0
-        self._epoch: int | None = None  # the whole epoch on_epoch_begin was called for; None: none open
+        self._in_epoch = False  # on_epoch_begin was called and on_epoch_end not yet
 
     def attach(self, session) -> None:
         """Point the callbacks' keywords at ``session``'s model, tokenizer, optimizer and schedule
@@ -127,22 +127,23 @@ class TrainerEvents:
         state.train_batch_size = self.args.per_device_train_batch_size
         state.num_train_epochs = self.args.num_train_epochs
         self.control.should_training_stop = False
-        self._window, self._losses, self._started, self._epoch = [], [], time.time(), None
+        self._window, self._losses, self._started, self._in_epoch = [], [], time.time(), False
         self._call("on_train_begin")
 
-    def step_begin(self, epoch: float) -> None:
-        """Before an optimizer step that starts at ``epoch`` (fractional): ``on_epoch_begin`` first
-        when it is the first step of the run or of a new epoch."""
-        if self._epoch is None:
-            self._epoch = math.floor(epoch)
+    def step_begin(self) -> None:
+        """Before an optimizer step: ``on_epoch_begin`` first when it is the first step of the run
+        or follows the end of an epoch."""
+        if not self._in_epoch:
+            self._in_epoch = True
             self._call("on_epoch_begin")
         self._call("on_step_begin")
 
     def epoch_end(self) -> None:
-        """``on_epoch_end`` for the epoch open, if any: when a step finished it, and when the run ends
-        inside one (as transformers' loop ends an epoch that ``max_steps`` cut short)."""
-        if self._epoch is not None:
-            self._epoch = None
+        """``on_epoch_end`` for the epoch open, if any: after the step (and its evaluation and
+        checkpoint) that used the epoch's last batch, and when the run ends inside one (as
+        transformers' loop ends an epoch that ``max_steps`` cut short)."""
+        if self._in_epoch:
+            self._in_epoch = False
             self._call("on_epoch_end")
 
     def step_end(self, row: dict) -> TrainerControl:
@@ -156,8 +157,6 @@ class TrainerEvents:
         if self.control.should_log:
             self.log(window_row(self._window, finite_loss=self.args.logging_nan_inf_filter))
             self._window = []
-        if self._epoch is not None and self.state.epoch is not None and math.floor(self.state.epoch) > self._epoch:
-            self.epoch_end()
         return self.control
 
     def log(self, logs: dict) -> None:

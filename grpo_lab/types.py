@@ -151,7 +151,7 @@ class Advantages(_Table):
 
     def summary(self) -> str:
         return (
-            f"mean reward {self.rewards_B.mean():.3f}, advantages in [{self.advantages_B.min():.3f}, "
+            f"mean reward {torch.nanmean(self.rewards_B):.3f}, advantages in [{self.advantages_B.min():.3f}, "
             f"{self.advantages_B.max():.3f}], {float(self.is_std_zero_B.float().mean()):.0%} of completions in "
             "groups with equal rewards (no signal)"
         )

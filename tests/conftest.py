@@ -13,10 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TRACKIO_DIR = tempfile.mkdtemp(prefix="grpo_lab_tests_trackio_")
 os.environ["TRACKIO_DIR"] = TRACKIO_DIR  # trackio reads it once, when imported: not the user's own store
+COMET_DIR = tempfile.mkdtemp(prefix="grpo_lab_tests_comet_")
+# comet_ml, once imported, may write offline archives for experiments it starts itself: never into the repository
+os.environ.setdefault("COMET_OFFLINE_DIRECTORY", COMET_DIR)
 
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(TRACKIO_DIR, ignore_errors=True)
+    shutil.rmtree(COMET_DIR, ignore_errors=True)
 
 def launch_two(*options: str) -> list[str]:
     """``accelerate launch`` of 2 processes on this machine with ``options``, on a free port:

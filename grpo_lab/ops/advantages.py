@@ -107,6 +107,8 @@ def _mean_and_std(values: torch.Tensor, dim: int | None = None) -> tuple[torch.T
     if not torch.isnan(values).any():
         if dim is None:
             return values.mean(), values.std() if values.numel() > 1 else torch.zeros((), dtype=values.dtype)
+        if values.shape[dim] < 2:  # one value (an eval with num_generations_eval=1): no spread
+            return values.mean(dim=dim), torch.zeros_like(values.mean(dim=dim))
         return values.mean(dim=dim), values.std(dim=dim)
     return torch.nanmean(values, dim=dim), nanstd(values, dim=dim)
 

@@ -262,12 +262,9 @@ def policy_loss(
        folds it into its weight);
     4. plus ``beta x KL`` with KL = k3 (times r when ``use_bias_correction_kl``);
     5. :func:`aggregate_loss` over ``mask``;
-    6. minus ``entropy_coef x H`` (:func:`entropy_bonus`, over the tokens the entropy mask keeps)
-       when ``entropy_coef`` is not 0; ``entropies`` must then carry their gradient. For the loss
-       types whose normaliser counts the whole step's tokens (dapo, cispo, vespo) the bonus is also
-       divided by ``accumulation_steps`` (the step's micro-batches); the caller divides the other
-       loss types' whole loss by it. Either way each micro-batch adds ``entropy_coef x H / a``, as
-       TRL 1.16 does.
+    6. minus ``entropy_coef x H / a`` (:func:`entropy_bonus`; ``entropies`` with their gradient),
+       a = ``accumulation_steps`` for dapo, cispo and vespo, whose normaliser counts the step's
+       tokens (the caller divides other loss types' whole loss by a), as TRL 1.16 does.
 
     Settings: ``settings`` (:class:`LossSettings`: loss_type, epsilon_low, epsilon_high, delta,
     importance_sampling_level, the sapo and vespo shapes, beta, use_bias_correction_kl,
@@ -294,9 +291,7 @@ def policy_loss(
         if entropies_BT is None:
             raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
         bonus = entropy_bonus(entropies_BT, mask_BT, entropy_mask_BT=entropy_mask_BT)
-        # a globally normalised loss is already this micro-batch's share of the step; others the caller divides
-        share = accumulation_steps if loss_spec(settings.loss_type).normalizes_globally else 1
-        loss = loss - entropy_coef * bonus / share
+        loss = loss - entropy_coef * bonus / (accumulation_steps if settings.spec.normalizes_globally else 1)
     return PolicyLossOutput(
         loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT, entropy_bonus=bonus,
     )

@@ -15,11 +15,10 @@ drops one that overflows, and keeps one that fills the budget exactly).
 from __future__ import annotations
 
 import inspect
-import logging
 
 import torch
 
-from grpo_lab import dist
+from grpo_lab import dist, notices
 from grpo_lab.rewards.runner import run_coroutines
 from grpo_lab.rollout.prompts import is_conversational, render_prompts
 from grpo_lab.rollout.response_formats import FORMATS, known_response_template
@@ -45,8 +44,9 @@ def _check_response_template(tokenizer) -> None:
     known = known_response_template(getattr(tokenizer, "chat_template", None))
     if getattr(tokenizer, "response_template", None) is None and known is not None:
         tokenizer.response_template = known[1]
-        logging.getLogger("grpo_lab").info("tools: the tokenizer has no response_template; its chat template "
-                                           "writes %s, whose template parses the calls.", known[0])
+        notices.log_warning(f"tools: the tokenizer has no response_template; its chat template writes {known[0]}, "
+                            "so that format's template parses the model's calls (set tokenizer.response_template "
+                            "to choose another).")
     if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
         raise ValueError(
             "tools need a tokenizer that parses the model's tool calls: this one has no response_template "
