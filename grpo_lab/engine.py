@@ -236,6 +236,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         if config.vllm_importance_sampling_cap is not None:
             clip_max = config.vllm_importance_sampling_cap
         rollout.importance_weights_BT = ops.vllm_importance_weights(
+        if config.mask_truncated_completions:  # as in TRL: a truncated row's weight is 1 and it is in no stat
+            mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(old_BT.device))
             old_BT, sampling_BT, mask_BT, mode=config.vllm_importance_sampling_mode,
             clip_max=clip_max, clip_min=config.vllm_importance_sampling_clip_min,
         )

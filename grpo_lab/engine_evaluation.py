@@ -7,7 +7,7 @@ import torch
 
 from grpo_lab import dist, ops
 from grpo_lab.engine_build import check_dataset, eval_set_label, eval_sets, named_eval_dataset
-from grpo_lab.metrics import loss_metrics, tool_metrics
+from grpo_lab.metrics import loss_metrics, micro_batch_metrics, tool_metrics
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rollout.prompts import wrap_completions
 from grpo_lab.state import rng_state, set_rng_state
@@ -129,17 +129,17 @@ class EvaluationStage:
                 mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(device))
             entropy_mask_BT = None
             if config.top_entropy_quantile < 1.0:
-                entropy_mask_BT = ops.entropy_mask(entropies_BT, mask_BT, quantile=config.top_entropy_quantile)
+                entropy_mask_BT = self.entropy_mask(entropies_BT, mask_BT)
             normalizer = (dist.total(self.accelerator, mask_BT.sum()) / self.accelerator.num_processes).clamp(min=1.0)
             out = ops.policy_loss(
                 logprobs_BT, None, advantages_B.to(device), mask_BT, settings=settings,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT.to(device), num_items_in_batch=normalizer,
                 entropy_mask_BT=entropy_mask_BT, entropies_BT=entropies_BT, entropy_coef=self.applied_entropy_coef(),
             )
-        clip = ops.clip_diagnostics(out.ratio_BT.expand_as(logprobs_BT), advantages_B.to(device), mask_BT,
-                                    epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high,
-                                    loss_type=settings.loss_type)
-        return loss_metrics(self.accelerator, clip, entropies_BT, out.kl_BT, mask_BT, float(out.loss))
+        with_policy_loss = config.entropy_coef != 0.0 or config.use_adaptive_entropy
+        row = micro_batch_metrics(self.accelerator, settings, out, advantages_B, mask_BT, entropies_BT,
+                                  with_policy_loss=with_policy_loss)
+        return loss_metrics(self.accelerator, [row], float(out.loss))
 
     def _eval_advantages(self, rewards_BF, repeats: int) -> torch.Tensor:
         """This process's advantages of an eval chunk, from the rewards of every process's chunk (as

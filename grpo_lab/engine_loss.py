@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from grpo_lab import dist, ops
-from grpo_lab.metrics import loss_metrics
+from grpo_lab.metrics import loss_metrics, micro_batch_metrics
 from grpo_lab.models import router_aux_loss_weight
 from grpo_lab.types import Advantages, LossResult, Rollout
 
@@ -175,7 +175,7 @@ class LossStage:
         mask_BT = on_device(loss_mask_BT)
         entropy_mask_BT = None
         if config.top_entropy_quantile < 1.0:
-            entropy_mask_BT = ops.entropy_mask(entropies_BT.detach(), mask_BT, quantile=config.top_entropy_quantile)
+            entropy_mask_BT = self.entropy_mask(entropies_BT.detach(), mask_BT)
         kept_BT = mask_BT if entropy_mask_BT is None else mask_BT * entropy_mask_BT
         off_policy_B1 = self._off_policy_mask(rollout, index_B, advantages, logprobs_BT, mask_BT)
         out = ops.policy_loss(
@@ -220,6 +220,12 @@ class LossStage:
             zero_K = every_K.view(-1, len(micro_batches)).all(0)
         return zero_K.tolist()
 
+    def entropy_mask(self, entropies_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        """(B, T) ``top_entropy_quantile``'s mask (:func:`grpo_lab.ops.entropy_mask`), with one
+        threshold over every process's tokens, as TRL takes it."""
+        pool = dist.gather_ragged(self.accelerator, entropies_BT[mask_BT.bool()].float())
+        return ops.entropy_mask(entropies_BT, mask_BT, quantile=self.config.top_entropy_quantile, pool=pool)
+
     def router_aux_loss_weight(self) -> float:
         """The weight of the policy's load-balancing loss now (``models.router_aux_loss_weight``)."""
         return router_aux_loss_weight(self.unwrapped_model, self.config.router_aux_loss_coef)
@@ -257,15 +263,20 @@ class LossStage:
         )
 
     def _loss_result(self, advantages, step_index, parts, total_loss, settings: ops.LossSettings) -> LossResult:
+        """The step's metrics (each micro-batch's, averaged, as TRL logs them) and its tensors for the
+        views (each token's ratio and whether the clip removed its gradient)."""
+        with_policy_loss = self.config.entropy_coef != 0.0 or self.config.use_adaptive_entropy
+        rows = [micro_batch_metrics(self.accelerator, settings, out, advantages.advantages_B[index_B], mask_BT,
+                                    entropies_BT, with_policy_loss=with_policy_loss)
+                for index_B, _, entropies_BT, out, mask_BT in parts]
+        metrics = loss_metrics(self.accelerator, rows, total_loss)
         cat = lambda i: torch.cat([p[i] for p in parts])  # noqa: E731
         logprobs_BT, entropies_BT, mask_BT = cat(1), cat(2), cat(4)
         ratio_BT = torch.cat([p[3].ratio_BT.detach().expand_as(p[1]) for p in parts])
-        kl_BT = torch.cat([p[3].kl_BT.detach() for p in parts]) if settings.beta > 0 else None
         clip = ops.clip_diagnostics(
             ratio_BT, advantages.advantages_B[step_index].to(ratio_BT.device), mask_BT,
             epsilon_low=settings.epsilon_low, epsilon_high=settings.epsilon_high, loss_type=settings.loss_type,
         )
-        metrics = loss_metrics(self.accelerator, clip, entropies_BT, kl_BT, mask_BT, total_loss)
         return LossResult(
             advantages=advantages, loss=metrics["loss"], sample_index_B=step_index, logprobs_BT=logprobs_BT,
             entropies_BT=entropies_BT, ratio_BT=ratio_BT, clipped_BT=clip.is_region_clipped_BT, metrics=metrics,

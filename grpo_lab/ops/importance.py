@@ -29,11 +29,12 @@ def vllm_importance_weights(
     ``d_t = m_t (log pi_old(y_t) - log pi_sampler(y_t))``; token modes: ``rho_t = exp(d_t)``;
     sequence modes: ``rho = exp(sum_t d_t)``. ``*_truncate``: ``rho <- clamp(rho, clip_min, clip_max)``.
     ``*_mask``: ``rho <- 0`` where ``rho > clip_max`` or ``rho < clip_min``. A bound of None is no bound.
-    Padding gets d = 0 (weight 1 in token modes).
+    Padding (m = 0) and tokens the sampler could not score (a NaN log-prob) get d = 0, so weight 1
+    in token modes, as in TRL.
     """
     if mode not in IS_MODES:
         raise ValueError(f"mode must be one of {', '.join(IS_MODES)}, got {mode!r}.")
-    diff_BT = (old_logprobs_BT - sampling_logprobs_BT) * mask_BT.to(old_logprobs_BT.dtype)
+    diff_BT = torch.nan_to_num((old_logprobs_BT - sampling_logprobs_BT) * mask_BT.to(old_logprobs_BT.dtype), nan=0.0)
     if mode.startswith("sequence"):
         diff_BT = diff_BT.sum(-1, keepdim=True)
     ratio = torch.exp(diff_BT)
@@ -56,12 +57,16 @@ def importance_sampling_stats(
     mask_BT: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """TRL's sampling metrics, as 0-d tensors: ``sampling/sampling_logp_difference/{mean,max}`` of
-    ``|log pi_old - log pi_sampler|`` over real tokens, and ``sampling/importance_sampling_ratio/
-    {min,mean,max}`` of the weights over real tokens (token modes) or sequences (sequence modes)."""
+    ``|log pi_old - log pi_sampler|`` over the counted tokens (``mask``: the loss's, so truncated
+    rows are out under ``mask_truncated_completions``) the sampler could score, and
+    ``sampling/importance_sampling_ratio/{min,mean,max}`` of the weights over the counted tokens
+    (token modes) or over every sequence (sequence modes, where an uncounted row's weight is 1).
+    With nothing to take them over, each is 0, as TRL reports it."""
     valid_BT = mask_BT.bool()
     gap = (old_logprobs_BT - sampling_logprobs_BT).abs()[valid_BT]
+    gap = gap[~torch.isnan(gap)]
     values = weights.flatten() if weights.shape[-1] == 1 else weights[valid_BT]
-    empty = torch.tensor(float("nan"))
+    empty = torch.tensor(0.0)
     return {
         "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else empty,
         "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else empty,

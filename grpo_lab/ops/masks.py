@@ -32,20 +32,22 @@ def truncation_mask(mask_BT: torch.Tensor, is_truncated_B: torch.Tensor) -> torc
     return mask_BT * (~is_truncated_B.bool()).unsqueeze(1).to(mask_BT.dtype)
 
 
-def entropy_mask(entropies_BT: torch.Tensor, mask_BT: torch.Tensor, *, quantile: float) -> torch.Tensor:
+def entropy_mask(entropies_BT: torch.Tensor, mask_BT: torch.Tensor, *, quantile: float,
+                 pool: torch.Tensor | None = None) -> torch.Tensor:
     """Keep the top-``quantile`` fraction of tokens by entropy ("Beyond the 80/20 Rule",
     arXiv:2506.01939): ``keep = H >= Q_{1-rho}(H over masked tokens)``.
 
-    The threshold is the (1 - rho) quantile of the entropies of the tokens in ``mask_BT`` (linear
-    interpolation, as ``torch.quantile``). rho = 1 keeps every token, rho = 0 only the largest
-    entropy. Padding is never kept.
+    The threshold is the (1 - rho) quantile (linear interpolation, as ``torch.quantile``) of the
+    entropies of the tokens in ``mask_BT``, or of ``pool``: the masked entropies of every process,
+    which gives every process TRL's one threshold. rho = 1 keeps every token, rho = 0 only the
+    largest entropy. Padding is never kept.
 
     Args:
-        entropies_BT: (B, T) entropies. mask_BT: (B, T) 0/1 mask. quantile: rho in [0, 1].
+        entropies_BT: (B, T) entropies. mask_BT: (B, T) 0/1 mask. quantile: rho in [0, 1]. pool: (N,) or None.
     Returns:
         (B, T) float mask.
     """
-    return quantile_mask(entropies_BT, mask_BT, level=1.0 - quantile).float()
+    return quantile_mask(entropies_BT, mask_BT, level=1.0 - quantile, pool=pool).float()
 
 
 def quantile_mask(values_BT: torch.Tensor, mask_BT: torch.Tensor, *, level: float,

@@ -36,6 +36,10 @@ class PolicyLossOutput:
     """(B, T) per-token KL estimate (bias-corrected when asked), or None when beta = 0."""
     entropy_bonus: torch.Tensor | None = None
     """Scalar entropy term H subtracted as ``entropy_coef x H`` (:func:`entropy_bonus`), or None."""
+    policy_loss: torch.Tensor | None = None
+    """Scalar aggregated loss before the entropy bonus (``loss`` itself without one)."""
+    sequence_weight_B1: torch.Tensor | None = None
+    """(B, 1) the objective's sequence weight (vespo's phi), or None for objectives without one."""
 
 
 @dataclass
@@ -203,10 +207,11 @@ def aggregate_loss(
 
 
 def _policy_term(logprobs_BT, old_logprobs_BT, ratio, advantages_B, mask_BT, settings: LossSettings, *,
-                 off_policy_mask_B1, entropy_mask_BT, importance_sampling_ratio_BT) -> torch.Tensor:
+                 off_policy_mask_B1, entropy_mask_BT, importance_sampling_ratio_BT):
     """Steps 2 and 3 of :func:`policy_loss`: the loss type's per-token objective (after its sequence
     weight, where it has one), times the off-policy mask, the entropy mask and the vLLM
-    importance-sampling ratio, in that order; a sequence weight folds that ratio in instead."""
+    importance-sampling ratio, in that order; a sequence weight folds that ratio in instead.
+    Returns the per-token loss and the (B, 1) sequence weight (None without one)."""
     objective = OBJECTIVES[settings.spec.objective]
     weight_B1 = None
     if objective.sequence_weight is not None:
@@ -222,7 +227,7 @@ def _policy_term(logprobs_BT, old_logprobs_BT, ratio, advantages_B, mask_BT, set
         per_token = per_token * entropy_mask_BT
     if importance_sampling_ratio_BT is not None:
         per_token = per_token * importance_sampling_ratio_BT
-    return per_token
+    return per_token, weight_B1
 
 
 def _kl_BT(logprobs_BT, ref_logprobs_BT, ratio, settings: LossSettings) -> torch.Tensor | None:
@@ -233,6 +238,17 @@ def _kl_BT(logprobs_BT, ref_logprobs_BT, ratio, settings: LossSettings) -> torch
         raise ValueError("beta > 0 needs ref_logprobs_BT (log-probs under the reference model).")
     kl_BT = k3_kl(logprobs_BT, ref_logprobs_BT)
     return kl_BT * ratio if settings.use_bias_correction_kl else kl_BT
+
+
+def _with_entropy_bonus(loss, entropies_BT, mask_BT, entropy_mask_BT, entropy_coef: float, divisor: int):
+    """Step 6 of :func:`policy_loss`: ``loss - entropy_coef x H / divisor`` and H; ``loss`` and None
+    without a bonus."""
+    if entropy_coef == 0.0:
+        return loss, None
+    if entropies_BT is None:
+        raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
+    bonus = entropy_bonus(entropies_BT, mask_BT, entropy_mask_BT=entropy_mask_BT)
+    return loss - entropy_coef * bonus / divisor, bonus
 
 
 def policy_loss(
@@ -266,9 +282,8 @@ def policy_loss(
        a = ``accumulation_steps`` for dapo, cispo and vespo, whose normaliser counts the step's
        tokens (the caller divides other loss types' whole loss by a), as TRL 1.16 does.
 
-    Settings: ``settings`` (:class:`LossSettings`: loss_type, epsilon_low, epsilon_high, delta,
-    importance_sampling_level, the sapo and vespo shapes, beta, use_bias_correction_kl,
-    max_completion_length), or its fields as keywords (``loss_type="grpo", epsilon_low=0.2``).
+    Settings: ``settings`` (:class:`LossSettings`: loss_type, epsilon_low/high, delta, importance_sampling_level,
+    the sapo and vespo shapes, beta, use_bias_correction_kl, max_completion_length), or its fields as keywords.
 
     Shapes: logprobs, old/ref logprobs, mask, entropy mask, entropies (B, T); advantages (B,);
     importance_sampling_ratio (B, T) or (B, 1); off-policy mask (B, 1).
@@ -277,23 +292,21 @@ def policy_loss(
     old_logprobs_BT = logprobs_BT.detach() if old_logprobs_BT is None else old_logprobs_BT
     level = settings.importance_sampling_level
     ratio = torch.exp(log_importance_weights(logprobs_BT, old_logprobs_BT, mask_BT, level=level))
-    per_token = _policy_term(
+    per_token, weight_B1 = _policy_term(
         logprobs_BT, old_logprobs_BT, ratio, advantages_B, mask_BT, settings, off_policy_mask_B1=off_policy_mask_B1,
         entropy_mask_BT=entropy_mask_BT, importance_sampling_ratio_BT=importance_sampling_ratio_BT,
     )
     kl_BT = _kl_BT(logprobs_BT, ref_logprobs_BT, ratio, settings)
     if kl_BT is not None:
         per_token = per_token + settings.beta * kl_BT
-    loss = aggregate_loss(per_token, mask_BT, loss_type=settings.loss_type,
-                          max_completion_length=settings.max_completion_length, num_items_in_batch=num_items_in_batch)
-    bonus = None
-    if entropy_coef != 0.0:
-        if entropies_BT is None:
-            raise ValueError("entropy_coef != 0 needs entropies_BT (with their gradient).")
-        bonus = entropy_bonus(entropies_BT, mask_BT, entropy_mask_BT=entropy_mask_BT)
-        loss = loss - entropy_coef * bonus / (accumulation_steps if settings.spec.normalizes_globally else 1)
+    policy_term = aggregate_loss(per_token, mask_BT, loss_type=settings.loss_type,
+                                 max_completion_length=settings.max_completion_length,
+                                 num_items_in_batch=num_items_in_batch)
+    divisor = accumulation_steps if settings.spec.normalizes_globally else 1
+    loss, bonus = _with_entropy_bonus(policy_term, entropies_BT, mask_BT, entropy_mask_BT, entropy_coef, divisor)
     return PolicyLossOutput(
         loss=loss, per_token_loss_BT=per_token.expand_as(logprobs_BT), ratio_BT=ratio, kl_BT=kl_BT, entropy_bonus=bonus,
+        policy_loss=policy_term, sequence_weight_B1=weight_B1,
     )
 
 

@@ -25,7 +25,7 @@ def _reward_means(columns: list[str]) -> list[str]:
     return [c for c in columns if c.startswith("rewards/") and c.endswith("/mean")]
 
 
-_DIAGNOSTIC_NAMES = ("entropy_coef", "aux_loss")
+_DIAGNOSTIC_NAMES = ("entropy_coef", "aux_loss", "vespo/phi_seq_mean")
 _DIAGNOSTIC_PREFIXES = ("off_policy_mask/", "sampling/", "tools/")
 
 
@@ -55,15 +55,15 @@ CURVE_PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("entropy", "nats per token", ("entropy",)),
     PanelSpec("kl", "nats per token", ("kl",)),
     PanelSpec("clip ratios", "share of tokens",
-              ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
-    PanelSpec("loss", "loss", ("loss",)),
+              ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")),
+    PanelSpec("loss", "loss", ("loss", "policy_loss")),
     PanelSpec("learning rate", "learning rate", ("learning_rate",)),
     PanelSpec("engine diagnostics", "value", pick=_diagnostics),
     PanelSpec(LOGGED, "value"),
 )
 """Panels of the curves view. "reward per function" takes every ``rewards/<fn>/mean`` column,
 "engine diagnostics" what the engine logs for some settings (the adaptive entropy weight, a MoE
-router's auxiliary loss, off-policy masking, vLLM sampling statistics, tool calls), and "logged
+router's auxiliary loss, vespo's sequence weight, off-policy masking, vLLM sampling statistics, tool calls), and "logged
 metrics" every column no grpo_lab metric claims: those reward functions added with ``log_metric``."""
 
 _NOT_DRAWN = {
