@@ -223,6 +223,71 @@ def test_vectorised_matches_loop_reference(mode):
     assert_close(stats.advantages_B, expected, atol=1e-5, rtol=1e-5)
 
 
+def _mean_std(values):
+    """Mean and sample std of the numbers among ``values`` (std 0 for fewer than two)."""
+    numbers = [v for v in values if not math.isnan(v)]
+    if not numbers:
+        return math.nan, math.nan
+    return statistics.fmean(numbers), statistics.stdev(numbers) if len(numbers) > 1 else 0.0
+
+
+def _trl_reference(rewards, weights, G, mode, aggregation):
+    """TRL 1.16's advantages in plain Python: a row no function scored has no reward, stays out of
+    every statistic and gets advantage 0; normalize_then_sum normalizes each function within its
+    group, sums, then normalizes over the batch (scale_rewards unused)."""
+    scored = [any(not math.isnan(x) for x in row) for row in rewards]
+
+    def weighted(rows):
+        return [sum(w * x for w, x in zip(weights, row) if not math.isnan(x)) if ok else math.nan
+                for row, ok in zip(rows, scored)]
+
+    if aggregation == "normalize_then_sum":
+        normalized = [list(row) for row in rewards]
+        for start in range(0, len(rewards), G):
+            for f in range(len(weights)):
+                mean, std = _mean_std([rewards[i][f] for i in range(start, start + G)])
+                for i in range(start, start + G):
+                    normalized[i][f] = (rewards[i][f] - mean) / (std + EPS)
+        sums = weighted(normalized)
+        mean, std = _mean_std(sums)
+        return [0.0 if math.isnan(v) else (v - mean) / (std + EPS) for v in sums]
+    totals = weighted(rewards)
+    batch_std = _mean_std(totals)[1]
+    out = []
+    for start in range(0, len(totals), G):
+        group = totals[start:start + G]
+        mean, std = _mean_std(group)
+        std = std if mode == "group" else batch_std
+        for value in group:
+            advantage = value - mean if mode == "none" else (value - mean) / (std + EPS)
+            out.append(0.0 if math.isnan(advantage) else advantage)
+    return out
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+def test_every_scaling_and_aggregation_with_none_rewards_unscored_rows_and_ties(mode, aggregation):
+    nan = float("nan")
+    rewards = [
+        [1.0, 2.0], [nan, nan], [3.0, nan], [0.5, -1.0],  # an unscored row, a partly scored one
+        [2.0, 1.0], [2.0, 1.0], [2.0, 1.0], [2.0, 1.0],  # a tie (integers: no rounding in either)
+        [nan, nan], [nan, nan], [4.0, 0.0], [nan, nan],  # one scored completion in its group
+        [-1.0, 3.0], [2.5, 0.5], [0.0, nan], [1.5, 1.0],
+    ]
+    weights = [1.0, 0.5]
+    stats = compute_advantages(torch.tensor(rewards), num_generations=4, reward_weights_F=torch.tensor(weights),
+                               scale_rewards=mode, multi_objective_aggregation=aggregation)
+    expected = _trl_reference(rewards, weights, 4, mode, aggregation)
+    assert_close(stats.advantages_B, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    assert stats.advantages_B[[1, 8, 9, 11]].eq(0).all()
+    if aggregation == "sum_then_normalize":  # GDPO's batch step moves a tied group's zero sums off 0
+        assert stats.advantages_B[4:8].eq(0).all()
+    unscored = torch.tensor([i in (1, 8, 9, 11) for i in range(16)])
+    assert torch.isnan(stats.rewards_B[unscored]).all()
+    raw = [sum(w * x for w, x in zip(weights, row) if not math.isnan(x)) for row in rewards]
+    assert_close(stats.rewards_B[~unscored], torch.tensor(raw)[~unscored])  # the raw weighted sum, either way
+
+
 def test_invalid_arguments_raise():
     rewards_BF = torch.zeros(6, 1)
     with pytest.raises(ValueError):
