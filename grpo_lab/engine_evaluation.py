@@ -202,7 +202,7 @@ def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, rep
     for i, name in enumerate(names):
         scored = rewards_BF[:, i][~torch.isnan(rewards_BF[:, i])]
         metrics[f"rewards/{name}/mean"] = float(scored.mean()) if len(scored) else float("nan")
-        metrics[f"rewards/{name}/std"] = float(scored.std()) if len(scored) > 1 else float("nan")
+        metrics[f"rewards/{name}/std"] = float(ops.batch_std(scored))
     numbers_GN = ~torch.isnan(groups_GN)  # a completion no function scored counts in no group's spread
     highest = groups_GN.masked_fill(~numbers_GN, -torch.inf).amax(dim=1)
     lowest = groups_GN.masked_fill(~numbers_GN, torch.inf).amin(dim=1)

@@ -42,7 +42,7 @@ def generation_metrics(accelerator, scores, rewards_BF, stats, *, num_tokens: in
         column = rewards_BF[:, i]
         present = column[~torch.isnan(column)]
         metrics[f"rewards/{name}/mean"] = float(present.mean()) if len(present) else float("nan")
-        metrics[f"rewards/{name}/std"] = float(present.std()) if len(present) > 1 else 0.0
+        metrics[f"rewards/{name}/std"] = float(batch_std(column))
     metrics["reward"] = float(torch.nanmean(stats.rewards_B))
     metrics["reward_std"] = float(batch_std(stats.rewards_B))  # over the whole batch, as TRL 1.16 logs it
     metrics["frac_reward_zero_std"] = float(stats.is_std_zero_B.float().mean())

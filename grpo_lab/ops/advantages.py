@@ -114,8 +114,9 @@ def _mean_and_std(values: torch.Tensor, dim: int | None = None) -> tuple[torch.T
 
 
 def batch_std(values: torch.Tensor) -> torch.Tensor:
-    """The sample std of all of ``values``, NaN left out (0 for fewer than two numbers)."""
-    return _mean_and_std(values)[1] if (~torch.isnan(values)).sum() > 1 else torch.zeros((), dtype=values.dtype)
+    """The sample std of all of ``values``, NaN left out; NaN for fewer than two numbers (as TRL's
+    ``nanstd`` gives it)."""
+    return _mean_and_std(values)[1] if (~torch.isnan(values)).sum() > 1 else torch.full((), float("nan"))
 
 
 def _unscorable(rewards_BF: torch.Tensor) -> torch.Tensor:
