@@ -35,6 +35,7 @@ from grpo_lab.metrics import generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.models import routes_to_experts
 from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score_tokens
 from grpo_lab.rewards import check_reward_signatures, score_completions
+from grpo_lab.rewards.preparation import weights_tensor
 from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts
 from grpo_lab.types import Advantages, Rollout, Scores
 from grpo_lab.stream_sampler import StreamSampler, first_row
@@ -43,10 +44,11 @@ from grpo_lab.stream_sampler import StreamSampler, first_row
 class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
     """Model, optimizer, data and reward functions, with one method per GRPO stage."""
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, peft_config=None, optimizers=(None, None),
-                 rollout_func=None, tools=None):
-        self.config = config = build.checked_config(args, train_dataset, eval_dataset, reward_funcs)
+                 rollout_func=None, tools=None, environment_factory=None):
+        self.config = config = build.checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func,
+                                                    environment_factory)
         self.accelerator = build.start_accelerator(config)
         self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)
@@ -55,7 +57,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
         policy = build.load_policy(model, config, self.tokenizer)
         self._context, self._prompt_tokens, self._prompt_tokens_source = build.check_prompts(
-            policy, self.tokenizer, config, train_dataset, eval_dataset,
+            policy, self.tokenizer, config, train_dataset if environment_factory is None else None, eval_dataset,
             custom_rollout=rollout_func is not None or tools is not None,
         )
         build.check_policy(policy, config)
@@ -70,11 +72,11 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
-        self.train_dataset, self.rollout_func = train_dataset, rollout_func
         self.eval_dataset = build.named_eval_dataset(eval_dataset)
-        self.tools, self.custom_rollout = build.custom_rollout(
-            rollout_func, tools, self.tokenizer, self.unwrapped_model, train_dataset, config
-        )
+        self.tools, self.custom_rollout, self.environments, train_dataset = build.custom_rollout(
+            rollout_func, tools, environment_factory, self.tokenizer, self.unwrapped_model, train_dataset, config,
+            self.batching)
+        self.train_dataset, self.rollout_func = train_dataset, rollout_func
         self.rollout_owner = None
         self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
@@ -83,10 +85,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.steps_per_batch = config.num_iterations * spg // ga
         self.scheduler = self._new_scheduler() if scheduler is None else scheduler
         self.reward_funcs, self.reward_processing_classes, self.reward_names = build.reward_functions(
-            reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device
-        )
-        self.global_step = 0
-        self.num_input_tokens_seen = 0
+            reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device,
+            self.environments)
+        self.global_step = self.num_input_tokens_seen = 0
         self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
         self._routes_to_experts = routes_to_experts(self.unwrapped_model)
         # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
@@ -191,14 +192,15 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         return self.unwrapped_model.get_input_embeddings().num_embeddings
 
     def reward_columns(self) -> list[str] | None:
-        """The training dataset's columns that reward functions receive as keyword arguments; None with
-        a rollout function (or tools), whose extra keys are known only once it has run (score() checks then)."""
+        """The training dataset's columns that reward functions receive as keyword arguments (and
+        ``environments`` with environment_factory); None with a rollout function (or tools), whose
+        extra keys are known only once it has run (score() checks then)."""
         if self.custom_rollout is not None:
             return None
         names = self.train_dataset.column_names
         if names is None:  # a stream without declared features: its first row's keys
             names = list(first_row(self.train_dataset))
-        return [name for name in names if name != "prompt"]
+        return [name for name in names if name != "prompt"] + ["environments"] * (self.environments is not None)
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
         """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
@@ -211,6 +213,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             if self._rows_source is not self.train_dataset:
                 self._rows_source, self._rows_view = self.train_dataset, self.train_dataset.with_format(None)
             rows = self._rows_view[indices]
+        if self.environments is not None:  # the prompts are complete after reset(): generate() checks them then
+            return rows
         # The drawn prompts must fit the context with the current max_completion_length; raised here,
         # generate() puts the sampler back, and the error names the rows (generation's would not).
         drawn = list(dict.fromkeys(indices))
@@ -232,12 +236,12 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         old_BT = rollout.old_logprobs_BT.float()
         sampling_BT = rollout.sampling_logprobs_BT.to(old_BT.device)
         mask_BT = rollout.generated_mask_BT.to(old_BT.device)
+        if config.mask_truncated_completions:  # as in TRL: a truncated row's weight is 1 and it is in no stat
+            mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(old_BT.device))
         clip_max = config.vllm_importance_sampling_clip_max
         if config.vllm_importance_sampling_cap is not None:
             clip_max = config.vllm_importance_sampling_cap
         rollout.importance_weights_BT = ops.vllm_importance_weights(
-        if config.mask_truncated_completions:  # as in TRL: a truncated row's weight is 1 and it is in no stat
-            mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(old_BT.device))
             old_BT, sampling_BT, mask_BT, mode=config.vllm_importance_sampling_mode,
             clip_max=clip_max, clip_min=config.vllm_importance_sampling_clip_min,
         )
@@ -259,12 +263,13 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             [token for token, kept in zip(ids, mask) if kept]
             for ids, mask in zip(rollout.completion_ids_BT.tolist(), rollout.completion_mask_BT.tolist())
         ]
+        columns = rollout.columns if self.environments is None else self.environments.scoring_columns(rollout)
         if self.custom_rollout is not None:
-            check_reward_signatures(self.reward_funcs, self.reward_names, list(rollout.columns))
+            check_reward_signatures(self.reward_funcs, self.reward_names, list(columns))
         rewards_BF, logs = score_completions(
             self.reward_funcs, self.reward_processing_classes, self.reward_names,
             prompts=rollout.prompts, completions=rollout.completions, completion_ids=completion_ids,
-            columns=rollout.columns, trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
+            columns=columns, trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
         )
         return Scores(rollout, rewards_BF, list(self.reward_names), logs.extras, logs.metrics)
 
@@ -272,12 +277,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         """Group-relative advantages from rewards gathered over every process."""
         config = self.config
         rewards_BF = dist.gather(self.accelerator, scores.rewards_BF.to(self.accelerator.device)).cpu()
-        weights = torch.tensor(config.reward_weights, dtype=torch.float32) if config.reward_weights else None
-        if weights is not None and len(weights) != rewards_BF.shape[1]:
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries but there are {rewards_BF.shape[1]} reward "
-                f"functions ({', '.join(scores.reward_names)}). Give one weight per function."
-            )
+        own = 0 if self.environments is None else len(self.environments.reward_funcs)
+        weights = weights_tensor(config.reward_weights, scores.reward_names, own)
         stats = ops.compute_advantages(
             rewards_BF, num_generations=config.num_generations, reward_weights_F=weights,
             scale_rewards=config.scale_rewards, multi_objective_aggregation=config.multi_objective_aggregation,

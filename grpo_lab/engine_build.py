@@ -35,6 +35,9 @@ from grpo_lab.rewards.preparation import check_column_names, check_reward_weight
 from grpo_lab.rollout import make_backend
 from grpo_lab.rollout.batch import eos_token_ids
 from grpo_lab.rollout.custom import check_rollout_func
+from grpo_lab.rollout.environments import (
+    check_environment_setup, environment_rollout, placeholder_dataset, reward_sources,
+)
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens
 from grpo_lab.rollout.tools import ToolCalling, check_tools
@@ -42,11 +45,13 @@ from grpo_lab.sampler import PromptSampler
 from grpo_lab.stream_sampler import StreamSampler, first_row, is_stream
 
 
-def check_dataset(dataset, name: str) -> None:
+def check_dataset(dataset, name: str, *, needs_prompt: bool = True) -> None:
+    """Refuse a dataset that is not a non-empty ``datasets.Dataset`` (or stream), or that has no
+    'prompt' column where it ``needs_prompt`` (an environment may supply the prompts instead)."""
     if dataset is None:
         raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
     if is_stream(dataset):
-        check_stream(dataset, name)
+        check_stream(dataset, name, needs_prompt=needs_prompt)
         return
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
         raise TypeError(
@@ -54,7 +59,7 @@ def check_dataset(dataset, name: str) -> None:
             "datasets.Dataset.from_list(rows) or from columns with Dataset.from_dict({'prompt': [...], ...})."
         )
     columns = getattr(dataset, "column_names", None)
-    if columns is None or "prompt" not in columns:
+    if needs_prompt and (columns is None or "prompt" not in columns):
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts "
             "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
@@ -63,13 +68,14 @@ def check_dataset(dataset, name: str) -> None:
         raise ValueError(f"{name} is empty: it needs at least one prompt.")
 
 
-def check_stream(dataset, name: str) -> None:
-    """A streamed dataset's checks: a 'prompt' column (from its features, else its first row), and a row."""
+def check_stream(dataset, name: str, *, needs_prompt: bool = True) -> None:
+    """A streamed dataset's checks: a 'prompt' column (from its features, else its first row) where
+    it ``needs_prompt``, and a row."""
     row = first_row(dataset)
     if row is None:
         raise ValueError(f"{name} is an empty stream: it needs at least one prompt.")
     columns = dataset.column_names or list(row)
-    if "prompt" not in columns:
+    if needs_prompt and "prompt" not in columns:
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {columns}). Rename the column holding the prompts "
             "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
@@ -104,16 +110,22 @@ def eval_set_label(name: str | None) -> str:
     return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
 
 
-def checked_config(args, train_dataset, eval_dataset, reward_funcs) -> GRPOConfig:
-    """The run's config (``args``, or the defaults), once the datasets and reward weights are checked."""
+def checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func=None,
+                   environment_factory=None) -> GRPOConfig:
+    """The run's config (``args``, or the defaults), once the datasets, the environment setup and the
+    reward weights are checked (an environment may supply the prompts, or all of train_dataset)."""
     if args is not None and not isinstance(args, GRPOConfig):
         raise TypeError(
             f"args must be a grpo_lab GRPOConfig (got {type(args).__name__}). Build one with "
             "GRPOConfig(**settings), or GRPOConfig.from_dict(...) / from_yaml(...)."
         )
     config = args if args is not None else GRPOConfig()
-    check_dataset(train_dataset, "train_dataset")
-    check_column_names(train_dataset, "train_dataset")
+    if environment_factory is not None:
+        check_environment_setup(environment_factory, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                rollout_func=rollout_func, max_steps=config.max_steps)
+    if train_dataset is not None or environment_factory is None:
+        check_dataset(train_dataset, "train_dataset", needs_prompt=environment_factory is None)
+        check_column_names(train_dataset, "train_dataset")
     if is_stream(train_dataset) and config.max_steps <= 0:
         raise ValueError(
             "train_dataset is a stream (datasets.IterableDataset), whose length is unknown: set max_steps, as "
@@ -314,21 +326,30 @@ def adamw(policy, config: GRPOConfig) -> torch.optim.AdamW:
     )
 
 
-def custom_rollout(rollout_func, tools, tokenizer, model, train_dataset, config: GRPOConfig):
-    """``(tools, custom_rollout)``: the checked tools, and what generates the completions in place of
-    the backend (and receives ``rollout_owner``, the GRPOSession): the rollout function, the tool
-    loop, or None."""
+def custom_rollout(rollout_func, tools, environment_factory, tokenizer, model, train_dataset, config: GRPOConfig,
+                   batching):
+    """``(tools, custom_rollout, environments, train_dataset)``: the checked tools; what generates the
+    completions in place of the backend (and receives ``rollout_owner``, the GRPOSession): the
+    rollout function, the tool loop, or None; the run's environments (None without
+    ``environment_factory``); and the train dataset (one generation batch of placeholder prompts
+    where an environment supplies them all)."""
     check_rollout_func(rollout_func)
     if tools is not None and rollout_func is not None:
         raise ValueError(
             "Give tools or rollout_func, not both: a rollout function runs its own tools "
             "(grpo_lab.rollout.tools.ToolCalling, the loop behind tools=, is one)."
         )
+    if environment_factory is not None:
+        if train_dataset is None:
+            train_dataset = placeholder_dataset(batching.generation_batch_size // config.num_generations)
+        return (*environment_rollout(tools, environment_factory, tokenizer, eos_token_ids(tokenizer, model),
+                                     train_dataset, config.chat_template_kwargs), train_dataset)
     if tools is None:
-        return None, rollout_func
+        return None, rollout_func, None, train_dataset
     first = first_row(train_dataset) if is_stream(train_dataset) else train_dataset[0]
     tools = check_tools(tools, tokenizer, first["prompt"], config.chat_template_kwargs)
-    return tools, ToolCalling(tools, tokenizer, eos_token_ids(tokenizer, model), config.chat_template_kwargs)
+    loop = ToolCalling(tools, tokenizer, eos_token_ids(tokenizer, model), config.chat_template_kwargs)
+    return tools, loop, None, train_dataset
 
 
 def prompt_sampler(config: GRPOConfig, batching, train_dataset) -> PromptSampler | StreamSampler:
@@ -344,8 +365,10 @@ def prompt_sampler(config: GRPOConfig, batching, train_dataset) -> PromptSampler
     )
 
 
-def reward_functions(reward_funcs, reward_processing_classes, config: GRPOConfig, columns, device):
-    """``(funcs, processing_classes, names)`` of the reward functions, reward models moved to ``device``."""
+def reward_functions(reward_funcs, reward_processing_classes, config: GRPOConfig, columns, device, environments=None):
+    """``(funcs, processing_classes, names)`` of the reward functions (``reward_funcs``, then the
+    environments' ``get_reward``), reward models moved to ``device``."""
+    reward_funcs, reward_processing_classes = reward_sources(reward_funcs, reward_processing_classes, environments)
     funcs, classes, names = prepare_reward_funcs(
         reward_funcs, reward_processing_classes, config.model_kwargs(), columns=columns
     )

@@ -9,7 +9,7 @@ from grpo_lab import dist
 from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
-from grpo_lab.rollout.prompts import render_prompts, wrap_completions
+from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts, render_prompts, wrap_completions
 from grpo_lab.types import Rollout
 
 
@@ -28,8 +28,8 @@ class GenerationStage:
             group_B = [position // config.num_generations for position in range(len(global_rows))]
             local = dist.local_slice(self.accelerator, len(global_rows))
             rows = self._train_rows(global_rows[local])
-            prompts = rows.pop("prompt")
-            batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
+            prompts, environments = self._start_rows(rows, global_rows[local])
+            batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows), started=True)
             batch, env_mask_BT = padded_to_multiple(
                 batch, env_mask_BT, config.pad_multiple(), pad_token_id=self.tokenizer.pad_token_id
             )
@@ -55,6 +55,7 @@ class GenerationStage:
             policy_version=batch.policy_version,
             env_mask_BT=env_mask_BT,
             extra_keys=tuple(extra),
+            environments=environments,
         )
         with self.accelerator.autocast():
             if self.needs_old_logprobs():
@@ -76,9 +77,29 @@ class GenerationStage:
                 "its last checkpoint, which pushes the policy again) or another run shares it (give each its own)."
             )
 
-    def _generate_batch(self, prompts: list, columns: list[str]) -> CustomBatch:
+    def _start_rows(self, rows: dict[str, list], indices: list[int]) -> tuple[list, list | None]:
+        """``(prompts, environments)`` of the drawn ``rows`` (dataset rows ``indices``), the prompt
+        column taken out of them: as the dataset holds them, or, with environment_factory, as each
+        completion's environment instance (the second item) left them after its ``reset()``, checked
+        against the model's context."""
+        if self.environments is None:
+            return rows.pop("prompt"), None
+        prompts, environments = self.environments.start(rows)
+        rows.pop("prompt", None)
+        tokens = prompt_token_counts(prompts, self.tokenizer, self.config.chat_template_kwargs, rows=indices)
+        check_prompt_room(
+            tokens, indices, context=self._context, chat_template_kwargs=self.config.chat_template_kwargs,
+            max_new_tokens=None if self.custom_rollout is not None else self.config.max_completion_length,
+        )
+        return prompts, environments
+
+    def _generate_batch(self, prompts: list, columns: list[str], started: bool = False) -> CustomBatch:
         """The completions of ``prompts`` (one per completion): from the rollout function or the tool
-        loop when there is one, else from the generation backend."""
+        loop when there is one, else from the generation backend. ``started``: the environments, if
+        any, were reset for these prompts (evaluation does not reset them yet, so it is refused)."""
+        if self.environments is not None and not started:
+            raise NotImplementedError("evaluate() with environment_factory is not supported yet: evaluation does "
+                                      "not reset the environments.")
         if self.custom_rollout is None:
             texts = render_prompts(prompts, self.tokenizer, self.config.chat_template_kwargs)
             return CustomBatch(self.rollout_backend.generate(texts, self.config), None, {}, None)

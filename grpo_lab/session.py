@@ -40,7 +40,7 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -50,11 +50,13 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
         optimizers=(None, None),
         rollout_func=None,
         tools=None,
+        environment_factory=None,
     ):
         self.engine = Engine(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
             peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
+            environment_factory=environment_factory,
         )
         self.engine.rollout_owner = self
         self.config = self.engine.config
@@ -91,10 +93,17 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
 
     @reward_funcs.setter
     def reward_funcs(self, funcs) -> None:
+        """Replace the reward functions; an environment's ``get_reward`` stays, last, whether or not
+        ``funcs`` lists it."""
         from grpo_lab.rewards import prepare_reward_funcs
+        from grpo_lab.rollout.environments import reward_sources
 
+        environments = self.engine.environments
+        if environments is not None and isinstance(funcs, (list, tuple)):
+            funcs = environments.user_reward_funcs(funcs)
         self.engine.reward_funcs, self.engine.reward_processing_classes, self.engine.reward_names = (
-            prepare_reward_funcs(funcs, None, self.config.model_kwargs(), columns=self.engine.reward_columns())
+            prepare_reward_funcs(*reward_sources(funcs, None, environments), self.config.model_kwargs(),
+                                 columns=self.engine.reward_columns())
         )
 
     @property
@@ -104,8 +113,14 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
 
     @property
     def tools(self) -> list | None:
-        """The functions the model may call while it generates (None: no tool calling)."""
+        """The ``tools=`` functions the model may call while it generates (None: none; an
+        environment's methods are its own tools, see ``environment_factory``)."""
         return self.engine.tools
+
+    @property
+    def environment_factory(self):
+        """What builds the environments the rollouts run in (a callable, or a dict of them), or None."""
+        return None if self.engine.environments is None else self.engine.environments.factory
 
     @property
     def global_step(self) -> int:

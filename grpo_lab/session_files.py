@@ -30,6 +30,7 @@ from grpo_lab.dist import (
 )
 from grpo_lab.live_config import rebuilt_fields
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
+from grpo_lab.rollout.environments import user_reward_funcs
 from grpo_lab.safe_write import atomic_directory_write
 from grpo_lab.stages import drives_stages
 from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict
@@ -119,11 +120,12 @@ class SessionFiles:
         extra = state["extra"]
         if reward_funcs is None:
             reward_funcs = _unreferenced(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
-        if "rollout_func" not in kwargs and "tools" not in kwargs:  # else the caller chose how to generate
+        if not {"rollout_func", "tools", "environment_factory"} & set(kwargs):  # else the caller chose how to generate
             kwargs["rollout_func"] = _unreferenced(
                 extra["rollout_func"], directory, "rollout function", "rollout_func=..."
             )
             kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
+            kwargs["environment_factory"] = _unreferenced_factories(extra, directory)
         train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
         if kwargs.get("args") is None:
             kwargs["args"] = _saved_config(directory / "config.yaml")
@@ -156,10 +158,33 @@ def _checkpoint_records(session) -> dict:
         "applied_config": plain_values(session._applied_config),
         "batch_step": session.batch_step,
         "last_stage": session._last_stage,
-        "reward_funcs": _referenced(engine.reward_funcs),
+        "reward_funcs": _referenced(user_reward_funcs(engine)),
         "rollout_func": _referenced(engine.rollout_func),
         "tools": _referenced(engine.tools),
+        "environment_factory": _referenced_factories(session.environment_factory),
     }
+
+
+def _referenced_factories(factory) -> dict | None:
+    """``environment_factory`` as ``_referenced`` stores functions (its classes or functions, by
+    reference), with the names of a dict of them; the environments themselves are live objects, never
+    stored: a loaded run builds new ones."""
+    if not isinstance(factory, dict):
+        return _referenced(factory)
+    referenced = _referenced(list(factory.values()))
+    return None if referenced is None else {**referenced, "names": list(factory)}
+
+
+def _unreferenced_factories(extra: dict, directory: Path):
+    """The ``environment_factory`` that ``_referenced_factories`` stored in a checkpoint's ``extra``
+    records (None for a checkpoint made before it was kept)."""
+    if "environment_factory" not in extra:
+        return None
+    saved = extra["environment_factory"]
+    found = _unreferenced(saved, directory, "environment factories", "environment_factory=...")
+    if found is None or "names" not in saved:
+        return found
+    return dict(zip(saved["names"], found, strict=True))
 
 
 def _write_checkpoint(engine, extra: dict, per_process: list, gathered: tuple, trainer_state: str | None,

@@ -39,7 +39,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -50,6 +50,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         rollout_func=None,
         tools=None,
         callbacks=None,
+        environment_factory=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
         self._open_sinks: list | None = None  # the trackers while train() runs (filled on the main process)
@@ -58,13 +59,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
             reward_processing_classes=reward_processing_classes, optimizers=optimizers, rollout_func=rollout_func,
-            tools=tools,
+            tools=tools, environment_factory=environment_factory,
         )
-        self.session = GRPOSession(
-            model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
-        )
+        self.session = GRPOSession(model, args=args, processing_class=processing_class, peft_config=peft_config,
+                                   **self._resume_kwargs)
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)
         check_savable(self.accelerator)  # the run ends with a checkpoint: refused now, not after training

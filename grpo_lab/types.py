@@ -81,6 +81,13 @@ class Rollout(_Table):
     extra_keys: tuple[str, ...] = ()
     """The keys of ``columns`` a rollout function returned, which the tables show (a class-level
     default, so that a batch pickled before this field existed loads)."""
+    environments: list | None = field(default=None, compare=False)
+    """With ``environment_factory``: the environment instance each completion ran in, which reward
+    functions receive as ``environments=``. Live objects: a copy, a checkpoint or a state_dict of
+    the batch leaves them out (None)."""
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "environments": None}
 
     @property
     def generated_mask_BT(self) -> torch.Tensor:

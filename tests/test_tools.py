@@ -82,11 +82,17 @@ def answered(completions, **kwargs):
 @pytest.fixture(scope="module")
 def tool_model(task, tmp_path_factory):
     """The shipped model taught to call add and answer after its result; a directory with the tokenizer."""
+    return taught_to_add(task.model, tmp_path_factory.mktemp("tool_model"))
+
+
+def taught_to_add(model_dir: str, directory) -> str:
+    """The model in ``model_dir`` taught to call add and answer after its result, saved with its
+    tokenizer (the tool-calling template set) into ``directory``, whose path it returns."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template, tokenizer.response_template = TEMPLATE, RESPONSE_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(task.model)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     rng = random.Random(0)
     torch.manual_seed(0)
 
@@ -106,7 +112,6 @@ def tool_model(task, tmp_path_factory):
         model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    directory = tmp_path_factory.mktemp("tool_model")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)

@@ -1,5 +1,5 @@
 """``export_session``: a script that trains like a session, with its current config, model, data,
-reward functions and rollout function or tools.
+reward functions and rollout function, tools or environment factory.
 
 The data travels beside the script (``session_data``); the functions are imported or copied
 (``functions``); the config is the session's difference from the defaults, which the command line
@@ -8,13 +8,16 @@ can override (``command_line``).
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 from grpo_lab.credentials import Secrets
-from grpo_lab.export.functions import reward_function_code
+from grpo_lab.export.errors import ExportError
+from grpo_lab.export.functions import is_importable, reward_function_code
 from grpo_lab.export.local_imports import warn_local_imports
 from grpo_lab.export.script_file import HEADER, writing
 from grpo_lab.export.session_data import save_session_data
+from grpo_lab.rollout.environments import user_reward_funcs
 
 
 def export_session(session, path: str | Path) -> Path:
@@ -26,7 +29,8 @@ def export_session(session, path: str | Path) -> Path:
     secrets = Secrets()
     imports, definitions, names, generation = _copied_functions(engine, secrets)
     rollout = [] if engine.rollout_func is None else [engine.rollout_func]
-    warn_local_imports([*engine.reward_funcs, *rollout, *(engine.tools or [])], path)
+    environments = [] if engine.environments is None else list(engine.environments.factories.values())
+    warn_local_imports([*user_reward_funcs(engine), *rollout, *(engine.tools or []), *environments], path)
     data_dir = path.with_suffix(".data")
     config = _config_source(session.config.diff(), secrets)
     peft = ""
@@ -54,9 +58,9 @@ def export_session(session, path: str | Path) -> Path:
 
 
 def _copied_functions(engine, secrets: Secrets) -> tuple[list[str], list[str], list[str], list[str]]:
-    """(import lines, definitions, reward function names, the ``rollout_func=`` or ``tools=`` argument
-    lines) that recreate the session's functions."""
-    imports, definitions, names = reward_function_code(engine.reward_funcs, secrets=secrets)
+    """(import lines, definitions, reward function names, the ``rollout_func=``, ``tools=`` and
+    ``environment_factory=`` argument lines) that recreate the session's functions."""
+    imports, definitions, names = reward_function_code(user_reward_funcs(engine), secrets=secrets)
     generation = []
     for funcs, kind, argument in ((engine.rollout_func, "Rollout function", "rollout_func={}"),
                                   (engine.tools, "Tool", "tools=[{}]")):
@@ -66,7 +70,32 @@ def _copied_functions(engine, secrets: Secrets) -> tuple[list[str], list[str], l
             imports = sorted(set(imports) | set(more_imports))
             definitions += [d for d in more_definitions if d not in definitions]
             generation.append(f"        {argument.format(', '.join(more_names))},")
+    if engine.environments is not None:
+        more_imports, argument = _environment_factory_code(engine.environments.factory)
+        imports = sorted(set(imports) | set(more_imports))
+        generation.append(argument)
     return imports, definitions, names, generation
+
+
+def _environment_factory_code(factory) -> tuple[list[str], str]:
+    """(import lines, the ``environment_factory=`` argument line) of a session's environment factory
+    (or dict of them), which the script imports: an environment is a class with state and methods,
+    which the script cannot rebuild from a notebook the way it copies a function."""
+    named = factory if isinstance(factory, dict) else {None: factory}
+    imports = []
+    for each in named.values():
+        if not isinstance(each, type | types.FunctionType) or not is_importable(each):
+            raise ExportError(
+                f"The environment factory {getattr(each, '__qualname__', each)!r} cannot be imported by the script "
+                "(it is defined in a notebook, or is no module-level class or function). Move the environment class "
+                "into a module file, import it from there and pass it as environment_factory."
+            )
+        imports.append(f"from {each.__module__} import {each.__name__}")
+    if isinstance(factory, dict):
+        argument = "{" + ", ".join(f"{name!r}: {each.__name__}" for name, each in factory.items()) + "}"
+    else:
+        argument = factory.__name__
+    return imports, f"        environment_factory={argument},"
 
 
 def _config_source(fields: dict, secrets: Secrets) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 
@@ -68,12 +69,28 @@ def check_column_names(dataset, dataset_name: str) -> None:
 
 def check_reward_weights(reward_weights: list[float] | None, reward_funcs) -> None:
     """Refuse ``reward_weights`` without one weight per reward function, before anything is generated."""
-    count = len(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else 1
+    count = len(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else int(reward_funcs is not None)
     if reward_weights is not None and len(reward_weights) != count:
         raise ValueError(
             f"reward_weights has {len(reward_weights)} entries ({reward_weights}) but there are {count} reward "
             "functions. Give one weight per function, in the order of reward_funcs, or None to weight them all by 1."
         )
+
+
+def weights_tensor(reward_weights: list[float] | None, names: list[str], fixed: int = 0):
+    """The weight of each of the reward functions ``names`` as a tensor (None: all 1), from
+    ``reward_weights``, which lists all but the last ``fixed`` (an environment's ``get_reward``,
+    weighted 1); refused where the counts differ (the config can be edited between steps)."""
+    if reward_weights is None:
+        return None
+    if len(reward_weights) != len(names) - fixed:
+        listed = len(names) - fixed
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} entries but there are {listed} reward functions "
+            f"({', '.join(names[:listed])}). Give one weight per function"
+            + (f"; the environments' get_reward ({', '.join(names[listed:])}) weigh 1 each." if fixed else ".")
+        )
+    return torch.tensor([*reward_weights, *[1.0] * fixed], dtype=torch.float32)
 
 
 def prepare_reward_funcs(reward_funcs, reward_processing_classes=None, model_init_kwargs=None, columns=()):

@@ -113,21 +113,27 @@ def check_tools(tools, tokenizer, train_prompt, chat_template_kwargs: dict | Non
 
 class ToolCalling:
     """The rollout function behind ``tools=``: see the module docstring. ``tools`` are checked by
-    :func:`check_tools`; the number of rounds is read from ``session.config`` at every call."""
+    :func:`check_tools`; the number of rounds is read from ``session.config`` at every call.
 
-    def __init__(self, tools: list, tokenizer, eos_token_ids: set[int], chat_template_kwargs: dict | None):
+    With ``environments`` (a :class:`grpo_lab.rollout.environments.Environments`), each completion
+    sees and calls the tools of its own environment instance, drawn for the batch being generated."""
+
+    def __init__(self, tools: list, tokenizer, eos_token_ids: set[int], chat_template_kwargs: dict | None,
+                 environments=None):
         self.tools, self.tokenizer, self.eos_token_ids = tools, tokenizer, eos_token_ids
-        self.by_name = {tool.__name__: tool for tool in tools}
+        self.environments = environments
         # fails now, not mid-run
         self._suffix_ids([{"role": "tool", "name": tools[0].__name__, "content": "0"}], chat_template_kwargs)
 
     def __call__(self, prompts: list, session) -> dict:
         config = session.config
-        texts = render_prompts(prompts, self.tokenizer, config.chat_template_kwargs, tools=self.tools)
+        tools_B = [self.tools] * len(prompts) if self.environments is None else self.environments.batch_tools()
+        texts = self._render(prompts, tools_B, config.chat_template_kwargs)
         first = session.sample(texts)
         prompt_ids, completion_ids, logprobs = first["prompt_ids"], first["completion_ids"], first["logprobs"]
         env_mask = [[1] * len(ids) for ids in completion_ids]
-        messages = [[self._parse(ids, prompt)] for ids, prompt in zip(completion_ids, prompt_ids, strict=True)]
+        messages = [[self._parse(ids, prompt, tools)]
+                    for ids, prompt, tools in zip(completion_ids, prompt_ids, tools_B, strict=True)]
         calls, failures = [0] * len(prompts), [0] * len(prompts)
         limit = getattr(session.model.config, "max_position_embeddings", None)
         accelerator = session.engine.accelerator
@@ -138,7 +144,7 @@ class ToolCalling:
         while True:
             contexts, budgets, results = {}, {}, {}
             for row in active if rounds is None or done < rounds else []:
-                results[row] = self._run(messages[row][-1]["tool_calls"], calls, failures, row)
+                results[row] = self._run(messages[row][-1]["tool_calls"], calls, failures, row, tools_B[row])
                 context = (prompt_ids[row] + completion_ids[row]
                            + self._suffix_ids(results[row], config.chat_template_kwargs))
                 budget = config.max_completion_length - (len(context) - len(prompt_ids[row]))
@@ -168,7 +174,7 @@ class ToolCalling:
                     completion_ids[row] = contexts[row][len(prompt_ids[row]):] + new
                     messages[row] += results[row]
                     if new:
-                        messages[row].append(self._parse(new, contexts[row]))
+                        messages[row].append(self._parse(new, contexts[row], tools_B[row]))
                         if messages[row][-1].get("tool_calls"):
                             active.append(row)
             done += 1
@@ -177,11 +183,19 @@ class ToolCalling:
             "completions": messages, "tool_calls": calls, "tool_failures": failures,
         }
 
-    def _parse(self, ids: list[int], prefix: list[int]) -> dict:
+    def _render(self, prompts: list, tools_B: list[list], chat_template_kwargs: dict | None) -> list[str]:
+        """The prompt texts, each rendered with the tools its completion may call (none: no tool schema)."""
+        shared = tools_B[0] if tools_B else self.tools
+        if all(tools is shared for tools in tools_B):
+            return render_prompts(prompts, self.tokenizer, chat_template_kwargs, tools=shared or None)
+        return [render_prompts([prompt], self.tokenizer, chat_template_kwargs, tools=tools or None)[0]
+                for prompt, tools in zip(prompts, tools_B, strict=True)]
+
+    def _parse(self, ids: list[int], prefix: list[int], tools: list) -> dict:
         """The assistant message of a turn, its tool calls parsed; plain text where they do not parse
         (a malformed call is the model's mistake, which the reward may judge)."""
         try:
-            message = self.tokenizer.parse_response(ids, prefix=prefix, tools=self.tools)
+            message = self.tokenizer.parse_response(ids, prefix=prefix, tools=tools)
         except Exception:
             return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
         calls = message.get("tool_calls")
@@ -190,8 +204,11 @@ class ToolCalling:
         return {"role": "assistant", "content": message.get("content") or "",
                 **({"tool_calls": calls} if calls else {})}
 
-    def _run(self, tool_calls: list[dict], calls: list[int], failures: list[int], row: int) -> list[dict]:
-        """The tool messages answering ``tool_calls``, in order; a call that fails answers with its error."""
+    def _run(self, tool_calls: list[dict], calls: list[int], failures: list[int], row: int,
+             tools: list) -> list[dict]:
+        """The tool messages answering ``tool_calls`` with ``tools`` (the row's), in order; a call that
+        fails answers with its error."""
+        by_name = {tool.__name__: tool for tool in tools}
         answers, pending = [], {}
         for position, call in enumerate(tool_calls):
             calls[row] += 1
@@ -200,12 +217,12 @@ class ToolCalling:
             try:
                 if function is None:
                     raise ValueError(f"Unsupported tool call type: {call.get('type')!r}")
-                if name not in self.by_name:
+                if name not in by_name:
                     raise ValueError(f"Tool {name} not found.")
                 arguments = function.get("arguments") or {}
                 if not isinstance(arguments, dict):
                     raise TypeError(f"arguments must be an object, got {arguments!r}")
-                result = self.by_name[name](**arguments)
+                result = by_name[name](**arguments)
                 if inspect.isawaitable(result):
                     pending[position] = result
             except Exception as error:
