@@ -13,6 +13,7 @@ after ``update()`` is ``loss()`` again until the batch is used up. Views subscri
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from grpo_lab.engine import Engine
 from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.live_config import apply_edits
 from grpo_lab.ownership import Activity, OwnerGuard
+from grpo_lab.session_experiments import SessionExperiments
 from grpo_lab.session_files import SessionFiles
 from grpo_lab.session_loops import SessionLoops
 from grpo_lab.session_views import SessionViews
@@ -34,7 +36,7 @@ from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 __all__ = ["GRPOSession", "STAGES", "StageOrderError"]
 
 
-class GRPOSession(SessionLoops, SessionFiles, SessionViews):
+class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments):
     """Stateful, stage-by-stage GRPO. Same arguments as :class:`grpo_lab.GRPOTrainer`."""
 
     def __init__(
@@ -76,6 +78,9 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
         self._step_started: float | None = None
         self._last_stage: str | None = None
         self._owner = OwnerGuard(self._notify)  # one thread drives the stages at a time
+        self._rng, self._rng_held = None, False  # its own random state once a stage has run (stages.drives_stages)
+        self._made_with_optimizers = any(part is not None for part in optimizers)
+        self._init_experiments()
         self.last_trained: LossResult | None = None  # the loss() result of the latest update(), for the views
 
     # ------------------------------------------------------------------ public state
@@ -205,7 +210,15 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews):
     def _emit(self, stage: str, result) -> None:
         self._last_stage = stage
         self._stages_run += 1
+        if stage == "update":
+            self._take_snapshot()
         self._notify(stage, result)
+
+    def random_state(self) -> dict:
+        """This session's random states (Python, numpy, torch, CUDA), which its stages draw from: the
+        process's while a stage runs or before the first, else the session's own, kept when its last
+        call ended (another session's stages in between do not move it)."""
+        return rng_state() if self._rng_held or self._rng is None else copy.deepcopy(self._rng)
 
     def _notify(self, event: str, payload) -> None:
         for listener in list(self._listeners):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+from grpo_lab.state import rng_state, set_rng_state
+
 STAGES = ("generate", "score", "advantages", "loss", "update")
 
 
@@ -45,16 +47,34 @@ def check_stage_order(session, stage: str) -> None:
 
 def drives_stages(method):
     """Run a session method under the session's owner guard (:mod:`grpo_lab.ownership`): the thread
-    that holds the session may nest calls; another thread's call raises SessionBusyError at once."""
+    that holds the session may nest calls; another thread's call raises SessionBusyError at once.
+
+    The outermost call also swaps in the session's own random state and keeps it when it ends
+    (:meth:`GRPOSession.random_state`), so that sessions in one process, a fork and its parent among
+    them, draw what each would alone; before a stage the session may keep an undo point."""
     name = method.__name__
     now = f"stage {name}()" if name in STAGES else None
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._owner.hold(call_text(name, args, kwargs), now=now, finishes_step=name == "update"):
-            return method(self, *args, **kwargs)
+            if self._rng_held:  # a nested call: the outermost one holds the random state
+                return _call(self, name, method, args, kwargs)
+            self._rng_held = True
+            try:
+                if self._rng is not None:
+                    set_rng_state(self._rng)
+                return _call(self, name, method, args, kwargs)
+            finally:
+                self._rng, self._rng_held = rng_state(), False
 
     return wrapper
+
+
+def _call(session, name: str, method, args: tuple, kwargs: dict):
+    if name in STAGES:
+        session._before_stage()
+    return method(session, *args, **kwargs)
 
 
 def call_text(name: str, args: tuple, kwargs: dict) -> str:

@@ -170,16 +170,17 @@ def session_records(session) -> dict:
     }
 
 
-def session_state_dict(session) -> dict:
-    """Copies of everything the session needs to continue exactly: the engine's state, this
-    process's random states, the half-used batch (rollout, scores, advantages) and the records."""
+def session_state_dict(session, *, copy_records=copy.deepcopy) -> dict:
+    """Copies of everything the session needs to continue exactly: the engine's state, the session's
+    random states (this process's), the half-used batch (rollout, scores, advantages) and the records
+    (copied by ``copy_records``)."""
     pending = (session.rollout, session.scores, session.advantages_result)
     return {
         "format_version": FORMAT_VERSION,
         "engine": engine_state_dict(session.engine),
-        "rng": rng_state(),
+        "rng": session.random_state(),
         "pending": on_device(pending, "cpu"),
-        "records": copy.deepcopy(session_records(session)),
+        "records": copy_records(session_records(session)),
         "config": copy.deepcopy(session.config.to_dict()),
     }
 

@@ -1,0 +1,177 @@
+"""What-if on a frozen batch: the advantages, loss and gradient each of several settings would give
+the session's scored batch, computed by the engine's own ``advantages`` and ``loss`` and then
+undone, so that the session is left bitwise as it was (weights, gradients, random state, pending
+batch, records).
+
+For every setting: the loss and its gradient norm, the loss metrics it would log (entropy, kl, clip
+ratios...), its advantages' spread, and the cosine between every two settings' gradients; two
+settings whose gradients are equal to a relative 1e-6 are flagged, since they are the same update on
+this batch whatever their formulas look like.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import pandas as pd
+import torch
+
+from grpo_lab.ops.registry import LossSettings
+
+EQUAL_GRADIENTS = 1e-6
+"""Two gradients are flagged equal when ``||g_a - g_b|| <= EQUAL_GRADIENTS x max(||g_a||, ||g_b||)``."""
+
+WHAT_IF_FIELDS = frozenset(
+    {f.name for f in dataclasses.fields(LossSettings) if f.name != "epsilon_low"}
+    | {"epsilon", "scale_rewards", "multi_objective_aggregation", "reward_weights", "top_entropy_quantile",
+       "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef"}
+)
+"""The config fields the advantages and the loss of a scored batch read: what ``what_if`` varies."""
+
+
+def settings_grid(cases, settings: dict) -> list[dict]:
+    """The settings to try: ``cases`` (a list of dicts) as given, or every combination of the keyword
+    values (a list is a set of values to try, anything else one value)."""
+    if cases is not None:
+        if settings:
+            raise TypeError("what_if takes a list of settings or keyword values, not both.")
+        if not isinstance(cases, (list, tuple)) or not all(isinstance(case, dict) for case in cases) or not cases:
+            raise TypeError(f"what_if(cases): give a list of dicts of settings, got {cases!r}.")
+        return [dict(case) for case in cases]
+    if not settings:
+        raise TypeError("what_if needs settings to try, e.g. what_if(loss_type=['dapo', 'grpo'], epsilon=[0.2, 0.28]).")
+    names = list(settings)
+    values = [value if isinstance(value, list) else [value] for value in settings.values()]
+    return [dict(zip(names, combination)) for combination in itertools.product(*values)]
+
+
+def case_config(config, case: dict, engine):
+    """A checked copy of ``config`` with ``case`` applied; refuses fields the frozen batch's loss does
+    not read, and settings the batch or model cannot serve."""
+    unknown = sorted(set(case) - WHAT_IF_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"what_if varies the settings the advantages and the loss of a scored batch read; {', '.join(unknown)} "
+            f"{'is' if len(unknown) == 1 else 'are'} not among them ({', '.join(sorted(WHAT_IF_FIELDS))}). To see "
+            "what other settings do, fork the session (session.fork(name, **edits)) and step it."
+        )
+    edited = copy.deepcopy(config)
+    for name, value in case.items():
+        setattr(edited, name, value)
+    try:
+        edited.validate()
+    except ValueError as error:
+        raise ValueError(f"what_if setting {_label(case)}: {error}") from None
+    if edited.beta > 0 and engine.ref_model is None and not engine.is_peft:
+        raise ValueError(
+            f"what_if({case}): beta > 0 needs a reference model, which this session (built with beta=0, full "
+            "model) does not keep. Build the session with beta > 0 (or use LoRA, whose base model is the reference)."
+        )
+    return edited
+
+
+@dataclasses.dataclass
+class WhatIf:
+    """The outcome of ``session.what_if``: one row per setting (``to_pandas()``), the gradients'
+    pairwise cosines (``cosine``) and the pairs of settings whose gradients are equal (``equal``)."""
+
+    cases: list[dict]
+    rows: list[dict]
+    cosine: pd.DataFrame
+    equal: list[tuple[int, int]]
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per setting: the setting's fields, then its loss, gradient norm and metrics."""
+        return pd.DataFrame(self.rows)
+
+    def summary(self) -> str:
+        pairs = "; ".join(f"{_label(self.cases[a])} = {_label(self.cases[b])}" for a, b in self.equal)
+        same = f" Equal gradients (the same update on this batch): {pairs}." if pairs else ""
+        return f"{len(self.cases)} settings tried on the frozen batch.{same}"
+
+    def __repr__(self) -> str:
+        return f"{self.summary()}\n{self.to_pandas().to_string()}"
+
+    def _repr_html_(self) -> str:
+        table = self.to_pandas().to_html(float_format=lambda v: f"{v:.4g}", border=0)
+        cosine = self.cosine.to_html(float_format=lambda v: f"{v:.6f}", border=0)
+        return f"<p><b>WhatIf</b>: {self.summary()}</p>{table}<p>Cosine between the settings' gradients</p>{cosine}"
+
+
+def _label(case: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in case.items())
+
+
+def _gradient(model) -> torch.Tensor:
+    grads = [p.grad.detach().flatten().float().cpu() for p in model.parameters() if p.grad is not None]
+    return torch.cat(grads) if grads else torch.zeros(0)
+
+
+def _compare(gradients: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    count = len(gradients)
+    cosine, equal = torch.ones(count, count, dtype=torch.float64), []
+    norms = [float(g.double().norm()) for g in gradients]
+    for a, b in itertools.combinations(range(count), 2):
+        ga, gb = gradients[a].double(), gradients[b].double()
+        scale = max(norms[a], norms[b])
+        cosine[a, b] = cosine[b, a] = float(ga @ gb) / (norms[a] * norms[b]) if norms[a] and norms[b] else float("nan")
+        if float((ga - gb).norm()) <= EQUAL_GRADIENTS * scale or scale == 0.0:
+            equal.append((a, b))
+    return cosine, equal
+
+
+def run_what_if(session, cases: list[dict]) -> WhatIf:
+    """Each case's advantages, loss and gradient on the session's scored batch, the session restored
+    after each (see the module docstring)."""
+    engine = session.engine
+    configs = [case_config(session.config, case, engine) for case in cases]  # every one checked before any runs
+    rows, gradients = [], []
+    varied = {name: getattr(session.config, name) for case in cases for name in case}
+    for case, config in zip(cases, configs):
+        with _restored(session, config):
+            advantages = engine.advantages(session.scores)
+            result = engine.loss(advantages, session.batch_step)
+            gradient = _gradient(engine.model)
+        spread = advantages.advantages_B.float()
+        rows.append({**varied, **case, "loss": result.loss, "grad_norm": float(gradient.double().norm()),
+                     "advantage_abs_mean": float(spread.abs().mean()),
+                     "advantage_zero_share": float((spread == 0).float().mean()),
+                     **{k: v for k, v in result.metrics.items() if k != "loss"}})
+        gradients.append(gradient)
+    cosine, equal = _compare(gradients)
+    labels = [_label(case) for case in cases]
+    return WhatIf(cases, rows, pd.DataFrame(cosine.numpy(), index=labels, columns=labels), equal)
+
+
+class _restored:
+    """Run a block with ``config`` as the engine's, then put back everything the engine's stages
+    change: the config, the entropy weight, gradients, which parameters a backward reaches, the held
+    step entropy, the batch's cached reference log-probs and the callback hook."""
+
+    def __init__(self, session, config):
+        self.session, self.config = session, config
+
+    def __enter__(self):
+        engine = self.engine = self.session.engine
+        rollout = self.session.rollout
+        self.saved = {
+            "config": engine.config, "entropy_coef": engine.entropy_coef, "step_events": engine.step_events,
+            "trained": engine.trained_parameter_names, "pending": getattr(engine, "_pending_step_entropy", None),
+            "ref": rollout.ref_logprobs_BT, "grads": [p.grad for p in engine.model.parameters()],
+        }
+        engine.config, engine.step_events = self.config, None
+        if self.config.entropy_coef != self.saved["config"].entropy_coef:
+            engine.entropy_coef = self.config.entropy_coef
+
+    def __exit__(self, *exc):
+        engine, saved = self.engine, self.saved
+        engine.config, engine.entropy_coef = saved["config"], saved["entropy_coef"]
+        engine.step_events, engine.trained_parameter_names = saved["step_events"], saved["trained"]
+        if saved["pending"] is not None or hasattr(engine, "_pending_step_entropy"):
+            engine._pending_step_entropy = saved["pending"]
+        self.session.rollout.ref_logprobs_BT = saved["ref"]
+        for parameter, grad in zip(engine.model.parameters(), saved["grads"]):
+            parameter.grad = grad
+        return False

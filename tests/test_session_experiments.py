@@ -1,0 +1,167 @@
+"""The experiment layer: undo and fork (grpo_lab/session_experiments.py)."""
+
+import pytest
+import torch
+
+from grpo_lab.stages import StageOrderError
+from grpo_lab.state import rng_state
+
+
+def _history(session):
+    return session.history.drop(columns=["step_time"]).reset_index(drop=True)
+
+
+def _weights(session):
+    return {name: tensor.detach().clone() for name, tensor in session.model.state_dict().items()}
+
+
+def _same_tensors(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_undo_three_steps_restores_the_run_and_the_next_steps_repeat(make_session):
+    session = make_session(undo_steps=3)
+    before = (_weights(session), rng_state(), session.engine.sampler.state_dict())
+    session.run(3, progress=False)
+    first = _history(session)
+    assert session.undo(3) == 0 and session.global_step == 0 and session.history.empty
+    assert _same_tensors(_weights(session), before[0])
+    assert session.engine.optimizer.state_dict()["state"] == {}  # AdamW as before its first step
+    assert _same_tensors(session.random_state(), before[1])
+    assert session.engine.sampler.state_dict() == before[2]
+    session.run(3, progress=False)
+    assert _history(session).equals(first)
+
+
+def test_undo_after_a_stage_drops_that_batch_first(make_session):
+    session = make_session()
+    session.run(2, progress=False)
+    weights = _weights(session)
+    session.generate()
+    assert session.undo() == 2 and session.next_stage == "generate" and _same_tensors(_weights(session), weights)
+    assert session.undo() == 1 and len(session.history) == 1
+
+
+def test_undo_beyond_its_ring_or_when_off_fails_and_changes_nothing(make_session):
+    session = make_session(undo_steps=1)
+    session.run(3, progress=False)
+    weights, history = _weights(session), _history(session)
+    with pytest.raises(ValueError, match=r"undo\(2\) goes back further than the 1 step.*undo_steps"):
+        session.undo(2)
+    with pytest.raises(ValueError, match="whole number"):
+        session.undo(0)
+    assert _same_tensors(_weights(session), weights) and _history(session).equals(history)
+    session.config.undo_steps = 0
+    session.run(1, progress=False)
+    with pytest.raises(RuntimeError, match="undo_steps = 2"):
+        session.undo()
+    assert session.snapshots == []
+
+
+def test_a_fork_without_edits_stepped_beside_its_parent_stays_bitwise_equal(make_session):
+    parent = make_session(max_steps=20)
+    parent.run(2, progress=False)
+    child = parent.fork("twin")
+    assert child.name == "twin" and child.fork_point == 2 and parent.branches == [child]
+    for _ in range(10):  # in turns: each draws from its own random state
+        parent.step()
+        child.step()
+    assert _history(child).equals(_history(parent))
+    assert _same_tensors(_weights(child), _weights(parent))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(parent.model.parameters(), child.model.parameters()))
+
+
+def test_a_fork_applies_its_edits_and_leaves_the_parent_as_it_was(make_session, tmp_path):
+    parent = make_session()
+    parent.run(1, progress=False)
+    child = parent.fork(learning_rate=3e-4)
+    assert child.name == "session-1" and child.config.learning_rate == 3e-4 and parent.config.learning_rate == 1e-3
+    assert child.config_changes == [{"step": 2, "field": "learning_rate", "old": 1e-3, "new": 3e-4}]
+    child.step()
+    assert child.history["learning_rate"].iloc[-1] != parent.history["learning_rate"].iloc[-1]
+    with pytest.raises(AttributeError, match="no field 'learning_rat'"):
+        parent.fork(learning_rat=1.0)
+    with pytest.raises(ValueError, match="num_generations"):
+        parent.fork(num_generations=2)  # built once: a fork cannot change it
+    assert parent.branches == [child] and parent.global_step == 1
+    script = child.export_script(tmp_path / "fork" / "train.py").read_text()
+    assert "learning_rate=0.0003" in script
+
+
+def test_a_lora_fork_shares_the_base_model_and_copies_the_adapter(task, tmp_path):
+    from peft import LoraConfig
+
+    from grpo_lab import GRPOSession
+    from tests.conftest import SMALL
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path / "out")})
+    parent = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    parent.run(1, progress=False)
+    child = parent.fork()
+    pairs = list(zip(parent.model.named_parameters(), child.model.named_parameters()))
+    assert all(a is b for (name, a), (_, b) in pairs if "lora_" not in name)  # the frozen base: one copy
+    adapters = [(a, b) for (name, a), (_, b) in pairs if "lora_" in name]
+    assert adapters and all(a.data_ptr() != b.data_ptr() and torch.equal(a, b) for a, b in adapters)
+    child.step()
+    parent.step()
+    assert _history(child).equals(_history(parent))
+    child.save(tmp_path / "fork")
+    loaded = GRPOSession.load(tmp_path / "fork")
+    assert _history(loaded).equals(_history(child))
+
+
+def _pending(session):
+    return (session.rollout.completion_ids_BT, session.scores.rewards_BF, session.advantages_result.advantages_B)
+
+
+def test_what_if_leaves_the_session_as_it_was_and_matches_its_own_loss(make_session):
+    session = make_session(temperature=1.5)
+    session.run(1, progress=False)
+    session.generate(), session.score(), session.advantages()
+    own = session.loss()
+    grads = [p.grad.clone() for p in session.model.parameters()]
+    before = (_weights(session), session.random_state(), [t.clone() for t in _pending(session)], _history(session))
+    found = session.what_if([{"loss_type": "dapo"}, {"loss_type": "dapo", "epsilon": 0.2}, {"loss_type": "grpo"},
+                             {"scale_rewards": "batch"}])
+    assert _same_tensors(_weights(session), before[0]) and _same_tensors(session.random_state(), before[1])
+    assert _same_tensors(list(_pending(session)), before[2]) and _history(session).equals(before[3])
+    assert all(torch.equal(p.grad, g) for p, g in zip(session.model.parameters(), grads))
+    table = found.to_pandas()
+    assert list(table["loss_type"]) == ["dapo", "dapo", "grpo", "dapo"]  # the session's own value where not varied
+    assert table["loss"][0] == own.loss
+    own_norm = float(torch.cat([g.flatten() for g in grads]).double().norm())
+    assert table["grad_norm"][0] == pytest.approx(own_norm, rel=1e-12)
+    assert (0, 1) in found.equal and found.cosine.iloc[0, 1] == pytest.approx(1.0)
+    assert session.update()["loss"] == own.loss  # the pending gradients are still loss()'s
+
+
+def test_what_if_flags_loss_types_equal_exactly_where_their_formulas_agree(make_session):
+    session = make_session(temperature=1.5)  # one micro-batch per step: dapo and bnpo divide by the same tokens
+    session.generate(), session.score()
+    found = session.what_if(loss_type=["dapo", "bnpo", "grpo"])
+    lengths = session.rollout.completion_lengths_B
+    assert (0, 1) in found.equal
+    assert lengths.unique().numel() > 1  # completions of several lengths: grpo's per-sequence mean weighs them apart
+    assert (0, 2) not in found.equal and (1, 2) not in found.equal
+
+
+def test_what_if_refuses_bad_settings_and_changes_nothing(make_session):
+    session = make_session()
+    with pytest.raises(StageOrderError, match="session.generate"):
+        session.what_if(loss_type="grpo")
+    session.generate(), session.score()
+    weights = _weights(session)
+    with pytest.raises(ValueError, match="temperature is not among them.*fork"):
+        session.what_if(temperature=[0.5, 1.0])
+    with pytest.raises(ValueError, match="loss_type='cispo'.*epsilon_high=5.0"):
+        session.what_if(loss_type=["dapo", "cispo"])
+    with pytest.raises(TypeError, match="list of settings or keyword values"):
+        session.what_if([{"loss_type": "grpo"}], beta=0.1)
+    assert _same_tensors(_weights(session), weights) and session.next_stage == "advantages"
