@@ -165,3 +165,18 @@ def test_what_if_refuses_bad_settings_and_changes_nothing(make_session):
     with pytest.raises(TypeError, match="list of settings or keyword values"):
         session.what_if([{"loss_type": "grpo"}], beta=0.1)
     assert _same_tensors(_weights(session), weights) and session.next_stage == "advantages"
+
+
+def test_the_curves_follow_an_undo(make_session):
+    from grpo_lab.views.curves import CurvesView
+
+    session = make_session()
+    view = CurvesView(session)
+    session.run(3, progress=False)
+    assert view.curves.steps == 3
+    session.undo(2)
+    assert view.curves.steps == 1
+    session.run(1, progress=False)
+    reward = next(s for p in view.curves.panels for s in p.series if s.name == "reward")
+    assert list(reward.x) == [1, 2] and view.curves.steps == 2
+    view.close()

@@ -16,7 +16,7 @@ class CompletionsView(View):
     of its groups, then one prompt group at a time, tokens coloured by a chosen quantity
     ("vllm_logprob_gap" is offered only for a rollout with sampling and old log-probs)."""
 
-    events = ("generate", "score", "advantages", "loss", "update")
+    events = ("generate", "score", "advantages", "loss", "update", "undo")
 
     def __init__(self, session):
         self.group = widgets.Dropdown(description="group", options=[], layout={"width": "60%"})

@@ -32,7 +32,7 @@ class Controls(View):
     after the current update())."""
 
     STAGES = ("generate", "score", "advantages", "loss", "update")
-    events = (*STAGES, "busy", "idle")
+    events = (*STAGES, "busy", "idle", "undo")
 
     def __init__(self, session):
         self.stage_buttons = {name: widgets.Button(description=f"{name}()", layout={"width": "110px"})

@@ -18,7 +18,7 @@ class RewardsView(View):
     Shows the current batch once scored; before that the last trained batch, marked as the previous
     one while a newer batch waits for score()."""
 
-    events = ("generate", "score", "advantages", "loss", "update")
+    events = ("generate", "score", "advantages", "loss", "update", "undo")
 
     def __init__(self, session):
         self.header = widgets.HTML()
