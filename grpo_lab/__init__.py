@@ -15,6 +15,7 @@ _EXPORTS = {
     "GRPOConfig": "grpo_lab.config",
     "GRPOTrainer": "grpo_lab.trainer",
     "GRPOSession": "grpo_lab.session",
+    "compare": "grpo_lab.views.compare",
 }
 
 __all__ = ["__version__", *_EXPORTS]

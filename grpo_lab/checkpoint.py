@@ -222,10 +222,27 @@ def load_state(directory: Path) -> dict:
 
     Read with ``weights_only=True``: tensors, containers and numbers, plus the batch's own result
     types, so that a file crafted to call a function when unpickled is refused instead of run."""
-    path = check_complete(directory) / STATE_FILE
+    return _read_state(check_complete(directory), mmap=False)
+
+
+def load_records(directory: Path) -> dict:
+    """A checkpoint's records (``history``, ``evaluations``, ``config_changes``...), for reading a run
+    without building it. The state file is memory-mapped, so the weights and optimizer state in it
+    are not read; and nothing in the directory changes (:func:`check_complete` would finish an
+    interrupted save, which is what a save still being written looks like)."""
+    directory = Path(directory)
+    if not (directory / "COMPLETE").exists() or not (directory / STATE_FILE).exists():
+        raise FileNotFoundError(
+            f"{directory} is not a complete grpo_lab checkpoint (no COMPLETE marker or {STATE_FILE})."
+        )
+    return _read_state(directory, mmap=True)["extra"]
+
+
+def _read_state(directory: Path, *, mmap: bool) -> dict:
+    path = directory / STATE_FILE
     try:
         with _batch_types():
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         check_format_version(state, str(path))
         return state
     except pickle.UnpicklingError as error:

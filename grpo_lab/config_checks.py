@@ -140,7 +140,8 @@ def _check_counts(config) -> None:
         if getattr(config, name) is not None:
             _at_least(name, getattr(config, name), 1)
     _at_least("top_k", config.top_k, 0, hint=" (0 disables top-k filtering)")
-    _at_least("undo_steps", config.undo_steps, 0, hint=" (0 turns undo off)")
+    if config.undo_steps is not None:
+        _at_least("undo_steps", config.undo_steps, 0, hint=" (0 turns undo off)")
     warmup = config.warmup_steps
     if not _number(warmup) or warmup < 0 or (isinstance(warmup, float) and warmup >= 1):
         raise ValueError(

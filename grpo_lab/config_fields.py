@@ -320,11 +320,12 @@ class GRPOFields:
         (that pass tells which parameters get a gradient); FSDP skips a micro-batch only where it is zero on every
         process; DeepSpeed and mixture-of-experts models run them all. Logged as ``backward_skipped_fraction``.
         Micro-batches of one group (``per_device_train_batch_size == num_generations``, TRL's default) benefit most.""")
-    undo_steps: int = setting(2, "live", """grpo_lab only: how many optimizer steps ``session.undo(n)`` can return
-        over. The session keeps a copy of its state (weights or adapter, optimizer, random states, sampler, batch,
-        records) on the CPU after each step, this many plus the current one; ``session.snapshots`` lists them and
-        their size. 0 keeps none (undo off). Each copy holds the trainable weights and the optimizer state: for a
-        full model about three times its size in host memory.""")
+    undo_steps: int | None = setting(None, "live", """grpo_lab only: how many optimizer steps ``session.undo(n)``
+        can return over. The session keeps a copy of its state (weights or adapter, optimizer, random states,
+        sampler, batch, records) on the CPU after each step, this many plus the current one; ``session.snapshots``
+        lists them and their size. 0 keeps none (undo off). Each copy holds the trainable weights and the optimizer
+        state, about three times the trainable weights' size. None (the default): 2 where that is at most 1 GiB (a
+        LoRA adapter, a small model), else 0.""")
     keep_freed_cpu_memory: bool = built(True, "process", """grpo_lab only: training on a CPU with glibc, keep the
         memory each step frees for the next step instead of returning it to the OS (``grpo_lab/accel/host_memory.py``),
         as PyTorch's CUDA allocator does on a GPU: otherwise every step's activations come back as fresh pages that the

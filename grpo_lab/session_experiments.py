@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from grpo_lab.session import GRPOSession
 
 
+DEFAULT_UNDO_BUDGET = 2**30
+"""Bytes one undo snapshot may take for undo to be on by default (``undo_steps=None``)."""
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """One undo point: the session's state as it stood after optimizer step ``step``."""
@@ -116,9 +120,19 @@ class SessionExperiments:
         """The undo points kept (oldest first), each with the memory it holds; ``undo_steps`` bounds them."""
         return list(self._snapshots)
 
+    def undo_steps(self) -> int:
+        """The steps undo can return over: ``config.undo_steps``, or where that is None 2 if a
+        snapshot (the trainable weights and two optimizer moments) takes at most
+        :data:`DEFAULT_UNDO_BUDGET` bytes, else 0."""
+        if self.config.undo_steps is not None:
+            return self.config.undo_steps
+        trainable = sum(p.numel() * p.element_size() for p in self.engine.unwrapped_model.parameters()
+                        if p.requires_grad)
+        return 2 if 3 * trainable <= DEFAULT_UNDO_BUDGET else 0
+
     def _take_snapshot(self) -> None:
         """Keep the state as it stands now as an undo point (the ring's oldest drops out)."""
-        keep = self.config.undo_steps
+        keep = self.undo_steps()
         if keep <= 0:
             self._snapshots.clear()
             return
@@ -130,7 +144,7 @@ class SessionExperiments:
 
     def _before_stage(self) -> None:
         """The undo point of a run's start: taken before the first stage."""
-        if not self._snapshots and self.config.undo_steps > 0:
+        if not self._snapshots:
             self._take_snapshot()
 
     @drives_stages
@@ -143,14 +157,17 @@ class SessionExperiments:
             raise ValueError(f"undo(n) takes a whole number of steps >= 1, got {n!r}.")
         moved = self._stages_run != self._stages_at_snapshot
         index = len(self._snapshots) - 1 - n + moved
-        if self.config.undo_steps <= 0:
-            raise RuntimeError("Undo is off (config.undo_steps = 0): set session.config.undo_steps = 2 (or more) to "
-                               "keep that many steps to return to, from the next step on.")
+        if self.undo_steps() <= 0:
+            why = "config.undo_steps = 0" if self.config.undo_steps == 0 else (
+                f"config.undo_steps = None, and a snapshot of this model would take over "
+                f"{DEFAULT_UNDO_BUDGET / 2**30:.0f} GiB")
+            raise RuntimeError(f"Undo is off ({why}): set session.config.undo_steps = 2 (or more) to keep that many "
+                               "steps to return to, from the next step on.")
         if index < 0:
             kept = len(self._snapshots) - 1 + moved
             raise ValueError(
                 f"undo({n}) goes back further than the {kept} step(s) this session can return to "
-                f"(config.undo_steps = {self.config.undo_steps}; snapshots at steps "
+                f"(undo_steps = {self.undo_steps()}; snapshots at steps "
                 f"{[s.step for s in self._snapshots]}). Raise session.config.undo_steps to keep more, from now on."
             )
         snapshot = self._snapshots[index]

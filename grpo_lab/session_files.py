@@ -158,6 +158,8 @@ def _checkpoint_records(session) -> dict:
         "applied_config": plain_values(session._applied_config),
         "batch_step": session.batch_step,
         "last_stage": session._last_stage,
+        "name": session.name,
+        "fork_point": session.fork_point,
         "reward_funcs": _referenced(user_reward_funcs(engine)),
         "rollout_func": _referenced(engine.rollout_func),
         "tools": _referenced(engine.tools),
@@ -263,6 +265,8 @@ def _restore(session, state: dict, built: dict) -> None:
     accelerator = session.engine.accelerator
     own = own_process_state(state, accelerator.process_index, accelerator.num_processes)
     restore_engine(session.engine, state, own["rng"])
+    session._rng = own["rng"]  # its own from here: another session built before its first stage draws elsewhere
+    session.name, session.fork_point = extra.get("name"), extra.get("fork_point")  # absent before forks existed
     session._history = extra["history"]
     session._evaluations = extra.get("evaluations", [])  # absent from a checkpoint made before they were kept
     session._completion_log = extra["completion_log"]

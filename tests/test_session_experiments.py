@@ -180,3 +180,18 @@ def test_the_curves_follow_an_undo(make_session):
     reward = next(s for p in view.curves.panels for s in p.series if s.name == "reward")
     assert list(reward.x) == [1, 2] and view.curves.steps == 2
     view.close()
+
+
+def test_a_saved_fork_keeps_its_name_and_fork_point_for_comparisons(make_session, tmp_path):
+    from grpo_lab import GRPOSession, compare
+
+    parent = make_session()
+    parent.run(1, progress=False)
+    child = parent.fork("low-lr", learning_rate=1e-4)
+    child.run(1, progress=False)
+    child.save(tmp_path / "fork")
+    loaded = GRPOSession.load(tmp_path / "fork")
+    assert (loaded.name, loaded.fork_point) == ("low-lr", 1)
+    view = compare(parent, tmp_path / "fork")
+    assert [run.name for run in view.runs] == ["run 1", "low-lr"] and view.runs[1].fork_point == 1
+    view.close()

@@ -106,6 +106,8 @@ class Series:
     right: bool = False  # drawn on the panel's right-hand axis
     absent: np.ndarray | None = None  # True where the step did not log this metric: a plain gap
     evaluation: str | None = None  # an evaluation's series: its prefix ("eval", "eval_hard")
+    run: int | None = None  # in a comparison: the run's position, which picks the series' colour
+    run_name: str | None = None  # in a comparison: the run's name, the series' legend text
 
     def nonfinite_steps(self) -> list[float]:
         """Steps that logged a NaN or infinite value: drawn as a gap with a marker (a step that did
@@ -136,11 +138,21 @@ class ConfigMark:
 
 
 @dataclass
+class ForkMark:
+    """In a comparison: the step a run was forked from another at, drawn on the x-axis with its name."""
+
+    step: int
+    run: int  # the run's position, which picks the mark's colour
+    name: str
+
+
+@dataclass
 class Curves:
     panels: list[Panel]
     constant: list[str]  # "name = value" of the panels left out because nothing in them changed
     marks: list[ConfigMark]
     steps: int
+    forks: list[ForkMark] = field(default_factory=list)
 
 
 def panel_columns(columns) -> list[tuple[PanelSpec, list[str]]]:
@@ -218,12 +230,12 @@ def _flat(values: np.ndarray) -> bool:
     return bool(np.ptp(values) <= 1e-12 * max(1.0, float(np.max(np.abs(values)))))
 
 
-def _is_constant(values: np.ndarray) -> bool:
+def is_constant(values: np.ndarray) -> bool:
     finite = values[np.isfinite(values)]
     return len(finite) == len(values) and len(finite) > 0 and _flat(finite)
 
 
-def _y_range(panel: Panel) -> tuple[float, float] | None:
+def flat_y_range(panel: Panel) -> tuple[float, float] | None:
     """An explicit y range for a panel whose left-axis values (a band's edges included) are all
     equal (a plotting library would centre a constant on an arbitrary span); None lets the axis
     follow the data."""
@@ -242,7 +254,7 @@ def _y_range(panel: Panel) -> tuple[float, float] | None:
     return (centre - half, centre + half)
 
 
-def _right_range(panel: Panel) -> tuple[float, float] | None:
+def level_right_range(panel: Panel) -> tuple[float, float] | None:
     """The right-hand axis's range, with the same margins as the left's shares so that both zeros
     are level (a norm of 0, no gradient at all, shows on the shares' 0)."""
     values = np.concatenate([s.y[np.isfinite(s.y)] for s in panel.series if s.right] or [np.array([])])
@@ -309,11 +321,11 @@ def curve_panels(
             panel.series.extend(_evaluated(evaluations, name))
         if spec.title == "loss" and loss_zero:
             panel.note, panel.y_range = LOSS_ZERO_NOTE, (-1.0, 1.0)
-        if len(steps) >= 2 and not panel.note and all(_is_constant(s.y) for s in panel.series):
+        if len(steps) >= 2 and not panel.note and all(is_constant(s.y) for s in panel.series):
             constant.extend(f"{s.name} = {float(s.y[0]):.4g}" for s in panel.series)
             continue
-        panel.y_range = panel.y_range or _y_range(panel)
-        panel.right_range = _right_range(panel)
+        panel.y_range = panel.y_range or flat_y_range(panel)
+        panel.right_range = level_right_range(panel)
         panels.append(panel)
     return Curves(panels, constant, config_marks(list(config_changes)), len(steps))
 

@@ -4,6 +4,8 @@
 const PANEL_HEIGHT = 250;
 const LEGEND_BAND = 30; // pixels
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"];
+// In a comparison a colour is a run; a run's metrics in one panel differ by line style ("dot" is the right axis's).
+const DASHES = ["solid", "dash", "dashdot", "longdash"];
 
 function loadPlotly(model) {
   if (!globalThis.__grpoLabPlotly) {
@@ -41,6 +43,12 @@ function wrap(text, width) {
   }
   if (line) lines.push(line);
   return lines.join("<br>");
+}
+
+function lineDash(s, metrics) {
+  if (s.evaluation) return "dash";
+  if (s.right) return "dot";
+  return s.run_name == null ? "solid" : DASHES[metrics.indexOf(s.name) % DASHES.length];
 }
 
 function columnsFor(width) {
@@ -89,10 +97,15 @@ function figure(spec, arrays, columns) {
       };
     }
     let finiteMin = Infinity;
+    const metrics = [...new Set(panel.series.map((s) => s.name))];
+    // A comparison's panel of several metrics names each run (its colour) and each metric (its line
+    // style) once in its legend, not every pair of them.
+    const keyed = metrics.length > 1 && panel.series.some((s) => s.run_name != null);
+    const named = new Set();
     panel.series.forEach((s, i) => {
       const x = floats(arrays[s.x]), y = floats(arrays[s.y]);
       if (!s.right) for (const v of y) if (Number.isFinite(v) && v < finiteMin) finiteMin = v;
-      const colour = COLOURS[i % COLOURS.length];
+      const colour = COLOURS[(s.run ?? i) % COLOURS.length];
       const common = { xaxis: xa, yaxis: s.right ? right : ya, legend: legend || undefined, showlegend: Boolean(legend) };
       if (s.spread !== null) {
         const spread = floats(arrays[s.spread]);
@@ -101,14 +114,25 @@ function figure(spec, arrays, columns) {
         data.push({ ...common, type: "scatter", mode: "lines", x, y: y.map((v, j) => v + spread[j]), line: { width: 0 },
                     fill: "tonexty", fillcolor: "rgba(31,119,180,0.18)", hoverinfo: "skip", name: `± ${shortName(s.name)}_std (within groups)` });
       }
-      const label = s.evaluation ? `${s.evaluation} ${shortName(s.name.slice(s.evaluation.length + 1))}` : shortName(s.name);
+      const metric = s.evaluation ? `${s.evaluation} ${shortName(s.name.slice(s.evaluation.length + 1))}` : shortName(s.name);
+      const run = s.run_name == null ? null : escapeHtml(s.run_name);
       data.push({
-        ...common, type: "scatter", mode: "lines+markers", x, y, name: label + (s.right ? " (right axis)" : ""),
+        ...common, type: "scatter", mode: "lines+markers", x, y, name: (run ?? metric) + (s.right && !keyed ? " (right axis)" : ""),
+        showlegend: common.showlegend && !(keyed && named.has(s.run)), legendgroup: run === null ? undefined : `run ${s.run}`,
         marker: { size: s.evaluation ? 7 : 4, color: colour, symbol: s.evaluation ? "diamond" : "circle" },
-        line: { color: colour, width: 1.5, dash: s.evaluation ? "dash" : s.right ? "dot" : "solid" },
-        connectgaps: false, hovertemplate: `step %{x}: %{y:.4g}<extra>${s.name}</extra>`,
+        line: { color: colour, width: 1.5, dash: lineDash(s, metrics) },
+        connectgaps: false, hovertemplate: `step %{x}: %{y:.4g}<extra>${run === null ? "" : `${run}: `}${s.name}</extra>`,
       });
+      named.add(s.run);
     });
+    if (keyed) {
+      for (const name of metrics) {
+        const s = panel.series.find((t) => t.name === name);
+        data.push({ xaxis: xa, yaxis: s.right ? right : ya, legend, type: "scatter", mode: "lines", x: [null], y: [null],
+                    name: shortName(name) + (s.right ? " (right axis)" : ""), hoverinfo: "skip",
+                    line: { color: "#7f7f7f", width: 1.5, dash: lineDash(s, metrics) } });
+      }
+    }
     const bad = panel.series.flatMap((s) => s.nonfinite.map((step) => [step, s.name]));
     if (bad.length) {
       data.push({
@@ -130,6 +154,14 @@ function figure(spec, arrays, columns) {
                            line: { color: "#7f7f7f", width: 1, dash: "dot" } });
       layout.annotations.push({ text: "✎", x: mark.step, y: 1, xref: xa, yref: `${ya} domain`, showarrow: false,
                                 yanchor: "top", font: { size: 11, color: "#555" }, hovertext: `step ${mark.step}: ${mark.text}` });
+    }
+    for (const fork of spec.forks || []) {
+      const colour = COLOURS[fork.run % COLOURS.length], name = escapeHtml(fork.name);
+      layout.shapes.push({ type: "line", xref: xa, yref: `${ya} domain`, x0: fork.step, x1: fork.step, y0: 0, y1: 1,
+                           line: { color: colour, width: 1.5, dash: "dash" } });
+      layout.annotations.push({ text: `forked: ${name}`, x: fork.step, y: 1, xref: xa, yref: `${ya} domain`, showarrow: false,
+                                xanchor: "left", yanchor: "top", font: { size: 9, color: colour },
+                                hovertext: `${name} was forked at step ${fork.step}` });
     }
   });
   return { data, layout };
@@ -158,6 +190,8 @@ async function render({ model, el }) {
     const parts = [];
     if (spec.steps) parts.push(`<b>${spec.steps}</b> optimizer step(s)`);
     if (marks.length) parts.push(`config edits at step ${marks.map((m) => m.step).join(", ")} (✎, hover for values)`);
+    const forks = spec.forks || [];
+    if (forks.length) parts.push(`forked: ${forks.map((f) => `${escapeHtml(f.name)} at step ${f.step}`).join(", ")}`);
     if ((spec.constant || []).length) parts.push(`constant so far, not drawn: ${spec.constant.map(escapeHtml).join(", ")}`);
     header.innerHTML = spec.panels && spec.panels.length ? parts.join(" · ") : escapeHtml(spec.empty_text || "");
     if (!spec.panels || !spec.panels.length) {

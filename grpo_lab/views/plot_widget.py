@@ -85,6 +85,8 @@ def curves_state(curves: Curves, empty_text: str) -> tuple[dict, list[bytes]]:
                 "spread": None if s.spread is None else buffer(s.spread),
                 "right": s.right,
                 "evaluation": s.evaluation,
+                "run": s.run,
+                "run_name": s.run_name,
                 "nonfinite": s.nonfinite_steps(),
             }
             for s in panel.series
@@ -98,6 +100,7 @@ def curves_state(curves: Curves, empty_text: str) -> tuple[dict, list[bytes]]:
         "panels": panels,
         "constant": curves.constant,
         "marks": [{"step": m.step, "text": m.text} for m in curves.marks],
+        "forks": [{"step": f.step, "run": f.run, "name": f.name} for f in curves.forks],
         "steps": curves.steps,
         "empty_text": empty_text,
     }

@@ -295,3 +295,64 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
         assert "step 52" in controls_text(page)
         page.locator(".grpo-curves").screenshot(path=str(shots / "curves_after_step.png"))
         page.locator(".grpo-completions-view").screenshot(path=str(shots / "completions.png"))
+
+
+COMPARE_SETUP = """\
+import grpo_lab
+from grpo_lab import GRPOSession
+from grpo_lab.tasks import default_task
+
+task = default_task(eval_size=4)
+a = GRPOSession(task.model, task.reward_funcs, train_dataset=task.train_dataset,
+                args=task.config(per_device_train_batch_size=8, num_generations=4, max_steps=100, learning_rate=1e-3,
+                                 output_dir="outputs/browser"))"""
+
+# The comparison's first panel (reward), read from the page: each drawn trace's legend name and its
+# point and line path counts, every legend text and every annotation (titles, fork marks) of the plot.
+COMPARED_REWARD = """() => {
+  const gd = document.querySelector('.grpo-compare .grpo-curves-plot .js-plotly-plot');
+  if (!gd || !gd._fullLayout) return null;
+  const traces = [...gd.querySelectorAll('g.subplot.xy .scatterlayer g.trace')].map((g) => ({
+    name: g.__data__?.[0]?.trace?.name ?? null,
+    points: g.querySelectorAll('path.point').length,
+    line: (g.querySelector('path.js-line')?.getAttribute('d') || '').length,
+  }));
+  return {
+    annotations: [...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => a.textContent),
+    legendText: [...gd.querySelectorAll('.infolayer g[class^="legend"] .legendtext')].map((t) => t.textContent),
+    traces,
+  };
+}"""
+
+
+def wait_compared_points(page, wanted: dict[str, int], timeout: float = 60) -> dict:
+    """Wait until the comparison's reward panel draws ``wanted[name]`` points for each run's trace."""
+    deadline, seen = time.time() + timeout, None
+    while time.time() < deadline:
+        seen = page.evaluate(COMPARED_REWARD)
+        if seen and {t["name"]: t["points"] for t in seen["traces"]} == wanted:
+            return seen
+        time.sleep(0.25)
+    raise AssertionError(f"expected the reward panel to draw {wanted} points, the page shows {seen}")
+
+
+def test_compare_draws_a_session_and_its_fork_on_shared_axes_and_follows_one_as_it_trains(tmp_path):
+    lab.write_notebook(tmp_path / "compare.ipynb", [
+        COMPARE_SETUP, "a.step()\na.step()", "b = a.fork(learning_rate=5e-4)", "a.run(2)\nb.run(3)",
+        "view = grpo_lab.compare(a, b)\nview", "print('names', view.names)", "a.step()",
+    ])
+    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
+        lab.open_notebook(page, base, token, "compare.ipynb")
+        for index in range(6):
+            lab.run_cell(page, index)
+        names = re.search(r"names \['(.+)', '(.+)'\]", lab.cell(page, 5).locator(".jp-OutputArea").inner_text())
+        first, second = names.groups()
+        assert first != second
+        shown = wait_compared_points(page, {first: 4, second: 5})  # the fork holds the 2 steps before it, then 3
+        assert shown["annotations"][0] == "reward" and f"forked: {second}" in shown["annotations"]
+        assert first in shown["legendText"] and second in shown["legendText"], shown["legendText"]
+        assert all(trace["line"] > 0 for trace in shown["traces"]), shown["traces"]  # both lines drawn
+
+        lab.run_cell(page, 6)  # a step of the live session redraws the comparison
+        wait_compared_points(page, {first: 5, second: 5})
+        assert lab.widget_problems(page) == []

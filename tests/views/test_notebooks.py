@@ -29,13 +29,16 @@ def test_notebook_executes(path, tmp_path):
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_anatomy_of_a_step.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_anatomy_of_a_step.ipynb",
+                                           "03_experiments.ipynb"]
 
 
-def test_quickstart_exports_to_a_launchable_script(tmp_path):
+@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "03_experiments.ipynb"])
+def test_notebooks_export_to_a_launchable_script(tmp_path, name):
     from grpo_lab.export import export_notebook
 
-    script = export_notebook(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "train.py")
+    script = export_notebook(ROOT / "notebooks" / name, tmp_path / "train.py")
     source = script.read_text()
     compile(source, str(script), "exec")
     assert "GRPOTrainer(" in source and "session.show()" not in source and "session.run(" not in source
+    assert ".fork(" not in source and ".what_if(" not in source  # notebook experiments stay in the notebook
