@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from transformers import TrainerState, set_seed
 
-from grpo_lab import dist, ops
+from grpo_lab import dist, ops, zero
 from grpo_lab import engine_build as build
 from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config import GRPOConfig
@@ -56,10 +56,10 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         set_seed(config.seed + self.accelerator.process_index)
         self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
         policy = build.load_policy(model, config, self.tokenizer)
+        plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
         self._context, self._prompt_tokens, self._prompt_tokens_source = build.check_prompts(
-            policy, self.tokenizer, config, train_dataset if environment_factory is None else None, eval_dataset,
-            custom_rollout=rollout_func is not None or tools is not None,
-        )
+            policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,
+            custom_rollout=rollout_func is not None or tools is not None)
         build.check_policy(policy, config)
         self.model_reference = build.model_reference(model, name)
         vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, self.tokenizer, config)
@@ -306,11 +306,15 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         learning_rate = self.optimizer.param_groups[0]["lr"]
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        grad_norm = float(self.accelerator.clip_grad_norm_(parameters, max_norm))
-        skipped = not math.isfinite(grad_norm)
-        self._step_event("on_pre_optimizer_step")
-        if not skipped:
-            self.optimizer.step()
+        if dist.sharding(self.accelerator) == "deepspeed":  # its engine clips and steps in one call
+            self._step_event("on_pre_optimizer_step")
+            grad_norm, skipped = zero.step(self.model)
+        else:
+            grad_norm = float(self.accelerator.clip_grad_norm_(parameters, max_norm))
+            skipped = not math.isfinite(grad_norm)
+            self._step_event("on_pre_optimizer_step")
+            if not skipped:
+                self.optimizer.step()
         self._step_event("on_optimizer_step")
         if not skipped:
             self.scheduler.step()

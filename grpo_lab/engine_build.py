@@ -134,7 +134,7 @@ def checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func
     if isinstance(eval_dataset, dict) and not eval_dataset:
         raise ValueError("eval_dataset is an empty dict: give named eval sets, e.g. {'easy': easy, 'hard': hard}.")
     for name, dataset in eval_sets(eval_dataset).items():
-        check_dataset(dataset, eval_set_label(name))
+        check_dataset(dataset, eval_set_label(name), needs_prompt=environment_factory is None)
         check_column_names(dataset, eval_set_label(name))
     check_reward_weights(config.reward_weights, reward_funcs)
     log_setting_notes(config)  # every process, as TRL's are
@@ -144,6 +144,7 @@ def checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func
 def start_accelerator(config: GRPOConfig):
     """The run's ``accelerate.Accelerator``, with the settings that depend on its device made."""
     accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
+    dist.prepare_settings(accelerator, config)
     if not config.use_vllm:
         check_cache_device(config.cache_implementation, accelerator.device)
     if config.keep_freed_cpu_memory and accelerator.device.type == "cpu":

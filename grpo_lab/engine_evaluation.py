@@ -1,5 +1,10 @@
 """The engine's evaluation: reward, length and loss metrics of ``num_generations_eval`` completions per
-prompt of each eval set, without training and without touching the training run's random state."""
+prompt of each eval set, without training and without touching the training run's random state.
+
+Eval completions are generated and scored as training's are: with ``environment_factory``, each
+completion's instance (from the evaluation's own pool, see :mod:`grpo_lab.rollout.environments`)
+is reset with its eval row's fields, its observation joins the prompt, its methods are the
+completion's tools, and the reward functions (``get_reward`` among them) receive ``environments=``."""
 
 from __future__ import annotations
 
@@ -8,10 +13,12 @@ import torch
 from grpo_lab import dist, ops
 from grpo_lab.engine_build import check_dataset, eval_set_label, eval_sets, named_eval_dataset
 from grpo_lab.metrics import loss_metrics, micro_batch_metrics, tool_metrics
-from grpo_lab.rewards import check_reward_signatures, score_completions
+from grpo_lab.rewards import check_reward_signatures
+from grpo_lab.rewards.preparation import weights_tensor
+from grpo_lab.rollout.environments import check_environment_columns
 from grpo_lab.rollout.prompts import wrap_completions
 from grpo_lab.state import rng_state, set_rng_state
-from grpo_lab.types import Rollout, generated_mask
+from grpo_lab.types import Rollout
 
 
 class EvaluationStage:
@@ -31,9 +38,11 @@ class EvaluationStage:
         sets = eval_sets(self.eval_dataset if dataset is None else named_eval_dataset(dataset))
         if not sets:
             raise ValueError("There is no eval set: give eval_dataset to the session or trainer, or a dataset here.")
-        processes = self.accelerator.num_processes
+        processes, environments = self.accelerator.num_processes, self.environments
         for name, data in sets.items():
-            check_dataset(data, eval_set_label(name))
+            check_dataset(data, eval_set_label(name), needs_prompt=environments is None)
+            if environments is not None:
+                check_environment_columns(data, eval_set_label(name), environments.factory)
             if len(data) < processes:
                 raise ValueError(
                     f"{eval_set_label(name)} has {len(data)} prompt(s), fewer than the {processes} processes that "
@@ -46,53 +55,45 @@ class EvaluationStage:
         try:
             for name, data in sets.items():
                 prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-                metrics.update({f"{prefix}_{key}": value for key, value in self._evaluate_set(data).items()})
+                evaluated = self._evaluate_set(data, eval_set_label(name))
+                metrics.update({f"{prefix}_{key}": value for key, value in evaluated.items()})
         finally:
             set_rng_state(kept)
             self.model.train(training)
         return metrics
 
-    def _evaluate_set(self, dataset) -> dict[str, float]:
+    def _evaluate_set(self, dataset, label: str) -> dict[str, float]:
+        """The metrics of the eval set ``dataset`` (``label`` names it in errors), without their prefix."""
         config = self.config
         repeats = config.num_generations_eval or config.num_generations
         local = dist.local_slice(self.accelerator, len(dataset) - len(dataset) % self.accelerator.num_processes)
-        if self.custom_rollout is None:  # else once its extra keys are known
+        if self.custom_rollout is None:  # else score() checks, once the rollout's extra keys are known
             columns = [c for c in dataset.column_names if c != "prompt"]
-            check_reward_signatures(self.reward_funcs, self.reward_names, columns)
+            check_reward_signatures(self.reward_funcs, self.reward_names,
+                                    columns + ["environments"] * (self.environments is not None))
         rows = dataset.with_format(None)[local.start:local.stop]
-        prompts = [p for p in rows.pop("prompt") for _ in range(repeats)]
-        columns = {k: [v for v in values for _ in range(repeats)] for k, values in rows.items()}
+        rows = {key: [value for value in values for _ in range(repeats)] for key, values in rows.items()}
+        indices = [index for index in range(local.start, local.stop) for _ in range(repeats)]
         size = config.per_device_eval_batch_size * repeats
         rewards, lengths, truncated, tool_counts, losses = [], [], [], {}, []
         cuda = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(config.seed + self.accelerator.process_index)
-            for start in range(0, len(prompts), size):
-                chunk = prompts[start:start + size]
-                chunk_columns = {k: v[start:start + size] for k, v in columns.items()}
-                batch, env_mask_BT, extra, completions = self._generate_batch(chunk, list(chunk_columns))
-                chunk_columns.update(extra)
-                _count_tools(tool_counts, extra)
-                if self.custom_rollout is not None:
-                    check_reward_signatures(self.reward_funcs, self.reward_names, list(chunk_columns))
-                decoded = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
-                ids = [i[m.bool()].tolist() for i, m in zip(batch.completion_ids_BT, batch.completion_mask_BT)]
-                rewards_BF, _ = score_completions(
-                    self.reward_funcs, self.reward_processing_classes, self.reward_names, prompts=chunk,
-                    completions=wrap_completions(chunk, decoded) if completions is None else completions,
-                    completion_ids=ids, columns=chunk_columns,
-                    trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
-                )
+            for start in range(0, len(indices), size):
+                chunk = {key: values[start:start + size] for key, values in rows.items()}
+                rollout = self._eval_rollout(chunk, indices[start:start + size], label, repeats)
+                _count_tools(tool_counts, rollout)
+                rewards_BF = self.score(rollout).rewards_BF
                 rewards.append(rewards_BF)
-                losses.append((len(chunk), self._eval_loss_metrics(batch, env_mask_BT, rewards_BF, repeats)))
-                lengths.append(generated_mask(batch.completion_mask_BT, env_mask_BT).sum(1).float())
-                truncated.append(batch.is_truncated_B.float())
+                losses.append((len(rollout), self._eval_loss_metrics(rollout, rewards_BF, repeats)))
+                lengths.append(rollout.completion_lengths_B.float())
+                truncated.append(rollout.is_truncated_B.float())
         gathered = [dist.gather(self.accelerator, torch.cat(parts).to(self.accelerator.device)).cpu()
                     for parts in (rewards, lengths, truncated)]
         # TRL's eval_loss weighs each batch's loss by its size; its other loss metrics are batch means
         metrics = {key: sum(part[key] for _, part in losses) / len(losses) for key in losses[0][1]}
         metrics["loss"] = sum(size * part["loss"] for size, part in losses) / sum(size for size, _ in losses)
-        metrics |= _eval_metrics(*gathered, self.reward_names, config.reward_weights, repeats)
+        metrics |= _eval_metrics(*gathered, self.reward_names, self._eval_reward_weights(), repeats)
         for k in config.eval_pass_at_k or ():
             for i, name in enumerate(self.reward_names):
                 passed_NG = (gathered[0][:, i] >= config.eval_pass_threshold).view(-1, repeats)  # NaN never passes
@@ -102,21 +103,37 @@ class EvaluationStage:
             metrics.update(tool_metrics(self.accelerator, tool_counts))
         return metrics
 
+    def _eval_rollout(self, rows: dict[str, list], indices: list[int], label: str, repeats: int) -> Rollout:
+        """The completions of one eval chunk, generated as training's are: ``rows`` holds each of its
+        completions' eval row (rows ``indices`` of the eval set ``label``, each repeated for its
+        ``repeats`` completions); with environment_factory, instances of the evaluation pool are
+        reset with them first, and the rollout keeps them for the reward functions."""
+        prompts, environments = self._start_rows(rows, indices, eval_set=label)
+        batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
+        rows.update(extra)
+        texts = self.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
+        return Rollout(
+            prompts=prompts, completions=wrap_completions(prompts, texts) if completions is None else completions,
+            completion_texts=texts, columns=rows, prompt_ids_BP=batch.prompt_ids_BP,
+            prompt_mask_BP=batch.prompt_mask_BP, completion_ids_BT=batch.completion_ids_BT,
+            completion_mask_BT=batch.completion_mask_BT, is_truncated_B=batch.is_truncated_B,
+            group_index_B=torch.arange(len(prompts)) // repeats, step=self.global_step, env_mask_BT=env_mask_BT,
+            extra_keys=tuple(extra), environments=environments,
+        )
 
-    def _eval_loss_metrics(self, batch, env_mask_BT, rewards_BF, repeats: int) -> dict[str, float]:
+    def _eval_reward_weights(self) -> torch.Tensor | None:
+        """The weight of each reward function (None: all 1): ``reward_weights``, then 1 for each
+        environment's ``get_reward``, as training weighs them."""
+        own = 0 if self.environments is None else len(self.environments.reward_funcs)
+        return weights_tensor(self.config.reward_weights, self.reward_names, own)
+
+    def _eval_loss_metrics(self, rollout: Rollout, rewards_BF, repeats: int) -> dict[str, float]:
         """TRL's eval loss metrics of one eval chunk (whole groups of ``repeats``): the loss of the
         current settings on these completions, on-policy (ratio 1, so every clip ratio is 0), with
         the model in eval mode and no gradient, as TRL's ``prediction_step`` computes it (without
         vLLM's importance-sampling correction); and ``entropy`` (and ``kl`` when beta > 0) over the
         generated tokens. Means over processes, as TRL's are."""
         config = self.config
-        B = len(batch.completion_ids_BT)
-        rollout = Rollout(
-            prompts=[None] * B, completions=[None] * B, completion_texts=[""] * B, columns={},
-            prompt_ids_BP=batch.prompt_ids_BP, prompt_mask_BP=batch.prompt_mask_BP,
-            completion_ids_BT=batch.completion_ids_BT, completion_mask_BT=batch.completion_mask_BT,
-            is_truncated_B=batch.is_truncated_B, group_index_B=torch.arange(B) // repeats, env_mask_BT=env_mask_BT,
-        )
         advantages_B = self._eval_advantages(rewards_BF, repeats)
         settings = ops.LossSettings.from_config(config)
         self.model.eval()
@@ -146,10 +163,9 @@ class EvaluationStage:
         training's: batch scaling and ``normalize_then_sum`` use the whole gathered batch)."""
         config = self.config
         gathered_BF = dist.gather(self.accelerator, rewards_BF.to(self.accelerator.device)).cpu()
-        weights = torch.tensor(config.reward_weights, dtype=torch.float32) if config.reward_weights else None
         advantages_B = ops.compute_advantages(
-            gathered_BF, num_generations=repeats, reward_weights_F=weights, scale_rewards=config.scale_rewards,
-            multi_objective_aggregation=config.multi_objective_aggregation,
+            gathered_BF, num_generations=repeats, reward_weights_F=self._eval_reward_weights(),
+            scale_rewards=config.scale_rewards, multi_objective_aggregation=config.multi_objective_aggregation,
         ).advantages_B
         return advantages_B[dist.local_slice(self.accelerator, gathered_BF.shape[0])]
 
@@ -183,10 +199,13 @@ def pass_at_k(passed_NG: torch.Tensor, k: int) -> float:
     return sum(values) / len(values)
 
 
-def _count_tools(tool_counts: dict, extra: dict) -> None:
-    if "tool_calls" in extra:
-        tool_counts.setdefault("tool_calls", []).extend(extra["tool_calls"])
-        tool_counts.setdefault("tool_failures", []).extend(extra.get("tool_failures", [0] * len(extra["tool_calls"])))
+def _count_tools(tool_counts: dict, rollout: Rollout) -> None:
+    """Add the tool calls (and failures) the eval chunk ``rollout``'s rollout function returned."""
+    if "tool_calls" in rollout.extra_keys:
+        calls = rollout.columns["tool_calls"]
+        failures = rollout.columns["tool_failures"] if "tool_failures" in rollout.extra_keys else [0] * len(calls)
+        tool_counts.setdefault("tool_calls", []).extend(calls)
+        tool_counts.setdefault("tool_failures", []).extend(failures)
 
 
 def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, repeats: int) -> dict[str, float]:
@@ -195,7 +214,7 @@ def _eval_metrics(rewards_BF, lengths_B, truncated_B, names, reward_weights, rep
     and ``std`` (None rewards left out), ``frac_reward_zero_std`` (share of prompts whose completions
     all got the same reward), ``completions/{mean,min,max}_length`` and ``clipped_ratio``, and
     ``completions/{mean,min,max}_terminated_length`` over the completions that ended (0 when none did)."""
-    weights = torch.tensor(reward_weights) if reward_weights else torch.ones(rewards_BF.shape[1])
+    weights = torch.ones(rewards_BF.shape[1]) if reward_weights is None else torch.as_tensor(reward_weights)
     reward_B = torch.nansum(rewards_BF * weights, dim=1).masked_fill(torch.isnan(rewards_BF).all(dim=1), float("nan"))
     groups_GN = reward_B.view(-1, repeats)
     metrics = {"reward": float(torch.nanmean(reward_B)), "reward_std": float(ops.batch_std(reward_B))}

@@ -29,7 +29,7 @@ class GenerationStage:
             local = dist.local_slice(self.accelerator, len(global_rows))
             rows = self._train_rows(global_rows[local])
             prompts, environments = self._start_rows(rows, global_rows[local])
-            batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows), started=True)
+            batch, env_mask_BT, extra, completions = self._generate_batch(prompts, list(rows))
             batch, env_mask_BT = padded_to_multiple(
                 batch, env_mask_BT, config.pad_multiple(), pad_token_id=self.tokenizer.pad_token_id
             )
@@ -77,29 +77,31 @@ class GenerationStage:
                 "its last checkpoint, which pushes the policy again) or another run shares it (give each its own)."
             )
 
-    def _start_rows(self, rows: dict[str, list], indices: list[int]) -> tuple[list, list | None]:
-        """``(prompts, environments)`` of the drawn ``rows`` (dataset rows ``indices``), the prompt
-        column taken out of them: as the dataset holds them, or, with environment_factory, as each
-        completion's environment instance (the second item) left them after its ``reset()``, checked
-        against the model's context."""
+    def _start_rows(self, rows: dict[str, list], indices: list[int], eval_set: str | None = None
+                    ) -> tuple[list, list | None]:
+        """``(prompts, environments)`` of the drawn ``rows`` (rows ``indices`` of the train dataset, or
+        of the eval set labelled ``eval_set``), the prompt column taken out of them: as the dataset
+        holds them, or, with environment_factory, as each completion's environment instance (the
+        second item; an eval set's come from the evaluation pool) left them after its ``reset()``,
+        checked against the model's context."""
         if self.environments is None:
             return rows.pop("prompt"), None
-        prompts, environments = self.environments.start(rows)
+        prompts, environments = self.environments.start(rows, evaluation=eval_set is not None)
         rows.pop("prompt", None)
-        tokens = prompt_token_counts(prompts, self.tokenizer, self.config.chat_template_kwargs, rows=indices)
+        dataset = "train_dataset" if eval_set is None else eval_set
+        tokens = prompt_token_counts(prompts, self.tokenizer, self.config.chat_template_kwargs, rows=indices,
+                                     dataset=dataset)
         check_prompt_room(
             tokens, indices, context=self._context, chat_template_kwargs=self.config.chat_template_kwargs,
             max_new_tokens=None if self.custom_rollout is not None else self.config.max_completion_length,
+            dataset=dataset,
         )
         return prompts, environments
 
-    def _generate_batch(self, prompts: list, columns: list[str], started: bool = False) -> CustomBatch:
-        """The completions of ``prompts`` (one per completion): from the rollout function or the tool
-        loop when there is one, else from the generation backend. ``started``: the environments, if
-        any, were reset for these prompts (evaluation does not reset them yet, so it is refused)."""
-        if self.environments is not None and not started:
-            raise NotImplementedError("evaluate() with environment_factory is not supported yet: evaluation does "
-                                      "not reset the environments.")
+    def _generate_batch(self, prompts: list, columns: list[str]) -> CustomBatch:
+        """The completions of ``prompts`` (one per completion, after any environment's ``reset()``):
+        from the rollout function or the tool loop when there is one, else from the generation
+        backend. ``columns``: the names the rollout function's extra keys may not take."""
         if self.custom_rollout is None:
             texts = render_prompts(prompts, self.tokenizer, self.config.chat_template_kwargs)
             return CustomBatch(self.rollout_backend.generate(texts, self.config), None, {}, None)

@@ -8,7 +8,10 @@ import asyncio
 import math
 import random
 
+import pandas as pd
 import pytest
+import torch
+from datasets import Dataset
 
 from grpo_lab import GRPOSession, GRPOTrainer
 from grpo_lab.rollout.environments import PLACEHOLDER_PROMPT, _observed
@@ -121,6 +124,19 @@ def no_environments(prompts, completions, completion_ids, trainer_state, log_ext
     return [0.0] * len(completions)
 
 
+RECORDED = []
+
+
+def recorded(prompts, completions, environments, **kwargs):
+    """Records the prompts and environments it scores; 0 for every completion."""
+    RECORDED.append((prompts, list(environments)))
+    return [0.0] * len(completions)
+
+
+EVAL = dict(per_device_eval_batch_size=2, num_generations_eval=2)
+"""Eval chunks of 2 prompts x 2 completions: a 4-row eval set takes two, which reuse the eval pool."""
+
+
 @pytest.fixture(scope="module")
 def tool_model(task, tmp_path_factory):
     return taught_to_add(task.model, tmp_path_factory.mktemp("tool_model"))
@@ -131,10 +147,11 @@ def _config(task, tmp_path, **overrides):
                           **overrides})
 
 
-def _session(task, tmp_path, model, factory, reward_funcs=None, train_dataset="task", **overrides):
+def _session(task, tmp_path, model, factory, reward_funcs=None, train_dataset="task", eval_dataset=None,
+             **overrides):
     return GRPOSession(model, reward_funcs, args=_config(task, tmp_path, **overrides),
                        train_dataset=task.train_dataset if train_dataset == "task" else train_dataset,
-                       environment_factory=factory)
+                       eval_dataset=eval_dataset, environment_factory=factory)
 
 
 def _prompt_text(rollout, tokenizer, row: int) -> str:
@@ -179,6 +196,10 @@ def test_an_environment_without_a_dataset_supplies_the_prompts(task, tmp_path, t
     session.discard_batch()
     row = session.step()
     assert "rewards/Quiz/mean" in row and row["tools/call_frequency"] > 0
+    metrics = session.evaluate(Dataset.from_dict({"level": [1, 2]}))  # no prompts: reset() supplies them
+    assert "eval_rewards/Quiz/mean" in metrics
+    assert [environment.resets for environment in session.engine.environments.eval_pool[None]] == [
+        [{"level": 1}]] * 4 + [[{"level": 2}]] * 4
     with pytest.raises(ValueError, match="max_steps must be set"):
         _session(task, tmp_path, tool_model, Quiz, train_dataset=None, max_steps=-1)
 
@@ -264,9 +285,9 @@ def test_setups_that_cannot_run_environments_are_refused(task, tmp_path, tool_mo
     with pytest.raises(ValueError, match="not both"):
         GRPOSession(tool_model, args=_config(task, tmp_path), train_dataset=task.train_dataset,
                     environment_factory=Adder, rollout_func=lambda prompts, session: {})
-    with pytest.raises(NotImplementedError, match="eval_dataset with environment_factory"):
+    with pytest.raises(ValueError, match="eval_dataset has a column named 'environments'"):
         GRPOSession(tool_model, args=_config(task, tmp_path), train_dataset=task.train_dataset,
-                    eval_dataset=task.eval_dataset, environment_factory=Adder)
+                    eval_dataset=task.eval_dataset.add_column("environments", [0] * 16), environment_factory=Adder)
     with pytest.raises(TypeError, match="environment_factory must be a callable"):
         _session(task, tmp_path, tool_model, Adder())
     with pytest.raises(ValueError, match=r"reward_weights has 2 entries .* but there are 1 reward functions"):
@@ -312,3 +333,91 @@ def test_a_session_saves_its_factory_but_not_its_environments(task, tmp_path, to
     loaded.discard_batch()
     loaded.generate()
     assert loaded.score().reward_names == ["seen_environments", "Adder"]
+
+
+def test_evaluation_runs_each_completion_in_its_own_instance_of_an_eval_pool(task, tmp_path, tool_model):
+    RECORDED.clear()
+    eval_rows = task.eval_dataset.select(range(4))
+    session = _session(task, tmp_path, tool_model, Adder, reward_funcs=[recorded], eval_dataset=eval_rows,
+                       reward_weights=[2.0], **EVAL)
+    rollout = session.generate()  # a training batch held across the evaluation, scored after it
+    held = [(list(environment.resets), list(environment.calls)) for environment in rollout.environments]
+    metrics = session.evaluate()
+    assert {"eval_reward", "eval_loss", "eval_rewards/recorded/mean", "eval_rewards/Adder/mean"} <= set(metrics)
+    assert metrics["eval_tools/call_frequency"] > 0
+    # each completion's get_reward counts its own instance's calls; recorded's zeros weigh 2
+    assert metrics["eval_rewards/Adder/mean"] == pytest.approx(metrics["eval_tools/call_frequency"])
+    assert metrics["eval_reward"] == pytest.approx(metrics["eval_rewards/Adder/mean"])
+    environments = session.engine.environments
+    pool = environments.eval_pool[None]
+    assert len(pool) == 4 and not {id(e) for e in pool} & {id(e) for e in environments.pool[None]}
+    rows = eval_rows.to_list()
+    for position, environment in enumerate(pool):  # two chunks: rows 0, 0, 1, 1 then 2, 2, 3, 3
+        assert environment.resets == [rows[position // 2], rows[2 + position // 2]]
+    prompts, scored = RECORDED[-1]
+    assert [id(e) for e in scored] == [id(e) for e in pool] and prompts == [rows[2]["prompt"]] * 2 + [
+        rows[3]["prompt"]] * 2
+    assert [(environment.resets, environment.calls) for environment in rollout.environments] == held
+    assert session.score().rewards_BF[:, 1].tolist() == [float(len(calls)) for _, calls in held]
+    session.evaluate()  # the eval pool is reused, not grown
+    assert environments.eval_pool[None] == pool and [len(e.resets) for e in pool] == [4] * 4
+
+
+def test_evaluation_scores_the_eval_prompts_with_their_observations(task, tmp_path):
+    RECORDED.clear()
+    eval_rows = task.eval_dataset.select(range(4))
+    session = _session(task, tmp_path, task.model, Hint, reward_funcs=[recorded, task.reward_funcs[0]],
+                       eval_dataset=eval_rows, **EVAL)
+    metrics = session.evaluate()
+    assert {"eval_rewards/recorded/mean", "eval_rewards/correctness_reward/mean"} <= set(metrics)
+    expected = []
+    for row in eval_rows:
+        text = row["prompt"][0]["content"] + " (odd)" * (int(row["answer"]) % 2)
+        expected += [[{"role": "user", "content": text}]] * 2
+    assert [prompt for prompts, _ in RECORDED for prompt in prompts] == expected
+    assert any("(odd)" in prompt[0]["content"] for prompt in expected)
+
+
+def test_a_dict_of_environments_routes_eval_rows_by_their_environment_column(task, tmp_path, tool_model):
+    factories = {"math": Adder, "shout": Shouter}
+    data = task.train_dataset.select(range(16)).add_column("environment", ["math", "shout"] * 8)
+    eval_rows = task.eval_dataset.select(range(4)).add_column("environment", ["shout", "math", "math", "shout"])
+    with pytest.raises(ValueError, match="eval_dataset needs an 'environment' column"):
+        _session(task, tmp_path, tool_model, factories, train_dataset=data, eval_dataset=task.eval_dataset)
+    session = _session(task, tmp_path, tool_model, factories, train_dataset=data, eval_dataset=eval_rows,
+                       num_generations=2, **EVAL)
+    metrics = session.evaluate()
+    assert metrics["eval_rewards/Shouter/mean"] == -1.0 and "eval_rewards/Adder/mean" in metrics
+    rows = [{key: value for key, value in row.items() if key != "environment"} for row in eval_rows]
+    pools = session.engine.environments.eval_pool
+    assert [type(e) for e in pools["math"]] == [Adder] * 2 and [type(e) for e in pools["shout"]] == [Shouter] * 2
+    assert [e.resets for e in pools["math"]] == [[rows[1], rows[2]]] * 2
+    assert [e.resets for e in pools["shout"]] == [[rows[0], rows[3]]] * 2
+    assert session.evaluate({"mixed": eval_rows})["eval_mixed_rewards/Shouter/mean"] == -1.0
+    with pytest.raises(ValueError, match=r"eval_dataset\['plain'\] needs an 'environment' column"):
+        session.evaluate({"plain": task.eval_dataset})
+
+
+def _no_time(frame):
+    return frame.drop(columns=["step_time"])
+
+
+def test_a_trainer_evaluates_with_environments_and_trains_as_without_evaluating(task, tmp_path, tool_model):
+    trainers = []
+    for schedule in ({}, dict(eval_strategy="steps", eval_steps=1, eval_on_start=True)):
+        config = _config(task, tmp_path / str(len(trainers)), max_steps=2, disable_tqdm=True, **EVAL, **schedule)
+        trainers.append(GRPOTrainer(tool_model, args=config, train_dataset=task.train_dataset,
+                                    eval_dataset=task.eval_dataset.select(range(4)) if schedule else None,
+                                    environment_factory=Adder))
+        trainers[-1].train()
+    plain, evaluated = trainers
+    evaluations = [row for row in evaluated.state.log_history if "eval_reward" in row]
+    assert [row["step"] for row in evaluations] == [0, 1, 2]
+    assert all("eval_rewards/Adder/mean" in row and "eval_tools/call_frequency" in row for row in evaluations)
+    pd.testing.assert_frame_equal(_no_time(evaluated.session.history), _no_time(plain.session.history))
+    for (name, a), (_, b) in zip(plain.model.state_dict().items(), evaluated.model.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    plain_pool, evaluated_pool = (trainer.session.engine.environments.pool[None] for trainer in trainers)
+    assert [e.resets for e in evaluated_pool] == [e.resets for e in plain_pool]
+    for trainer in trainers:
+        trainer.close()

@@ -19,6 +19,16 @@ Each environment class that defines ``get_reward`` becomes one more reward funct
 the class and weighted 1 (``reward_weights`` still lists only ``reward_funcs``): it returns the
 ``get_reward()`` of every completion whose instance is of that class exactly, and None for the
 others. Every reward function receives the batch's instances as ``environments=``, one per completion.
+
+Evaluation runs the same way (reset with the eval row's fields, observations appended, the
+instances' methods as tools, ``get_reward`` and ``environments=`` in scoring), but draws from a
+pool of its own. TRL 1.16 keeps one pool for training and evaluation and relies on ``reset()``
+before every use, which leaves an instance as ``reset()`` makes it but not an environment that
+keeps state across episodes on purpose (a curriculum, a cache, a count of episodes): that state
+would take in the eval rows. A session may also hold a generated batch across ``evaluate()`` and
+score it afterwards, when shared instances would hold eval episodes. So evaluation never touches
+an instance training uses: its instances are built the first time an evaluation needs them and
+reused by later evaluations.
 """
 
 from __future__ import annotations
@@ -91,7 +101,8 @@ class Environments:
     functions they bring, and the instances drawn for the batch being generated (``batch``).
 
     ``environment_factory`` is checked by building one instance of each environment; ``tools`` are
-    the run's ``tools=`` functions, offered beside every environment's own methods."""
+    the run's ``tools=`` functions, offered beside every environment's own methods. ``pool`` holds
+    the instances training draws, ``eval_pool`` those evaluation draws (see the module docstring)."""
 
     def __init__(self, environment_factory, tools: list | None):
         self.factory = environment_factory
@@ -99,6 +110,7 @@ class Environments:
         self.factories = dict(environment_factory) if self.multi else {None: environment_factory}
         self.standalone = list(tools or [])
         self.pool: dict = {}
+        self.eval_pool: dict = {name: [] for name in self.factories}
         self.reward_funcs: list = []
         self.batch: list = []
         self._methods: dict[type, list[str]] = {}
@@ -134,25 +146,26 @@ class Environments:
         """The tools of each completion of the batch being generated."""
         return [self.tools_of(environment) for environment in self.batch]
 
-    def draw(self, names: list) -> list:
-        """One instance per entry of ``names`` (environment names), distinct within the call: the
-        pool's, in order, and new ones where the pool has too few."""
+    def draw(self, names: list, pools: dict) -> list:
+        """One instance per entry of ``names`` (environment names), distinct within the call: those of
+        ``pools`` (``pool`` or ``eval_pool``), in order, and new ones where a pool has too few."""
         handed: dict = {}
         drawn = []
         for name in names:
-            pool, index = self.pool[name], handed.get(name, 0)
+            pool, index = pools[name], handed.get(name, 0)
             if index == len(pool):
                 pool.append(self.factories[name]())
             handed[name] = index + 1
             drawn.append(pool[index])
         return drawn
 
-    def start(self, rows: dict[str, list]) -> tuple[list, list]:
+    def start(self, rows: dict[str, list], evaluation: bool = False) -> tuple[list, list]:
         """``(prompts, environments)`` of a batch about to be generated, from its ``rows`` (column ->
-        one value per completion): an instance drawn for every completion and reset with its row's
-        fields, and the prompts with what ``reset()`` returned appended."""
+        one value per completion): an instance drawn for every completion (from ``eval_pool`` for an
+        ``evaluation`` batch) and reset with its row's fields, and the prompts with what ``reset()``
+        returned appended."""
         count = len(next(iter(rows.values()))) if rows else 0
-        self.batch = environments = self.draw(self._names(rows, count))
+        self.batch = environments = self.draw(self._names(rows, count), self.eval_pool if evaluation else self.pool)
         given = rows.get("prompt", [PLACEHOLDER_PROMPT] * count)
         prompts = []
         for position, environment in enumerate(environments):
@@ -239,8 +252,8 @@ def environment_rollout(tools, environment_factory, tokenizer, eos_token_ids: se
 
 def check_environment_setup(environment_factory, *, train_dataset, eval_dataset, rollout_func, max_steps: int) -> None:
     """Refuse, before the model loads, an ``environment_factory`` that is neither a callable nor a
-    dict of them, or one given with a rollout function, an eval set (not supported yet), or a
-    train_dataset that cannot drive it."""
+    dict of them, or one given with a rollout function, or a train_dataset or eval set (one, or a
+    dict of named sets) that cannot drive it."""
     multi = isinstance(environment_factory, dict)
     factories = environment_factory.values() if multi else [environment_factory]
     if not (callable(environment_factory) or multi) or not factories or not all(callable(f) for f in factories):
@@ -249,9 +262,11 @@ def check_environment_setup(environment_factory, *, train_dataset, eval_dataset,
     if rollout_func is not None:
         raise ValueError("Give environment_factory or rollout_func, not both: the environments run in grpo_lab's tool "
                          "loop, which takes the rollout function's place.")
-    if eval_dataset is not None:
-        raise NotImplementedError("eval_dataset with environment_factory is not supported yet: evaluation does not "
-                                  "reset environments. Build the session without eval_dataset.")
+    named_sets = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
+    for name, dataset in named_sets:
+        if dataset is not None:
+            check_environment_columns(dataset, "eval_dataset" if name is None else f"eval_dataset[{name!r}]",
+                                      environment_factory)
     if train_dataset is None:
         if multi:
             raise ValueError(
@@ -264,14 +279,20 @@ def check_environment_setup(environment_factory, *, train_dataset, eval_dataset,
                 "to a positive number of steps, which the run's length is. Set GRPOConfig(max_steps=...)."
             )
         return
-    columns = getattr(train_dataset, "column_names", None) or []  # a stream may not declare them
-    if multi and columns and "environment" not in columns:
+    check_environment_columns(train_dataset, "train_dataset", environment_factory)
+
+
+def check_environment_columns(dataset, label: str, environment_factory) -> None:
+    """Refuse a dataset (named ``label``) whose columns cannot drive ``environment_factory``: one
+    without an 'environment' column for a dict of factories, or one with an 'environments' column."""
+    columns = getattr(dataset, "column_names", None) or []  # a stream may not declare them
+    if isinstance(environment_factory, dict) and columns and "environment" not in columns:
         raise ValueError(
             f"environment_factory is a dict of environments ({', '.join(map(repr, environment_factory))}): "
-            "train_dataset needs an 'environment' column naming each row's environment."
+            f"{label} needs an 'environment' column naming each row's environment."
         )
     if "environments" in columns:
-        raise ValueError("train_dataset has a column named 'environments', the keyword argument that passes the "
+        raise ValueError(f"{label} has a column named 'environments', the keyword argument that passes the "
                          "environment instances to reward functions. Rename the column.")
 
 
