@@ -38,6 +38,10 @@ def _finite_zero_gradient(loss: torch.Tensor, ratio_BT: torch.Tensor, mask_BT: t
 class LossStage:
     """Methods of :class:`grpo_lab.engine.Engine`."""
 
+    token_weight_sink: list | None = None
+    """Where set (``what_if``), each backward pass appends ``(index_B, d loss / d logprobs_BT)``: the
+    weight the step's loss gives each token's log-prob."""
+
     def step_indices(self, batch_step: int) -> list[torch.Tensor]:
         """Completion indices of each micro-batch that optimizer step ``batch_step`` of a batch uses."""
         size = self.config.per_device_train_batch_size
@@ -55,7 +59,7 @@ class LossStage:
         if config.beta > 0 and rollout.ref_logprobs_BT is None:  # beta switched on after this batch was sampled
             rollout.ref_logprobs_BT = self._reference_logprobs_autocast(rollout)
         aux_weight = self.router_aux_loss_weight()  # raises before any gradient is touched
-        self.optimizer.zero_grad(set_to_none=True)
+        dist.clear_gradients(self.accelerator, self.model, self.optimizer)
         micro_batches = self.step_indices(batch_step)
         step_index = torch.cat(micro_batches)
         loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
@@ -77,7 +81,7 @@ class LossStage:
                 if skip:
                     not_finite |= not _finite_zero_gradient(step.loss, step.out.ratio_BT, step.mask_BT)
                 else:
-                    self.accelerator.backward(step.loss)
+                    dist.backward(self.accelerator, self.model, step.loss, last=sync)
             skipped += skip
             if config.use_adaptive_entropy:
                 kept_entropy = (step.entropies_BT.detach() * step.kept_BT).sum()
@@ -170,6 +174,9 @@ class LossStage:
                 self.model, rollout, index_B, with_entropy=True, entropy_grad=entropy_coef != 0.0,
                 router_aux_loss=aux_weight != 0.0,
             )
+        sink = self.token_weight_sink
+        if sink is not None and logprobs_BT.requires_grad:
+            logprobs_BT.register_hook(lambda grad_BT: sink.append((index_B, grad_BT.detach().float().cpu())))
         device = logprobs_BT.device  # the batch's tensors live on the CPU; the passes on the accelerator
         on_device = lambda tensor_BT: None if tensor_BT is None else tensor_BT[index_B].to(device)  # noqa: E731
         mask_BT = on_device(loss_mask_BT)

@@ -81,6 +81,14 @@ class WhatIf:
     rows: list[dict]
     cosine: pd.DataFrame
     equal: list[tuple[int, int]]
+    token_weights: list[torch.Tensor]
+    """Per setting, (B, T): d loss / d log-prob of each token of the step's completions, the weight
+    the update gives it (negative: made likelier, since the loss is minimised)."""
+    sample_index_B: torch.Tensor
+    """The batch positions of the step's completions, the rows of each ``token_weights``."""
+    completion_ids: list[list[int]] = dataclasses.field(default_factory=list, repr=False)
+    """The step's completions' generated token ids, in ``sample_index_B``'s order, for the heatmap."""
+    tokenizer: object = dataclasses.field(default=None, repr=False)
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per setting: the setting's fields, then its loss, gradient norm and metrics."""
@@ -94,14 +102,46 @@ class WhatIf:
     def __repr__(self) -> str:
         return f"{self.summary()}\n{self.to_pandas().to_string()}"
 
+    def heatmap(self, completions: int = 2) -> str:
+        """HTML: the first ``completions`` completions of the step, once per setting, each token
+        coloured by its weight on one diverging scale for all (hover for the value)."""
+        from grpo_lab.views import data, render
+
+        stacked = torch.stack(self.token_weights)
+        scale = data.TokenScale(-float(stacked.abs().max()), float(stacked.abs().max()), "diverging")
+        rows = []
+        for row in range(min(completions, len(self.completion_ids))):
+            ids = self.completion_ids[row]
+            rows.append(f"<p><b>completion {int(self.sample_index_B[row])}</b></p>")
+            for case, weights_BT in zip(self.cases, self.token_weights):
+                tokens = [(self.tokenizer.decode([i]), float(w)) for i, w in zip(ids, weights_BT[row])]
+                rows.append(f"<div><code>{_label(case)}</code>: "
+                            f"{render.token_spans(tokens, 'd loss / d logprob', scale)}</div>")
+        legend = render.colour_bar("d loss / d logprob", scale)
+        return (f"<p>Each token's weight in the update, d loss / d log-prob (blue: made likelier, red: less "
+                f"likely) {legend}</p>" + "".join(rows))
+
     def _repr_html_(self) -> str:
         table = self.to_pandas().to_html(float_format=lambda v: f"{v:.4g}", border=0)
         cosine = self.cosine.to_html(float_format=lambda v: f"{v:.6f}", border=0)
-        return f"<p><b>WhatIf</b>: {self.summary()}</p>{table}<p>Cosine between the settings' gradients</p>{cosine}"
+        heatmap = self.heatmap() if self.tokenizer is not None else ""
+        return (f"<p><b>WhatIf</b>: {self.summary()}</p>{table}<p>Cosine between the settings' gradients</p>"
+                f"{cosine}{heatmap}")
 
 
 def _label(case: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in case.items())
+
+
+def _token_weights(sink: list, result) -> torch.Tensor:
+    """(B, T) d loss / d log-prob of each token of the step's completions (in ``sample_index_B``'s
+    order); 0 for a micro-batch whose backward pass was skipped (its gradient is exactly 0)."""
+    weights_BT = torch.zeros_like(result.logprobs_BT, dtype=torch.float32, device="cpu")
+    position = {int(index): row for row, index in enumerate(result.sample_index_B.tolist())}
+    for index_B, grad_BT in sink:
+        rows = torch.tensor([position[int(i)] for i in index_B.tolist()])
+        weights_BT[rows, : grad_BT.shape[1]] = grad_BT
+    return weights_BT
 
 
 def _gradient(model) -> torch.Tensor:
@@ -127,13 +167,14 @@ def run_what_if(session, cases: list[dict]) -> WhatIf:
     after each (see the module docstring)."""
     engine = session.engine
     configs = [case_config(session.config, case, engine) for case in cases]  # every one checked before any runs
-    rows, gradients = [], []
+    rows, gradients, weights = [], [], []
     varied = {name: getattr(session.config, name) for case in cases for name in case}
     for case, config in zip(cases, configs):
-        with _restored(session, config):
+        with _restored(session, config) as sink:
             advantages = engine.advantages(session.scores)
             result = engine.loss(advantages, session.batch_step)
             gradient = _gradient(engine.model)
+        weights.append(_token_weights(sink, result))
         spread = advantages.advantages_B.float()
         rows.append({**varied, **case, "loss": result.loss, "grad_norm": float(gradient.double().norm()),
                      "advantage_abs_mean": float(spread.abs().mean()),
@@ -142,7 +183,10 @@ def run_what_if(session, cases: list[dict]) -> WhatIf:
         gradients.append(gradient)
     cosine, equal = _compare(gradients)
     labels = [_label(case) for case in cases]
-    return WhatIf(cases, rows, pd.DataFrame(cosine.numpy(), index=labels, columns=labels), equal)
+    rollout = session.rollout
+    ids = [rollout.completion_ids_BT[i][rollout.completion_mask_BT[i].bool()].tolist() for i in result.sample_index_B]
+    return WhatIf(cases, rows, pd.DataFrame(cosine.numpy(), index=labels, columns=labels), equal, weights,
+                  result.sample_index_B, ids, session.tokenizer)
 
 
 class _restored:
@@ -164,11 +208,14 @@ class _restored:
         engine.config, engine.step_events = self.config, None
         if self.config.entropy_coef != self.saved["config"].entropy_coef:
             engine.entropy_coef = self.config.entropy_coef
+        engine.token_weight_sink = []
+        return engine.token_weight_sink
 
     def __exit__(self, *exc):
         engine, saved = self.engine, self.saved
         engine.config, engine.entropy_coef = saved["config"], saved["entropy_coef"]
         engine.step_events, engine.trained_parameter_names = saved["step_events"], saved["trained"]
+        engine.token_weight_sink = None
         if saved["pending"] is not None or hasattr(engine, "_pending_step_entropy"):
             engine._pending_step_entropy = saved["pending"]
         self.session.rollout.ref_logprobs_BT = saved["ref"]

@@ -195,3 +195,19 @@ def test_a_saved_fork_keeps_its_name_and_fork_point_for_comparisons(make_session
     view = compare(parent, tmp_path / "fork")
     assert [run.name for run in view.runs] == ["run 1", "low-lr"] and view.runs[1].fork_point == 1
     view.close()
+
+
+def test_what_if_token_weights_are_the_losses_derivatives_by_hand(make_session):
+    session = make_session(temperature=1.5)  # one micro-batch of 8, on-policy: every ratio is 1
+    session.generate(), session.score()
+    found = session.what_if(loss_type=["dapo", "grpo"])
+    advantages = session.advantages().advantages_B[found.sample_index_B]
+    mask = session.rollout.generated_mask_BT[found.sample_index_B].float()
+    # dapo: L = -sum_bt m A_b r_bt / N with N the step's tokens; d L / d log pi_bt = -m A_b / N (r = 1)
+    dapo = -mask * advantages[:, None] / mask.sum()
+    # grpo: L = -mean_b sum_t m A_b r_bt / |y_b|; d L / d log pi_bt = -m A_b / (|y_b| B)
+    grpo = -mask * advantages[:, None] / (mask.sum(1, keepdim=True) * len(mask))
+    torch.testing.assert_close(found.token_weights[0], dapo, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(found.token_weights[1], grpo, rtol=1e-5, atol=1e-8)
+    html = found._repr_html_()
+    assert "d loss / d logprob" in html and html.count("grpo-token") > 10
