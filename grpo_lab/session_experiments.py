@@ -220,14 +220,19 @@ class SessionExperiments:
 
     # ------------------------------------------------------------------ what-if
     @drives_stages
-    def what_if(self, cases: list[dict] | None = None, /, **settings) -> WhatIf:
+    def what_if(self, cases: list[dict] | None = None, /, *, lookahead: bool = False, **settings) -> WhatIf:
         """The advantages, loss, gradient and loss metrics each setting would give the scored batch,
         and which settings' gradients are equal; the session is left exactly as it was.
 
         ``session.what_if(loss_type=["dapo", "grpo"], epsilon=[0.2, 0.28])`` tries every combination
         of the lists; ``session.what_if([{"loss_type": "cispo", "epsilon_high": 5.0}, {...}])`` each
         dict. Fields: those the advantages and loss read (``grpo_lab.what_if.WHAT_IF_FIELDS``); the
-        other fields stay as the session has them. Needs a scored batch (after ``score()``)."""
+        other fields stay as the session has them. Needs a scored batch (after ``score()``).
+
+        ``lookahead=True``: for each setting, also take the optimizer step its gradient gives and
+        report how the log-probability of the positive- and negative-advantage completions moves
+        and the KL to the current policy (``lookahead/...`` columns); the weights, optimizer and
+        scheduler are put back after each."""
         if self.scores is None:
             raise StageOrderError(
                 f"what_if() tries settings on the scored batch, and there is none: the next stage is "
@@ -237,6 +242,6 @@ class SessionExperiments:
         grid = settings_grid(cases, settings)
         random = rng_state()
         try:
-            return run_what_if(self, grid)
+            return run_what_if(self, grid, lookahead=lookahead)
         finally:
             set_rng_state(random)  # a forward pass with dropout draws: the session's stream stays where it was

@@ -162,24 +162,57 @@ def _compare(gradients: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[in
     return cosine, equal
 
 
-def run_what_if(session, cases: list[dict]) -> WhatIf:
+def _lookahead(engine, rollout, result, advantages, before_BT: torch.Tensor, state: dict) -> dict[str, float]:
+    """Take the engine's own optimizer step with the gradient just computed, score the step's
+    completions again and put the engine back to ``state``: the mean change of a completion's
+    log-probability (summed over its counted tokens) among those with positive and with negative
+    advantage, and the k3 estimate of KL(current || stepped) per counted token."""
+    from grpo_lab.ops import k3_kl
+    from grpo_lab.state import load_engine_state_dict
+
+    try:
+        engine.update()
+        with torch.no_grad():
+            after_BT = engine._batched_logprobs(engine.model, rollout).float().cpu()
+    finally:
+        load_engine_state_dict(engine, state)
+    index_B = result.sample_index_B
+    mask_BT = rollout.generated_mask_BT[index_B].float().cpu()
+    change_B = ((after_BT[index_B] - before_BT[index_B]) * mask_BT).sum(1)
+    advantages_B = advantages.advantages_B[index_B].cpu()
+    kl = float((k3_kl(before_BT[index_B], after_BT[index_B]) * mask_BT).sum() / mask_BT.sum().clamp(min=1.0))
+    mean = lambda values: float(values.mean()) if len(values) else float("nan")  # noqa: E731
+    return {"lookahead/logprob_change_positive": mean(change_B[advantages_B > 0]),
+            "lookahead/logprob_change_negative": mean(change_B[advantages_B < 0]), "lookahead/kl": kl}
+
+
+def run_what_if(session, cases: list[dict], *, lookahead: bool = False) -> WhatIf:
     """Each case's advantages, loss and gradient on the session's scored batch, the session restored
-    after each (see the module docstring)."""
+    after each (see the module docstring); with ``lookahead``, also what one optimizer step with that
+    gradient does (:func:`_lookahead`)."""
+    from grpo_lab.state import engine_state_dict
+
     engine = session.engine
     configs = [case_config(session.config, case, engine) for case in cases]  # every one checked before any runs
     rows, gradients, weights = [], [], []
     varied = {name: getattr(session.config, name) for case in cases for name in case}
+    state = before_BT = None
+    if lookahead:
+        state = engine_state_dict(engine)
+        with torch.no_grad():
+            before_BT = engine._batched_logprobs(engine.model, session.rollout).float().cpu()
     for case, config in zip(cases, configs):
         with _restored(session, config) as sink:
             advantages = engine.advantages(session.scores)
             result = engine.loss(advantages, session.batch_step)
             gradient = _gradient(engine.model)
+            ahead = _lookahead(engine, session.rollout, result, advantages, before_BT, state) if lookahead else {}
         weights.append(_token_weights(sink, result))
         spread = advantages.advantages_B.float()
         rows.append({**varied, **case, "loss": result.loss, "grad_norm": float(gradient.double().norm()),
                      "advantage_abs_mean": float(spread.abs().mean()),
                      "advantage_zero_share": float((spread == 0).float().mean()),
-                     **{k: v for k, v in result.metrics.items() if k != "loss"}})
+                     **{k: v for k, v in result.metrics.items() if k != "loss"}, **ahead})
         gradients.append(gradient)
     cosine, equal = _compare(gradients)
     labels = [_label(case) for case in cases]

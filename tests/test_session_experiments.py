@@ -1,4 +1,6 @@
-"""The experiment layer: undo and fork (grpo_lab/session_experiments.py)."""
+"""The experiment layer: undo, fork and what-if (grpo_lab/session_experiments.py, grpo_lab/what_if.py)."""
+
+import copy
 
 import pytest
 import torch
@@ -211,3 +213,18 @@ def test_what_if_token_weights_are_the_losses_derivatives_by_hand(make_session):
     torch.testing.assert_close(found.token_weights[1], grpo, rtol=1e-5, atol=1e-8)
     html = found._repr_html_()
     assert "d loss / d logprob" in html and html.count("grpo-token") > 10
+
+
+def test_what_if_lookahead_steps_each_setting_and_puts_the_session_back(make_session):
+    session = make_session(temperature=1.5)
+    session.run(1, progress=False)
+    session.generate(), session.score()
+    before = (_weights(session), session.random_state(), copy.deepcopy(session.engine.optimizer.state_dict()["state"]),
+              session.engine.scheduler.state_dict(), session.global_step)
+    found = session.what_if(loss_type=["dapo", "grpo"], lookahead=True).to_pandas()
+    assert _same_tensors(_weights(session), before[0]) and _same_tensors(session.random_state(), before[1])
+    assert _same_tensors(session.engine.optimizer.state_dict()["state"], before[2])
+    assert session.engine.scheduler.state_dict() == before[3] and session.global_step == before[4]
+    assert (found["lookahead/kl"] > 0).all()
+    # a step against the loss makes the positive-advantage completions likelier than the negative ones
+    assert (found["lookahead/logprob_change_positive"] > found["lookahead/logprob_change_negative"]).all()
