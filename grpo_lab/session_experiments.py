@@ -98,7 +98,14 @@ def model_copy(model, *, what: str):
             "memory (close other sessions), or save this session and load it in another process."
         )
     shared = {id(p): p for p in model.parameters() if not p.requires_grad}
-    return copy.deepcopy(model, memo=shared)
+    try:
+        return copy.deepcopy(model, memo=shared)
+    except Exception as error:  # a quantized or hooked model may hold objects that cannot be copied
+        raise RuntimeError(
+            f"Forking copies {what}'s model, and {type(model).__name__} cannot be copied in memory "
+            f"({type(error).__name__}: {error}). Save this session (session.save(path)) and load the copy with "
+            "GRPOSession.load(path), which rebuilds the model from the saved weights."
+        ) from error
 
 
 class SessionExperiments:
@@ -216,6 +223,7 @@ class SessionExperiments:
             raise
         fork.name, fork.fork_point = name, self.global_step
         self.branches.append(fork)
+        self._notify("fork", fork)
         return fork
 
     # ------------------------------------------------------------------ what-if

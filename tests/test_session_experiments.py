@@ -228,3 +228,23 @@ def test_what_if_lookahead_steps_each_setting_and_puts_the_session_back(make_ses
     assert (found["lookahead/kl"] > 0).all()
     # a step against the loss makes the positive-advantage completions likelier than the negative ones
     assert (found["lookahead/logprob_change_positive"] > found["lookahead/logprob_change_negative"]).all()
+
+
+def test_the_dashboard_overlays_a_sessions_forks_on_request(make_session):
+    from grpo_lab.views.dashboard import Dashboard
+
+    session = make_session()
+    session.name = "main"
+    session.run(1, progress=False)
+    dashboard = Dashboard(session)
+    assert dashboard.forks.toggle.layout.display == "none"  # nothing to overlay yet
+    child = session.fork("b")
+    assert dashboard.forks.toggle.layout.display is None and "(1)" in dashboard.forks.toggle.description
+    dashboard.forks.toggle.value = True
+    assert dashboard.forks.view.names == ["main", "b"] and dashboard.curves.layout.display == "none"
+    session.fork("c")
+    assert dashboard.forks.view.names == ["main", "b", "c"]
+    child.step()
+    dashboard.forks.toggle.value = False
+    assert dashboard.forks.view is None and dashboard.curves.layout.display is None
+    dashboard.close()

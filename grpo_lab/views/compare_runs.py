@@ -40,9 +40,9 @@ def current(run: Run) -> Run:
 
 
 def _read(run, position: int) -> Run:
-    from grpo_lab.session import GRPOSession
+    from grpo_lab.session_experiments import SessionExperiments  # GRPOSession's; its own module imports views
 
-    if isinstance(run, GRPOSession):
+    if isinstance(run, SessionExperiments):
         return Run(getattr(run, "name", None) or "", source="session", session=run, **_session_parts(run))
     if isinstance(run, (str, os.PathLike)):
         return _read_directory(Path(run))

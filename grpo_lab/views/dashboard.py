@@ -1,4 +1,5 @@
-"""``session.show()``: controls, curves, completions and rewards of one session, live."""
+"""``session.show()``: controls, curves (with its forks overlaid, on request), completions and rewards
+of one session, live."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from grpo_lab.views.base import close_tree
 from grpo_lab.views.completions import CompletionsView
 from grpo_lab.views.controls import Controls
 from grpo_lab.views.curves import CurvesView
+from grpo_lab.views.forks import ForksOverlay
 from grpo_lab.views.rewards import RewardsView
 
 
@@ -17,6 +19,7 @@ class Dashboard(widgets.VBox):
     def __init__(self, session):
         self.controls = Controls(session)
         self.curves = CurvesView(session)
+        self.forks = ForksOverlay(session, self.curves)
         self.completions = CompletionsView(session)
         self.rewards = RewardsView(session)
 
@@ -24,12 +27,12 @@ class Dashboard(widgets.VBox):
             return widgets.HTML(f"<h3 style='margin:8px 0 2px'>{title}</h3>")
 
         super().__init__([
-            section("GRPO session"), self.controls, section("Curves"), self.curves,
+            section("GRPO session"), self.controls, section("Curves"), self.forks, self.curves,
             section("Completions"), self.completions, section("Rewards"), self.rewards,
         ])
         self.add_class("grpo-dashboard")
 
     def close(self) -> None:
-        for part in (self.controls, self.curves, self.completions, self.rewards):
+        for part in (self.controls, self.forks, self.curves, self.completions, self.rewards):
             part.close()  # each unsubscribes from the session
         close_tree(self)
