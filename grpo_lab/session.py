@@ -25,6 +25,7 @@ from grpo_lab.engine import Engine
 from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.live_config import apply_edits
 from grpo_lab.ownership import Activity, OwnerGuard
+from grpo_lab.session_doctor import SessionDoctor
 from grpo_lab.session_experiments import SessionExperiments
 from grpo_lab.session_files import SessionFiles
 from grpo_lab.session_loops import SessionLoops
@@ -36,7 +37,7 @@ from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 __all__ = ["GRPOSession", "STAGES", "StageOrderError"]
 
 
-class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments):
+class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, SessionDoctor):
     """Stateful, stage-by-stage GRPO. Same arguments as :class:`grpo_lab.GRPOTrainer`."""
 
     def __init__(
@@ -196,8 +197,9 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments):
         Events: a stage's name (``"generate"``, ``"score"``, ``"advantages"``, ``"loss"``,
         ``"update"``) with its result; ``"busy"`` with an :class:`grpo_lab.ownership.Activity` when a
         caller starts driving the session (once per outermost call: ``run(3)`` is one, not one per
-        stage), ``"idle"`` with None when it ends, error or interrupt included, and ``"evaluate"`` with
-        the metrics of each ``evaluate()``. A callback that wants stages only compares the name, as the
+        stage), ``"idle"`` with None when it ends, error or interrupt included, ``"evaluate"`` with
+        the metrics of each ``evaluate()``, ``"undo"`` with the step ``undo()`` returned to and
+        ``"fork"`` with each new fork. A callback that wants stages only compares the name, as the
         views do."""
         self._listeners.append(callback)
 

@@ -1,0 +1,98 @@
+"""What ``session.doctor()`` returns: one :class:`Finding` per problem it saw, gathered in :class:`Findings`.
+
+A finding names its cause in ``message`` (not the symptom alone), holds the numbers and a few
+examples it read in ``evidence``, and says what to change in ``fix`` (a setting such as
+``max_completion_length=64``, or what to do in code). ``docs/troubleshooting.md`` lists every code.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+SEVERITIES = ("info", "warning", "error")
+"""From least to most severe: "info" explains what a run will show (nothing to fix), "warning" costs
+learning signal or compute, "error" stops the run from learning at all."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis of the probe batch: ``code`` (stable, listed in docs/troubleshooting.md),
+    ``severity`` (one of :data:`SEVERITIES`), ``message`` (the cause), ``evidence`` (the numbers
+    and examples it read) and ``fix`` (what to change)."""
+
+    code: str
+    severity: str
+    message: str
+    evidence: dict = field(default_factory=dict)
+    fix: str = ""
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"Finding severity must be one of {SEVERITIES}, got {self.severity!r}.")
+
+    @property
+    def rank(self) -> int:
+        """0 for info, 1 for warning, 2 for error."""
+        return SEVERITIES.index(self.severity)
+
+    def __str__(self) -> str:
+        lines = [f"[{self.severity}] {self.code}: {self.message}"]
+        lines += [f"    {name}: {_shown(value)}" for name, value in self.evidence.items()]
+        if self.fix:
+            lines.append(f"    fix: {self.fix}")
+        return "\n".join(lines)
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return "; ".join(_shown(item) for item in value)
+    return repr(value) if isinstance(value, str) and value != value.strip() else str(value)
+
+
+class Findings(list):
+    """The findings of one ``doctor()`` call, most severe first: a list of :class:`Finding` with a
+    readable ``repr``, a notebook table (``_repr_html_``) and ``to_pandas()``."""
+
+    def __init__(self, findings=()):
+        super().__init__(sorted(findings, key=lambda finding: -finding.rank))
+
+    @property
+    def codes(self) -> list[str]:
+        return [finding.code for finding in self]
+
+    def above(self, severity: str) -> Findings:
+        """The findings more severe than ``severity`` (``above("info")``: warnings and errors)."""
+        return Findings(finding for finding in self if finding.rank > SEVERITIES.index(severity))
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per finding: code, severity, message, evidence (a dict), fix."""
+        columns = ["code", "severity", "message", "evidence", "fix"]
+        return pd.DataFrame([[getattr(finding, name) for name in columns] for finding in self], columns=columns)
+
+    def summary(self) -> str:
+        if not self:
+            return "no findings: the probe batch shows nothing that would stop this run from learning"
+        counts = [f"{sum(f.severity == s for f in self)} {s}" for s in reversed(SEVERITIES)]
+        return ", ".join(count for count in counts if not count.startswith("0 "))
+
+    def __repr__(self) -> str:
+        return "\n".join([f"Findings({self.summary()})", *map(str, self)])
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td><b>{html.escape(f.severity)}</b></td><td><code>{html.escape(f.code)}</code></td>"
+            f"<td>{html.escape(f.message)}</td><td>{_evidence_html(f.evidence)}</td><td>{html.escape(f.fix)}</td></tr>"
+            for f in self
+        )
+        head = "<tr><th>severity</th><th>code</th><th>cause</th><th>evidence</th><th>fix</th></tr>"
+        table = f"<table border=0>{head}{rows}</table>" if self else ""
+        return f"<p><b>Findings</b>: {html.escape(self.summary())}</p>{table}"
+
+
+def _evidence_html(evidence: dict) -> str:
+    return "<br>".join(f"{html.escape(name)}: {html.escape(_shown(value))}" for name, value in evidence.items())

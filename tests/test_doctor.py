@@ -1,0 +1,249 @@
+"""session.doctor(): each finding built on the shipped model, the healthy configs' silence, and a
+session left bitwise as it was (grpo_lab/session_doctor.py, grpo_lab/doctor/)."""
+
+import random
+
+import pytest
+import torch
+
+from grpo_lab import GRPOSession
+from grpo_lab.doctor import Findings
+from grpo_lab.models import load_tokenizer
+from grpo_lab.tasks import default_task
+from tests.conftest import SMALL
+
+
+def _only(findings, code):
+    found = [finding for finding in findings if finding.code == code]
+    assert len(found) == 1, f"{code} not found once in:\n{findings!r}"
+    return found[0]
+
+
+def noise(completions, **kwargs):
+    """Varies among the completions of every prompt, whatever the model writes."""
+    draw = random.Random(len(completions))
+    return [draw.random() for _ in completions]
+
+
+def half(completions, **kwargs):
+    """0 or 0.5 in turn: below the 1.0 it declares."""
+    return [0.5 * (i % 2) for i in range(len(completions))]
+
+
+half.max_reward = 1.0
+
+
+def always(value):
+    def reward(completions, **kwargs):
+        return [value] * len(completions)
+
+    reward.__name__ = f"always_{value}"
+    return reward
+
+
+def by_prompt(completions, answer, **kwargs):
+    """The reference answer's size: the same for every completion of a prompt."""
+    return [int(a) / 200 for a in answer]
+
+
+def test_the_healthy_configs_give_nothing_above_info(make_session, task, tmp_path):
+    small = make_session().doctor()
+    demo = GRPOSession(task.model, task.reward_funcs, args=task.config(output_dir=str(tmp_path / "demo")),
+                       train_dataset=task.train_dataset).doctor()
+    for findings in (small, demo):
+        assert isinstance(findings, Findings)
+        assert findings.above("info") == [], repr(findings)
+
+
+def test_truncation_names_the_cut_and_suggests_a_longer_limit(make_session):
+    finding = _only(make_session(max_completion_length=2).doctor(), "truncation")
+    assert finding.severity == "error"
+    assert "max_completion_length=2" in finding.message and "without an EOS" in finding.message
+    assert finding.evidence["truncated"] == "8 of 8 (100%)"
+    assert finding.fix.startswith("max_completion_length=4 ")  # nearly all cut: twice the limit
+
+
+def test_a_constant_reward_function_is_named(make_session):
+    beside_noise = _only(make_session(reward_funcs=[noise, always(0.5)]).doctor(), "reward_constant")
+    assert beside_noise.severity == "info"
+    assert "'always_0.5'" in beside_noise.message and "same value (0.5)" in beside_noise.message
+    assert "learns from 'noise' alone" in beside_noise.message
+    alone = _only(make_session(reward_funcs=[always(0.5)]).doctor(), "reward_constant")
+    assert alone.severity == "warning"
+
+
+def test_a_reward_that_varies_only_between_prompts_gives_no_signal(make_session):
+    findings = make_session(reward_funcs=[by_prompt]).doctor()
+    finding = _only(findings, "reward_between_prompts_only")
+    assert finding.severity == "error"
+    assert "never among the completions of one prompt" in finding.message
+    assert finding.evidence["std within groups"] == 0.0 and finding.evidence["std of group means"] > 0
+    assert "score the completion" in finding.fix
+    assert _only(make_session(reward_funcs=[noise, by_prompt]).doctor(),
+                 "reward_between_prompts_only").severity == "warning"
+
+
+def test_an_always_none_reward_function_is_an_error(make_session, task):
+    finding = _only(make_session(reward_funcs=[task.reward_funcs[0], always(None)]).doctor(), "reward_always_none")
+    assert finding.severity == "error"
+    assert "'always_None' returned None for every completion" in finding.message
+    assert "return a number" in finding.fix
+
+
+def test_a_declared_maximum_never_reached_says_what_was_seen(make_session):
+    finding = _only(make_session(reward_funcs=[half]).doctor(), "reward_below_maximum")
+    assert finding.severity == "info"
+    assert "max_reward=1" in finding.message and "the maximum seen is 0.5" in finding.message
+    assert finding.evidence["maximum seen"] == 0.5 and finding.evidence["values seen"] == "0 x4, 0.5 x4"
+
+
+def test_all_correct_groups_are_too_easy(make_session):
+    findings = make_session(reward_funcs=[always(1.0)]).doctor()
+    finding = _only(findings, "groups_too_easy")
+    assert finding.severity == "error"
+    assert "every advantage is 0 and so is the gradient" in finding.message
+    assert "harder prompts" in finding.fix
+    assert len(finding.evidence["example prompts"]) == 2  # the probe's two prompts
+    assert "groups_too_hard" not in findings.codes
+
+
+def test_all_wrong_groups_are_too_hard(make_session):
+    findings = make_session(reward_funcs=[always(0.0)]).doctor()
+    finding = _only(findings, "groups_too_hard")
+    assert finding.severity == "error" and "no try succeeds" in finding.message
+    assert "num_generations" in finding.fix
+    assert "groups_too_easy" not in findings.codes
+
+
+def test_the_loss_is_explained_when_it_is_zero_by_construction(make_session):
+    finding = _only(make_session().doctor(), "loss_zero_by_construction")
+    assert finding.severity == "info"
+    assert "beta=0 and one optimizer step per generated batch" in finding.message
+    assert "Its gradient is not 0" in finding.message and finding.evidence["probe grad_norm (before clipping)"] > 0
+    assert "grad_norm" in finding.fix
+    assert "loss_zero_by_construction" not in make_session(num_iterations=2).doctor().codes
+
+
+def test_micro_batches_of_zero_advantages_are_counted(make_session):
+    def first_prompt_only(completions, prompts, **kwargs):
+        """Varies within the first prompt's group; ties every other group at 1."""
+        draw = random.Random(0)
+        return [draw.random() if prompt == prompts[0] else 1.0 for prompt in prompts]
+
+    session = make_session(reward_funcs=[first_prompt_only], per_device_train_batch_size=4,
+                           gradient_accumulation_steps=2)  # a batch of 2 prompts, one micro-batch each
+    finding = _only(session.doctor(), "zero_advantage_micro_batches")
+    assert finding.severity == "warning"
+    assert finding.evidence["micro-batches with all advantages 0"] == "1 of 2 (50%)"
+    assert "zero_advantage_micro_batches" not in make_session(reward_funcs=[noise]).doctor().codes
+
+
+def test_a_template_without_a_generation_prompt_is_found(make_session, task):
+    tokenizer = load_tokenizer(task.model)
+    tokenizer.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                               "{{ message['content'] }}<|im_end|>\n{% endfor %}")
+    finding = _only(make_session(processing_class=tokenizer).doctor(), "generation_prompt_missing")
+    assert finding.severity == "warning"
+    assert finding.evidence["assistant header"] == "<|im_start|>assistant\n"
+    assert "renders nothing for add_generation_prompt=True" in finding.message
+    assert "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}" in finding.fix
+
+
+def test_plain_text_prompts_on_a_chat_model_are_noted(make_session):
+    plain = default_task(conversational=False, eval_size=16)
+    finding = _only(make_session(train_dataset=plain.train_dataset).doctor(), "prompts_without_chat_template")
+    assert finding.severity == "info" and "plain text" in finding.message
+
+
+def test_an_eos_the_model_never_emits_names_the_end_of_turn_token(make_session, task):
+    tokenizer = load_tokenizer(task.model)
+    tokenizer.eos_token = "#"  # a character the addition model has no use for: generation stops only there
+    finding = _only(make_session(processing_class=tokenizer).doctor(), "eos_never_emitted")
+    assert finding.severity == "error"
+    assert "'#'" in finding.message and "'<|im_end|>'" in finding.message
+    assert finding.fix.startswith("Set tokenizer.eos_token = '<|im_end|>'")
+
+
+def test_pad_equal_to_eos_matters_for_a_rollout_function_that_pads(task, tmp_path):
+    def padded(prompts, session):
+        out = session.sample(prompts)
+        pad = session.tokenizer.pad_token_id
+        return {"prompt_ids": out["prompt_ids"], "completion_ids": [ids + [pad, pad] for ids in out["completion_ids"]],
+                "logprobs": None}
+
+    tokenizer = load_tokenizer(task.model)
+    tokenizer.pad_token = tokenizer.eos_token
+    session = GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL, output_dir=str(tmp_path)),
+                          train_dataset=task.train_dataset, processing_class=tokenizer, rollout_func=padded)
+    finding = _only(session.doctor(), "pad_is_eos")
+    assert finding.severity == "warning"
+    assert finding.evidence["completions ending in 2+ pad/EOS tokens"] == 8
+    assert "pad token of its own" in finding.fix
+
+
+def _weights(session):
+    return {name: tensor.detach().clone() for name, tensor in session.model.state_dict().items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _state(session):
+    engine = session.engine
+    return {
+        "weights": _weights(session), "optimizer": engine.optimizer.state_dict(),
+        "grads": [None if p.grad is None else p.grad.clone() for p in session.model.parameters()],
+        "rng": session.random_state(), "sampler": engine.sampler.state_dict(),
+        "counters": (engine.global_step, engine.num_input_tokens_seen, engine.trained_parameter_names),
+        "history": session.history.to_dict(), "config": session.config.to_dict(),
+        "stage": (session.next_stage, session.batch_step, len(session.snapshots)),
+    }
+
+
+def test_doctor_leaves_the_session_bitwise_as_it_was(make_session):
+    session = make_session(num_iterations=2, undo_steps=2)
+    session.step()
+    held = (session.rollout, session.scores, session.advantages_result, session.loss())  # a pending loss()
+    before = _state(session)
+    findings = session.doctor()
+    assert session.findings is findings and len(findings) > 0
+    assert _same(_state(session), before)
+    assert (session.rollout, session.scores, session.advantages_result, session.loss_result) == held
+    session.update()
+    session.step()
+    after_doctor = (session.history.drop(columns=["step_time"]), _weights(session))
+
+    twin = make_session(num_iterations=2, undo_steps=2)  # built after: the sessions share torch's generator
+    twin.step()
+    twin.loss()
+    twin.update()
+    twin.step()
+    assert twin.history.drop(columns=["step_time"]).equals(after_doctor[0])
+    assert _same(_weights(twin), after_doctor[1])
+
+
+def test_findings_are_empty_before_the_first_doctor_and_render(make_session):
+    session = make_session(max_completion_length=2)
+    assert session.findings == [] and "no findings" in repr(session.findings)
+    findings = session.doctor()
+    assert [f.severity for f in findings] == sorted((f.severity for f in findings),
+                                                   key=["error", "warning", "info"].index)
+    frame = findings.to_pandas()
+    assert list(frame.columns) == ["code", "severity", "message", "evidence", "fix"]
+    assert frame["code"].tolist() == findings.codes
+    assert "[error] truncation" in repr(findings) and "<table" in findings._repr_html_()
+
+
+@pytest.mark.parametrize("severity", ["fatal", "Error"])
+def test_a_finding_refuses_an_unknown_severity(severity):
+    from grpo_lab.doctor import Finding
+
+    with pytest.raises(ValueError, match="severity must be one of"):
+        Finding("x", severity, "m")
