@@ -112,13 +112,15 @@ def _shared_prompt_cache(model, prompt_ids_BP, prompt_mask_BP, generation_config
     return cache
 
 
-def _model_generate(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing,
+def _model_generate(model, tokenizer, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing,
                     speed_paths: SpeedPaths) -> torch.Tensor:
-    """(B, T) completion tokens from ``model.generate``, continuing a shared prompt cache where it can."""
+    """(B, T) completion tokens from ``model.generate``, continuing a shared prompt cache where it can;
+    the tokenizer goes along where ``stop_strings`` needs it to match text."""
     cache = _shared_prompt_cache(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths)
     sequences = model.generate(
         input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
         **({} if cache is None else {CACHE: cache}),
+        **({"tokenizer": tokenizer} if generation_config.stop_strings else {}),
     )
     return sequences[:, prompt_ids_BP.shape[1]:]
 
@@ -171,7 +173,7 @@ def generate(
         )
         if completion_ids_BT is None:
             completion_ids_BT = _model_generate(
-                model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths
+                model, tokenizer, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths
             )
     finally:
         model.train(was_training)

@@ -20,3 +20,11 @@ def test_trl_fields_pick_a_registered_backend_by_name():
 def test_the_session_generates_with_the_backend_its_config_names(make_session):
     session = make_session()
     assert session.engine.rollout_backend.name == "transformers"
+
+
+def test_transformers_generation_stops_at_a_stop_string(make_session):
+    # model.generate matches stop_strings on text, so it needs the tokenizer passed along
+    session = make_session(max_completion_length=16, generation_kwargs={"stop_strings": ["</answer>"]})
+    rollout = session.generate()
+    for text in rollout.completion_texts:
+        assert "</answer>" not in text or text.endswith("</answer>")  # nothing generated after the stop string
