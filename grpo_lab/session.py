@@ -30,7 +30,7 @@ from grpo_lab.session_experiments import SessionExperiments
 from grpo_lab.session_files import SessionFiles
 from grpo_lab.session_loops import SessionLoops
 from grpo_lab.session_views import SessionViews
-from grpo_lab.stages import STAGES, StageOrderError, check_stage_order, drives_stages
+from grpo_lab.stages import RANDOM_STATE_LOCK, STAGES, StageOrderError, check_stage_order, drives_stages
 from grpo_lab.state import rng_state, set_rng_state
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 
@@ -55,12 +55,13 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
         tools=None,
         environment_factory=None,
     ):
-        self.engine = Engine(
-            model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
-            environment_factory=environment_factory,
-        )
+        with RANDOM_STATE_LOCK:  # building seeds the process's generators: not while another session draws
+            self.engine = Engine(
+                model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+                peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
+                environment_factory=environment_factory,
+            )
         self.engine.rollout_owner = self
         self.config = self.engine.config
         self._applied_config = self.config.to_dict()
@@ -81,6 +82,7 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
         self._owner = OwnerGuard(self._notify)  # one thread drives the stages at a time
         self._rng, self._rng_held = None, False  # its own random state once a stage has run (stages.drives_stages)
         self._made_with_optimizers = any(part is not None for part in optimizers)
+        self._given_reward_processing_classes = reward_processing_classes  # what a fork is built with
         self._init_experiments()
         self.last_trained: LossResult | None = None  # the loss() result of the latest update(), for the views
 

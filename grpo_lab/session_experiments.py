@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo_lab import dist, notices
 from grpo_lab.rollout.environments import user_reward_funcs
-from grpo_lab.stages import StageOrderError, drives_stages
-from grpo_lab.state import on_device, rng_state, session_state_dict, set_rng_state
+from grpo_lab.stages import RANDOM_STATE_LOCK, StageOrderError, drives_stages
+from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict, set_rng_state
 from grpo_lab.what_if import WhatIf, run_what_if, settings_grid
 
 if TYPE_CHECKING:
@@ -83,19 +84,24 @@ def _free_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def model_copy(model, *, what: str):
+def model_copy(model, *, what: str, reference=None):
     """A copy of ``model`` whose trainable parameters are new tensors; frozen parameters (a LoRA
-    model's base) and buffers of frozen modules are shared. Refused with the figures where the
-    trainable weights would not fit in free memory (``what`` names the model in that message)."""
+    model's base) and buffers of frozen modules are shared. Refused with the figures where the fork
+    would not fit in free memory: its trainable weights and their two AdamW moments, and a copy of
+    ``reference`` (a separate reference model, which the fork builds its own of); ``what`` names the
+    session in that message."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    needed = sum(p.numel() * p.element_size() for p in trainable)
+    needed = 3 * sum(p.numel() * p.element_size() for p in trainable)
+    if reference is not None:
+        needed += sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     device = trainable[0].device if trainable else torch.device("cpu")
     free = _free_memory(device)
     if needed > free:
         raise MemoryError(
-            f"Forking copies {what}'s {needed / 2**30:.2f} GiB of trainable weights (then its optimizer state), but "
-            f"{device} has {free / 2**30:.2f} GiB free. Fork a LoRA session (only the adapter is copied), free "
-            "memory (close other sessions), or save this session and load it in another process."
+            f"Forking {what} takes about {needed / 2**30:.2f} GiB (its trainable weights, their optimizer state"
+            f"{' and a reference model' if reference is not None else ''}), but {device} has {free / 2**30:.2f} GiB "
+            "free. Fork a LoRA session (only the adapter is copied), free memory (close other sessions), or save "
+            "this session and load it in another process."
         )
     shared = {id(p): p for p in model.parameters() if not p.requires_grad}
     try:
@@ -113,6 +119,8 @@ class SessionExperiments:
 
     name: str | None
     fork_point: int | None
+    undo_by_default: bool = True
+    """Whether ``undo_steps=None`` keeps undo points; a ``GRPOTrainer`` turns it off for its session."""
 
     def _init_experiments(self, name: str | None = None) -> None:
         self.name = name
@@ -120,6 +128,7 @@ class SessionExperiments:
         self.branches: list[GRPOSession] = []
         self._snapshots: list[Snapshot] = []
         self._stages_at_snapshot = -1
+        self._undo_off: str | None = None  # why undo turned off during the run, if it did
 
     # ------------------------------------------------------------------ undo
     @property
@@ -128,31 +137,61 @@ class SessionExperiments:
         return list(self._snapshots)
 
     def undo_steps(self) -> int:
-        """The steps undo can return over: ``config.undo_steps``, or where that is None 2 if a
-        snapshot (the trainable weights and two optimizer moments) takes at most
-        :data:`DEFAULT_UNDO_BUDGET` bytes, else 0."""
+        """The steps undo can return over: 0 under FSDP or DeepSpeed ZeRO (each process holds a shard
+        of the state) or after a snapshot failed; else ``config.undo_steps``, or where that is None:
+        0 in a ``GRPOTrainer`` (a script does not undo), 2 if a snapshot (the trainable weights and two
+        optimizer moments) takes at most :data:`DEFAULT_UNDO_BUDGET` bytes, else 0."""
+        if self._undo_off is not None or dist.sharding(self.engine.accelerator) is not None:
+            return 0
         if self.config.undo_steps is not None:
             return self.config.undo_steps
+        if not self.undo_by_default:
+            return 0
         trainable = sum(p.numel() * p.element_size() for p in self.engine.unwrapped_model.parameters()
                         if p.requires_grad)
         return 2 if 3 * trainable <= DEFAULT_UNDO_BUDGET else 0
 
     def _take_snapshot(self) -> None:
-        """Keep the state as it stands now as an undo point (the ring's oldest drops out)."""
+        """Keep the state as it stands now as an undo point (the ring's oldest drops out). It runs
+        after an optimizer step has been taken, so a failure turns undo off with a warning instead of
+        failing the step."""
         keep = self.undo_steps()
         if keep <= 0:
             self._snapshots.clear()
             return
-        state = session_state_dict(self, copy_records=_list_copies)
+        try:
+            state = session_state_dict(self, copy_records=_list_copies, with_reference=self.config.sync_ref_model)
+        except Exception as error:  # e.g. a half-used batch holding objects that cannot be copied
+            self._undo_off = f"the snapshot after step {self.global_step} failed: {type(error).__name__}: {error}"
+            self._snapshots.clear()
+            notices.warn(f"Undo is off for this session: {self._undo_off}. Training goes on.")
+            return
         state = {**state, "engine": _on_cpu(state["engine"]), "rng": _on_cpu(state["rng"])}
         self._snapshots.append(Snapshot(self.global_step, state, _tensor_bytes(state)))
         del self._snapshots[:-(keep + 1)]
         self._stages_at_snapshot = self._stages_run
 
     def _before_stage(self) -> None:
-        """The undo point of a run's start: taken before the first stage."""
+        """The undo point of a run's start (or of a loaded state): taken before the first stage."""
         if not self._snapshots:
             self._take_snapshot()
+
+    def _forget_snapshots(self) -> None:
+        """Drop every undo point: the state was replaced from outside (``load_state_dict``)."""
+        self._snapshots.clear()
+        self._stages_at_snapshot = -1
+
+    def _undo_refusal(self) -> str:
+        if self._undo_off is not None:
+            return self._undo_off
+        if dist.sharding(self.engine.accelerator) is not None:
+            return "under FSDP or DeepSpeed ZeRO each process holds a shard of the state; use save() and load()"
+        if self.config.undo_steps == 0:
+            return "config.undo_steps = 0"
+        if not self.undo_by_default:
+            return "a GRPOTrainer's session keeps no undo points unless config.undo_steps says so"
+        return (f"config.undo_steps = None, and a snapshot of this model would take over "
+                f"{DEFAULT_UNDO_BUDGET / 2**30:.0f} GiB")
 
     @drives_stages
     def undo(self, n: int = 1) -> int:
@@ -165,11 +204,8 @@ class SessionExperiments:
         moved = self._stages_run != self._stages_at_snapshot
         index = len(self._snapshots) - 1 - n + moved
         if self.undo_steps() <= 0:
-            why = "config.undo_steps = 0" if self.config.undo_steps == 0 else (
-                f"config.undo_steps = None, and a snapshot of this model would take over "
-                f"{DEFAULT_UNDO_BUDGET / 2**30:.0f} GiB")
-            raise RuntimeError(f"Undo is off ({why}): set session.config.undo_steps = 2 (or more) to keep that many "
-                               "steps to return to, from the next step on.")
+            raise RuntimeError(f"Undo is off ({self._undo_refusal()}). Set session.config.undo_steps = 2 (or more) "
+                               "to keep that many steps to return to, from the next step on, where undo can run.")
         if index < 0:
             kept = len(self._snapshots) - 1 + moved
             raise ValueError(
@@ -180,7 +216,7 @@ class SessionExperiments:
         snapshot = self._snapshots[index]
         state = snapshot.state
         device = self.engine.accelerator.device
-        self.load_state_dict({**state, "engine": on_device(state["engine"], device)})
+        load_session_state_dict(self, {**state, "engine": on_device(state["engine"], device)})
         del self._snapshots[index + 1:]
         self._stages_at_snapshot = self._stages_run
         self._notify("undo", snapshot.step)
@@ -198,16 +234,23 @@ class SessionExperiments:
                 "This session was built with optimizers=(...): a fork cannot copy an optimizer bound to this model's "
                 "parameters. Build the session without optimizers= (grpo_lab makes them from the config) to fork it."
             )
+        if self.engine.environments is not None and self.rollout is not None and self.scores is None:
+            raise RuntimeError(
+                "This session holds a generated batch not yet scored, whose environments (live objects) a fork "
+                "cannot copy. Call session.score() first (or session.discard_batch()), then fork."
+            )
         name = name or f"{self.name or 'session'}-{len(self.branches) + 1}"
-        with self._owner.hold(f"session.fork({name!r})"):
+        with self._owner.hold(f"session.fork({name!r})"), RANDOM_STATE_LOCK:
             self._sync_config()
-            state = session_state_dict(self)
             engine = self.engine
-            model = model_copy(engine.unwrapped_model, what=f"session {self.name or ''}".strip())
+            model = model_copy(engine.unwrapped_model, what=f"session {self.name or ''}".strip(),
+                               reference=engine.ref_model)
+            state = session_state_dict(self)
             fork = type(self)(
                 model, user_reward_funcs(engine), args=copy.deepcopy(self.config), train_dataset=engine.train_dataset,
                 eval_dataset=engine.eval_dataset, processing_class=self.tokenizer, rollout_func=engine.rollout_func,
                 tools=engine.tools, environment_factory=self.environment_factory,
+                reward_processing_classes=self._given_reward_processing_classes,
             )
             fork.load_state_dict(state)  # the random state included: the fork draws what this session would
             self._rng = copy.deepcopy(state["rng"])  # building the fork drew from the global one

@@ -52,8 +52,10 @@ class SessionFiles:
     @drives_stages
     def load_state_dict(self, state: dict) -> None:
         """Return to ``state`` from :meth:`state_dict` of this session (or one built like it); a loss()
-        not yet used by update() is dropped, so the next stage is what the saved batch needs next."""
+        not yet used by update() is dropped, so the next stage is what the saved batch needs next.
+        Undo points taken before it are dropped (``undo`` returns within the loaded run)."""
         load_session_state_dict(self, state)
+        self._forget_snapshots()
 
     @drives_stages
     def save(self, path, *, overwrite: bool = False, trainer_state: str | None = None) -> Path:

@@ -6,10 +6,15 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 from grpo_lab.state import rng_state, set_rng_state
 
 STAGES = ("generate", "score", "advantages", "loss", "update")
+
+RANDOM_STATE_LOCK = threading.RLock()
+"""Held while a session's call swaps its own random state into the process's generators (and while
+a session is built, which seeds them): sessions driven from two threads take turns, call by call."""
 
 
 class StageOrderError(RuntimeError):
@@ -60,13 +65,14 @@ def drives_stages(method):
         with self._owner.hold(call_text(name, args, kwargs), now=now, finishes_step=name == "update"):
             if self._rng_held:  # a nested call: the outermost one holds the random state
                 return _call(self, name, method, args, kwargs)
-            self._rng_held = True
-            try:
-                if self._rng is not None:
-                    set_rng_state(self._rng)
-                return _call(self, name, method, args, kwargs)
-            finally:
-                self._rng, self._rng_held = rng_state(), False
+            with RANDOM_STATE_LOCK:  # another thread's session (arun) must not draw from it meanwhile
+                self._rng_held = True
+                try:
+                    if self._rng is not None:
+                        set_rng_state(self._rng)
+                    return _call(self, name, method, args, kwargs)
+                finally:
+                    self._rng, self._rng_held = rng_state(), False
 
     return wrapper
 

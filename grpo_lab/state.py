@@ -127,14 +127,16 @@ def _refuse_sharded(engine) -> None:
         )
 
 
-def engine_state_dict(engine) -> dict:
+def engine_state_dict(engine, *, with_reference: bool = True) -> dict:
     """Copies of everything the engine needs to continue: ``{"model", "optimizer", "ref_model", ...}``
-    with :func:`engine_counters`' entries; ``model`` holds the adapter's weights for a PEFT model."""
+    with :func:`engine_counters`' entries; ``model`` holds the adapter's weights for a PEFT model.
+    ``with_reference=False`` leaves a reference model out (None), for a state to return to in this
+    session, where it has not changed (no ``sync_ref_model``)."""
     _refuse_sharded(engine)
     return {
         "model": _model_weights(engine),
         "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
-        "ref_model": None if engine.ref_model is None else {
+        "ref_model": None if engine.ref_model is None or not with_reference else {
             name: tensor.detach().clone() for name, tensor in engine.ref_model.state_dict().items()
         },
         **copy.deepcopy(engine_counters(engine)),
@@ -170,14 +172,14 @@ def session_records(session) -> dict:
     }
 
 
-def session_state_dict(session, *, copy_records=copy.deepcopy) -> dict:
-    """Copies of everything the session needs to continue exactly: the engine's state, the session's
-    random states (this process's), the half-used batch (rollout, scores, advantages) and the records
-    (copied by ``copy_records``)."""
+def session_state_dict(session, *, copy_records=copy.deepcopy, with_reference: bool = True) -> dict:
+    """Copies of everything the session needs to continue exactly: the engine's state
+    (:func:`engine_state_dict`), the session's random states (this process's), the half-used batch
+    (rollout, scores, advantages) and the records (copied by ``copy_records``)."""
     pending = (session.rollout, session.scores, session.advantages_result)
     return {
         "format_version": FORMAT_VERSION,
-        "engine": engine_state_dict(session.engine),
+        "engine": engine_state_dict(session.engine, with_reference=with_reference),
         "rng": session.random_state(),
         "pending": on_device(pending, "cpu"),
         "records": copy_records(session_records(session)),

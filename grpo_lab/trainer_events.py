@@ -104,6 +104,7 @@ class TrainerEvents:
         self.handler.optimizer = session.engine.optimizer
         self.handler.lr_scheduler = session.engine.scheduler
         session.engine.step_events = self._call
+        session.undo_by_default = False  # a script does not undo: no snapshots unless undo_steps asks for them
 
     def detach(self, session=None) -> None:
         """Let go of the session's model and optimizer (before a resume loads new ones, or at close)."""

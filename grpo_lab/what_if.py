@@ -24,11 +24,13 @@ EQUAL_GRADIENTS = 1e-6
 """Two gradients are flagged equal when ``||g_a - g_b|| <= EQUAL_GRADIENTS x max(||g_a||, ||g_b||)``."""
 
 WHAT_IF_FIELDS = frozenset(
-    {f.name for f in dataclasses.fields(LossSettings) if f.name != "epsilon_low"}
+    {f.name for f in dataclasses.fields(LossSettings) if f.name not in ("epsilon_low", "max_completion_length")}
     | {"epsilon", "scale_rewards", "multi_objective_aggregation", "reward_weights", "top_entropy_quantile",
        "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef"}
 )
-"""The config fields the advantages and the loss of a scored batch read: what ``what_if`` varies."""
+"""The config fields the advantages and the loss of a scored batch read: what ``what_if`` varies.
+(``max_completion_length`` is left out: on a batch already generated it would change dr_grpo's
+divisor but not where completions were cut.)"""
 
 
 def settings_grid(cases, settings: dict) -> list[dict]:
@@ -47,7 +49,7 @@ def settings_grid(cases, settings: dict) -> list[dict]:
     return [dict(zip(names, combination)) for combination in itertools.product(*values)]
 
 
-def case_config(config, case: dict, engine):
+def case_config(config, case: dict, engine, rollout):
     """A checked copy of ``config`` with ``case`` applied; refuses fields the frozen batch's loss does
     not read, and settings the batch or model cannot serve."""
     unknown = sorted(set(case) - WHAT_IF_FIELDS)
@@ -64,6 +66,13 @@ def case_config(config, case: dict, engine):
         edited.validate()
     except ValueError as error:
         raise ValueError(f"what_if setting {_label(case)}: {error}") from None
+    if (edited.mask_truncated_completions != config.mask_truncated_completions
+            and rollout.importance_weights_BT is not None):
+        raise ValueError(
+            f"what_if({case}): this batch's vLLM importance weights were computed with mask_truncated_completions="
+            f"{config.mask_truncated_completions}, and changing it here would leave them as they are. Fork the "
+            "session with the other value and generate a batch there."
+        )
     if edited.beta > 0 and engine.ref_model is None and not engine.is_peft:
         raise ValueError(
             f"what_if({case}): beta > 0 needs a reference model, which this session (built with beta=0, full "
@@ -186,6 +195,22 @@ def _lookahead(engine, rollout, result, advantages, before_BT: torch.Tensor, sta
             "lookahead/logprob_change_negative": mean(change_B[advantages_B < 0]), "lookahead/kl": kl}
 
 
+def _check_room(engine, settings: int) -> None:
+    """Refuse, with the figures, where the settings' gradients (kept on the CPU in float32 to compare
+    them) would not fit in the host's available memory."""
+    import psutil
+
+    trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
+    needed, free = 4 * trainable * settings, psutil.virtual_memory().available
+    if needed > free:
+        raise MemoryError(
+            f"what_if keeps each setting's gradient on the CPU to compare them: {settings} x "
+            f"{4 * trainable / 2**30:.2f} GiB = {needed / 2**30:.2f} GiB, and the host has {free / 2**30:.2f} GiB "
+            "available. Try fewer settings "
+            "at once, or use LoRA (a gradient the adapter's size)."
+        )
+
+
 def run_what_if(session, cases: list[dict], *, lookahead: bool = False) -> WhatIf:
     """Each case's advantages, loss and gradient on the session's scored batch, the session restored
     after each (see the module docstring); with ``lookahead``, also what one optimizer step with that
@@ -193,7 +218,8 @@ def run_what_if(session, cases: list[dict], *, lookahead: bool = False) -> WhatI
     from grpo_lab.state import engine_state_dict
 
     engine = session.engine
-    configs = [case_config(session.config, case, engine) for case in cases]  # every one checked before any runs
+    configs = [case_config(session.config, case, engine, session.rollout) for case in cases]  # all checked first
+    _check_room(engine, len(cases))
     rows, gradients, weights = [], [], []
     varied = {name: getattr(session.config, name) for case in cases for name in case}
     state = before_BT = None

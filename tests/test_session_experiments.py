@@ -248,3 +248,29 @@ def test_the_dashboard_overlays_a_sessions_forks_on_request(make_session):
     dashboard.forks.toggle.value = False
     assert dashboard.forks.view is None and dashboard.curves.layout.display is None
     dashboard.close()
+
+
+def test_load_state_dict_drops_the_undo_points_taken_before_it(make_session):
+    session = make_session()
+    session.run(2, progress=False)
+    state = session.state_dict()
+    session.run(2, progress=False)
+    session.load_state_dict(state)
+    with pytest.raises(ValueError, match="further than the 0 step"):
+        session.undo()
+    session.run(1, progress=False)
+    assert session.undo() == 2 and session.global_step == 2  # back to the loaded state, not to step 3
+
+
+def test_a_snapshot_that_cannot_be_taken_turns_undo_off_and_the_step_stands(task, make_session):
+    def keeps_a_function(completions, log_extra, **kwargs):
+        log_extra("checker", [lambda: 0] * len(completions))  # an object a copy of the half-used batch cannot hold
+        return [0.0] * len(completions)
+
+    session = make_session(reward_funcs=[*task.reward_funcs, keeps_a_function], steps_per_generation=2)
+    with pytest.warns(UserWarning, match="Undo is off for this session: the snapshot after step 1 failed"):
+        session.step()
+    assert session.global_step == 1 and len(session.history) == 1 and session.snapshots == []
+    session.step()
+    with pytest.raises(RuntimeError, match="snapshot after step 1 failed"):
+        session.undo()
