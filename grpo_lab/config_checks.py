@@ -28,6 +28,7 @@ VLLM_MODES = ("colocate", "server")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
+DOCTOR_MODES = ("off", "warn", "stop")
 
 _CONTINUOUS_BATCHING_SAMPLING = {"do_sample", "temperature", "top_k", "top_p", "min_p"}
 """The generation_kwargs transformers' continuous batching engine applies as generate() does."""
@@ -100,6 +101,7 @@ def _check_choices(config) -> None:
     _one_of("vllm_mode", config.vllm_mode, VLLM_MODES)
     _one_of("optim", config.optim, OPTIMIZERS, extra="; for any other optimizer, pass it to optimizers=")
     _one_of("vllm_importance_sampling_mode", config.vllm_importance_sampling_mode, VLLM_IS_MODES)
+    _one_of("doctor", config.doctor, DOCTOR_MODES)
     if config.report_to is None:
         _set(config, "report_to", "none")
     reporters = [config.report_to] if isinstance(config.report_to, str) else list(config.report_to)

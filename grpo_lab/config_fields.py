@@ -326,6 +326,11 @@ class GRPOFields:
         lists them and their size. 0 keeps none (undo off). Each copy holds the trainable weights and the optimizer
         state, about three times the trainable weights' size. None (the default): 2 where that is at most 1 GiB (a
         LoRA adapter, a small model), else 0.""")
+    doctor: str = setting("off", "live", """grpo_lab only: what ``GRPOTrainer.train()`` does before its first step.
+        "off": nothing. "warn": run ``session.doctor()`` (one probe batch, no update), print its findings and train
+        on. "stop": the same, but raise, before any step and checkpoint, when a finding is an error. The findings
+        also go to output_dir/findings.jsonl, with the live findings the session raises after each step
+        (docs/troubleshooting.md).""")
     keep_freed_cpu_memory: bool = built(True, "process", """grpo_lab only: training on a CPU with glibc, keep the
         memory each step frees for the next step instead of returning it to the OS (``grpo_lab/accel/host_memory.py``),
         as PyTorch's CUDA allocator does on a GPU: otherwise every step's activations come back as fresh pages that the

@@ -200,9 +200,9 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
         ``"update"``) with its result; ``"busy"`` with an :class:`grpo_lab.ownership.Activity` when a
         caller starts driving the session (once per outermost call: ``run(3)`` is one, not one per
         stage), ``"idle"`` with None when it ends, error or interrupt included, ``"evaluate"`` with
-        the metrics of each ``evaluate()``, ``"undo"`` with the step ``undo()`` returned to and
-        ``"fork"`` with each new fork. A callback that wants stages only compares the name, as the
-        views do."""
+        the metrics of each ``evaluate()``, ``"undo"`` with the step ``undo()`` returned to,
+        ``"fork"`` with each new fork and ``"finding"`` with each live finding (after its step's
+        ``"update"``). A callback that wants stages only compares the name, as the views do."""
         self._listeners.append(callback)
 
         def unsubscribe() -> None:
@@ -332,6 +332,7 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
         finally:  # outside the block: a view's callback must not hold up an interrupt
             if row is not None:
                 self._emit("update", row)
+                self._diagnose_step()  # after the views' update: a finding is shown beside the step it read
         return row
 
     def _update(self) -> dict[str, float]:

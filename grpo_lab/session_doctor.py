@@ -1,9 +1,11 @@
-"""GRPOSession's ``doctor()``: a preflight probe that says why a run would not learn (see
-:mod:`grpo_lab.doctor` for the probe and its rules, docs/troubleshooting.md for every finding)."""
+"""GRPOSession's doctor: ``doctor()``, a preflight probe that says why a run would not learn, and the
+live rules read after every optimizer step (see :mod:`grpo_lab.doctor` for the probe and its rules,
+:mod:`grpo_lab.doctor.live` for the live ones, docs/troubleshooting.md for every finding)."""
 
 from __future__ import annotations
 
-from grpo_lab.doctor import Findings
+from grpo_lab.doctor import Finding, Findings
+from grpo_lab.doctor.live import LiveWatch
 from grpo_lab.doctor.probe import diagnose
 from grpo_lab.stages import drives_stages
 
@@ -12,6 +14,8 @@ class SessionDoctor:
     """GRPOSession's doctor."""
 
     _findings: Findings | None = None
+    _live_findings: list[Finding] | None = None
+    _live_watch: LiveWatch | None = None
 
     @drives_stages
     def doctor(self) -> Findings:
@@ -25,7 +29,8 @@ class SessionDoctor:
         The session is left as it was: weights, gradients, optimizer, random states, the sampler's
         position, a half-used batch (and a pending loss()), history and config. Config edits made
         since the last stage are applied first, as the next stage would. With no batch held, the
-        probe is the batch the next ``generate()`` will draw. The result is kept as ``findings``.
+        probe is the batch the next ``generate()`` will draw. The result is kept in ``findings``.
+        Collective: under several processes every process must call it (its stages gather).
         """
         self._sync_config()
         self._findings = diagnose(self.engine)
@@ -33,5 +38,26 @@ class SessionDoctor:
 
     @property
     def findings(self) -> Findings:
-        """The findings of the last ``doctor()`` (empty before the first)."""
-        return Findings() if self._findings is None else self._findings
+        """The last ``doctor()``'s findings and every live finding raised since the session was built
+        (each with the step in its evidence), most severe first; a later ``doctor()`` replaces its
+        own part only. Empty before either; ``doctor()``'s very result while no live finding is raised."""
+        if not self._live_findings:
+            return Findings() if self._findings is None else self._findings
+        return Findings([*(self._findings or []), *self._live_findings])
+
+    def _diagnose_step(self) -> list[Finding]:
+        """Read the live rules over the history after an optimizer step; keep and announce (event
+        ``"finding"``, one per finding) those the rate limit lets through, and return them."""
+        if self._live_watch is None:
+            self._live_watch, self._live_findings = LiveWatch(), []
+        new = self._live_watch.new_findings(self._history, beta=self.config.beta,
+                                            max_completion_length=self.config.max_completion_length)
+        self._live_findings.extend(new)
+        for finding in new:
+            self._notify("finding", finding)
+        return new
+
+    @property
+    def live_findings(self) -> list[Finding]:
+        """The live findings raised since the session was built, in the order raised."""
+        return list(self._live_findings or [])

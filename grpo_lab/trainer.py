@@ -28,6 +28,7 @@ from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
 from grpo_lab.session import GRPOSession
+from grpo_lab.trainer_doctor import log_live_findings, preflight
 from grpo_lab.trainer_evaluation import TrainerEvaluation
 from grpo_lab.trainer_events import TrainerEvents, TrainOutput
 from grpo_lab.trainer_results import TrainerResults
@@ -133,6 +134,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             on_main(self.accelerator, "drop metrics.jsonl rows the resumed steps replace",
                     self._drop_logged_steps_after)
         if self.session.global_step < total:
+            preflight(self)  # doctor="warn" or "stop": the probe runs before the first step
             return self._train_steps(total)
         if self.accelerator.is_main_process:
             notices.warn(
@@ -254,6 +256,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             handle.write(json.dumps(row) + "\n")
         for sink in sinks:
             sink.log(row)
+        log_live_findings(self, row)
         if self.args.log_completions and row["step"] % completions_every == 0:
             log = self.session.completions_log
             rows = log[log["step"] == log["step"].max()]

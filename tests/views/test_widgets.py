@@ -73,3 +73,18 @@ def test_closing_a_dashboard_closes_every_widget_it_made(session):
     left = [type(_instances[key]).__name__ for key in set(_instances) - before]
     assert set(left) <= {"PlotlyLibrary"}  # plotly.js, sent once per kernel, stays for the next figure
     assert session._listeners == []
+
+
+def test_the_findings_panel_shows_doctor_and_live_findings(make_session):
+    from tests.test_doctor import always
+
+    session = make_session(reward_funcs=[always(0.0)], max_completion_length=2)
+    dashboard = session.show()
+    assert "No findings" in dashboard.findings.body.value
+    session.doctor()
+    assert "<code>truncation</code>" in dashboard.findings.body.value  # refreshed when doctor() ended
+    session.run(5, progress=False)
+    shown = dashboard.findings.body.value
+    assert "<code>no_signal_steps</code>" in shown and "<code>truncation_in_training</code>" in shown
+    assert dashboard.findings.error.value == ""
+    dashboard.close()

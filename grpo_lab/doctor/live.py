@@ -1,0 +1,272 @@
+"""Live diagnoses: rules read after every optimizer step over the step's metrics row and the rows
+before it (``session.history``), each a pure function of those rows, so that the trend arithmetic
+can be tested on hand-made rows.
+
+A rule returns :class:`Diagnosis` items: the :class:`~grpo_lab.doctor.findings.Finding` and a
+``measure`` (a number that grows as the cause worsens). :class:`LiveWatch` rate-limits them: a code
+is raised the first time its rule fires, then again only when its severity rises, when its measure
+has grown by :data:`WORSENED_BY` since it was last raised, or when :data:`REPEAT_AFTER_STEPS` steps
+have passed with the rule still firing. A per-step cause must hold on each of the last
+:data:`PERSISTENT_STEPS` steps, so that one noisy step of a small batch is not raised. Every
+threshold is a constant here; docs/troubleshooting.md lists them with each finding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from grpo_lab.doctor.findings import Finding
+from grpo_lab.doctor.rules import TRUNCATION_ERROR, TRUNCATION_WARNING
+
+PERSISTENT_STEPS = 5
+"""Steps in a row a per-step cause (truncation, all groups tied, importance-ratio drift) must hold to be
+raised: on a small batch one step's share is noisy (8 completions: one cut is 12%)."""
+EARLY_STEPS = 3
+"""The first steps whose mean is a metric's early value (the entropy, length and rewards of the start)."""
+RECENT_STEPS = 3
+"""The latest steps whose mean is a metric's current value; a trend compares it with the mean of the
+:data:`RECENT_STEPS` steps before them."""
+ENTROPY_COLLAPSE_FRACTION = 0.25
+"""Entropy below this fraction of its early value has collapsed: the policy samples nearly one token."""
+KL_WARNING = 0.1
+"""Mean per-token KL to the reference (nats) from which a climbing KL is reported (beta > 0)."""
+CLIP_RATIO_WARNING = 0.2
+"""Share of tokens whose ratio is clipped (``clip_ratio/region_mean``) from which a climbing one is reported."""
+CLIMB_FACTOR = 1.5
+"""A metric climbs when its current value is at least this factor of the one before."""
+IMPORTANCE_RATIO_DRIFT = 0.2
+"""|mean trainer/vLLM importance ratio - 1| from which the two engines drift apart."""
+LENGTH_GROWTH = 1.5
+"""Completions this factor longer than early on, while the reward rose, can mean a rewarded length."""
+REWARD_RISE = 0.1
+"""The least rise of the total reward (and of a correctness reward, to count as rising) over its early value."""
+CORRECTNESS_NAMES = ("correct", "accuracy", "answer", "exact", "match", "solve", "pass")
+"""Parts of a reward function's name that mark it as judging correctness."""
+REPEAT_AFTER_STEPS = 25
+"""Steps after which a cause still present is raised again."""
+WORSENED_BY = 1.5
+"""Factor of growth of a finding's measure that raises it again before :data:`REPEAT_AFTER_STEPS`."""
+
+
+class Diagnosis(NamedTuple):
+    """A finding of a live rule and its ``measure``, which grows as the cause worsens."""
+
+    finding: Finding
+    measure: float
+
+
+def _values(history: list[dict], name: str) -> list[float]:
+    return [float(row[name]) for row in history if isinstance(row.get(name), (int, float))
+            and math.isfinite(float(row[name]))]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _streak(history: list[dict], holds) -> int:
+    """How many of the latest rows, in a row, ``holds(row)`` is true of."""
+    count = 0
+    for row in reversed(history):
+        if not holds(row):
+            break
+        count += 1
+    return count
+
+
+def truncation(history: list[dict], *, max_completion_length: int) -> list[Diagnosis]:
+    """The truncated share (``completions/clipped_ratio``) at or above the doctor's warning threshold on
+    each of the last :data:`PERSISTENT_STEPS` steps; an error where their mean is above the doctor's
+    error threshold."""
+    def high(row):
+        share = row.get("completions/clipped_ratio")
+        return share is not None and share >= TRUNCATION_WARNING
+
+    if _streak(history, high) < PERSISTENT_STEPS:
+        return []
+    share = _mean([row["completions/clipped_ratio"] for row in history[-PERSISTENT_STEPS:]])
+    return [Diagnosis(Finding(
+        "truncation_in_training", "error" if share > TRUNCATION_ERROR else "warning",
+        f"{share:.0%} of the completions of the last {PERSISTENT_STEPS} steps reached max_completion_length="
+        f"{max_completion_length} without an EOS token: the rewards judge answers cut off mid-way.",
+        {"step": history[-1]["step"], f"completions/clipped_ratio, mean of {PERSISTENT_STEPS} steps": share,
+         "completions/mean_length": history[-1].get("completions/mean_length"),
+         "max_completion_length": max_completion_length, "threshold": TRUNCATION_WARNING},
+        f"max_completion_length={2 * max_completion_length} (or more), or mask_truncated_completions=True; "
+        "session.doctor() suggests a limit from the lengths of the completions that ended.",
+    ), share)]
+
+
+def zero_signal(history: list[dict]) -> list[Diagnosis]:
+    """Every prompt group tied (``frac_reward_zero_std`` == 1) on each of the last
+    :data:`PERSISTENT_STEPS` steps or more: their advantages, and with beta 0 their gradients, were zero."""
+    streak = _streak(history, lambda row: row.get("frac_reward_zero_std") == 1)
+    if streak < PERSISTENT_STEPS:
+        return []
+    row = history[-1]
+    return [Diagnosis(Finding(
+        "no_signal_steps", "error",
+        f"Every prompt group got one reward for all its completions on each of the last {streak} steps: every "
+        "advantage was 0, so those steps learned nothing from their rewards.",
+        {"step": row["step"], "frac_reward_zero_std": 1.0, "steps in a row": streak, "reward": row.get("reward")},
+        "Prompts of the right difficulty (none solved or failed every time), rewards that tell completions of one "
+        "prompt apart, more num_generations or a higher temperature; session.doctor() names which kind of tie.",
+    ), float(streak))]
+
+
+def entropy_collapse(history: list[dict]) -> list[Diagnosis]:
+    """Entropy (mean over the :data:`RECENT_STEPS` latest steps) below
+    :data:`ENTROPY_COLLAPSE_FRACTION` of its early value (the :data:`EARLY_STEPS` first steps)."""
+    entropy = _values(history, "entropy")
+    if len(entropy) < EARLY_STEPS + RECENT_STEPS:
+        return []
+    early, now = _mean(entropy[:EARLY_STEPS]), _mean(entropy[-RECENT_STEPS:])
+    if not early > 0 or now >= ENTROPY_COLLAPSE_FRACTION * early:
+        return []
+    return [Diagnosis(Finding(
+        "entropy_collapse", "warning",
+        f"The policy's token entropy fell to {now:.3g} nats, {now / early:.0%} of its early {early:.3g}: it samples "
+        "nearly the same tokens every time, so the completions of a group stop differing and the advantages vanish.",
+        {"step": history[-1]["step"], "entropy early": early, "entropy now": now,
+         "threshold": f"{ENTROPY_COLLAPSE_FRACTION:g} x early"},
+        "Lower learning_rate, or keep entropy up: entropy_coef > 0 or use_adaptive_entropy=True with entropy_target "
+        "near the early entropy; epsilon_high above epsilon (clip-higher) also slows the collapse.",
+    ), early / max(now, 1e-12))]
+
+
+def _climb(history: list[dict], name: str, level: float) -> tuple[float, float] | None:
+    """(value before, current value) of ``name`` where the current value (last :data:`RECENT_STEPS`
+    steps) is at least ``level`` and :data:`CLIMB_FACTOR` times the value of the steps before; else None."""
+    values = _values(history, name)
+    if len(values) < 2 * RECENT_STEPS:
+        return None
+    now, before = _mean(values[-RECENT_STEPS:]), _mean(values[-2 * RECENT_STEPS:-RECENT_STEPS])
+    return (before, now) if now >= level and now >= CLIMB_FACTOR * before else None
+
+
+def kl_climbing(history: list[dict], *, beta: float) -> list[Diagnosis]:
+    """With beta > 0: the KL to the reference climbing past :data:`KL_WARNING`."""
+    climb = None if beta <= 0 else _climb(history, "kl", KL_WARNING)
+    if climb is None:
+        return []
+    before, now = climb
+    return [Diagnosis(Finding(
+        "kl_climbing", "warning",
+        f"The KL to the reference model climbed from {before:.3g} to {now:.3g} nats per token over the last "
+        f"{2 * RECENT_STEPS} steps: the policy moves away faster than beta={beta:g} holds it back.",
+        {"step": history[-1]["step"], "kl before": before, "kl now": now, "beta": beta, "threshold": KL_WARNING},
+        "Lower learning_rate, or raise beta; check the rewards for a shortcut the policy is racing towards.",
+    ), now)]
+
+
+def clip_ratio_climbing(history: list[dict]) -> list[Diagnosis]:
+    """The share of clipped tokens (``clip_ratio/region_mean``) climbing past :data:`CLIP_RATIO_WARNING`."""
+    climb = _climb(history, "clip_ratio/region_mean", CLIP_RATIO_WARNING)
+    if climb is None:
+        return []
+    before, now = climb
+    return [Diagnosis(Finding(
+        "clip_ratio_climbing", "warning",
+        f"The share of tokens whose ratio is clipped climbed from {before:.0%} to {now:.0%}: each step moves the "
+        "policy further than the clipping range, and the clipped tokens give no gradient.",
+        {"step": history[-1]["step"], "clip_ratio/region_mean before": before, "clip_ratio/region_mean now": now,
+         "threshold": CLIP_RATIO_WARNING},
+        "Lower learning_rate, or fewer optimizer steps per generation batch (num_iterations, steps_per_generation).",
+    ), now)]
+
+
+def importance_ratio_drift(history: list[dict]) -> list[Diagnosis]:
+    """With vLLM: the mean trainer/vLLM importance ratio more than :data:`IMPORTANCE_RATIO_DRIFT` from 1
+    on each of the last :data:`PERSISTENT_STEPS` steps."""
+    name = "sampling/importance_sampling_ratio/mean"
+
+    def drifted(row):
+        ratio = row.get(name)
+        return ratio is not None and math.isfinite(ratio) and abs(ratio - 1) > IMPORTANCE_RATIO_DRIFT
+
+    if _streak(history, drifted) < PERSISTENT_STEPS:
+        return []
+    row, ratio = history[-1], history[-1][name]
+    return [Diagnosis(Finding(
+        "importance_ratio_drift", "warning",
+        f"The mean importance ratio between the trainer and vLLM is {ratio:.3g}, more than "
+        f"{IMPORTANCE_RATIO_DRIFT:g} from 1 for {PERSISTENT_STEPS} steps or more: vLLM samples from a policy other "
+        "than the one trained (stale weights, another dtype, sampling settings only vLLM applies).",
+        {"step": row["step"], name: ratio,
+         "sampling/importance_sampling_ratio/min": row.get("sampling/importance_sampling_ratio/min"),
+         "sampling/sampling_logp_difference/mean": row.get("sampling/sampling_logp_difference/mean"),
+         "threshold": IMPORTANCE_RATIO_DRIFT},
+        "Start vLLM with the training precision (--dtype), leave top_p/top_k/min_p at their defaults, and keep "
+        "vllm_importance_sampling_correction=True.",
+    ), abs(ratio - 1))]
+
+
+def _correctness_rewards(row: dict) -> list[str]:
+    names = [key[len("rewards/"):-len("/mean")] for key in row if key.startswith("rewards/") and key.endswith("/mean")]
+    return [name for name in names if any(part in name.lower() for part in CORRECTNESS_NAMES)]
+
+
+def length_rewarded(history: list[dict]) -> list[Diagnosis]:
+    """The total reward rose by :data:`REWARD_RISE` or more and completions grew :data:`LENGTH_GROWTH`
+    times longer than early on, while every correctness reward (by its name: :data:`CORRECTNESS_NAMES`)
+    did not rise by as much. Only where such a reward is logged: without one, the rows cannot tell a
+    better answer from a longer one."""
+    if len(history) < EARLY_STEPS + RECENT_STEPS:
+        return []
+    correctness = _correctness_rewards(history[-1])
+    names = ["reward", "completions/mean_length", *(f"rewards/{name}/mean" for name in correctness)]
+    series = {name: _values(history, name) for name in names}
+    if not correctness or any(len(values) < EARLY_STEPS + RECENT_STEPS for values in series.values()):
+        return []
+    early = {name: _mean(values[:EARLY_STEPS]) for name, values in series.items()}
+    now = {name: _mean(values[-RECENT_STEPS:]) for name, values in series.items()}
+    length_early, length_now = early["completions/mean_length"], now["completions/mean_length"]
+    correct_rose = any(now[name] - early[name] >= REWARD_RISE for name in names[2:])
+    if now["reward"] - early["reward"] < REWARD_RISE or not length_now >= LENGTH_GROWTH * length_early or correct_rose:
+        return []
+    return [Diagnosis(Finding(
+        "reward_rising_with_length", "warning",
+        f"The reward rose from {early['reward']:.3g} to {now['reward']:.3g} while completions grew from "
+        f"{length_early:.3g} to {length_now:.3g} tokens and {', '.join(map(repr, correctness))}, the correctness "
+        "reward(s) by name, did not rise: the gain comes from the other reward functions. If one of them grows "
+        "with length (a format or reasoning-length reward), the policy may be learning to write more, not better.",
+        {"step": history[-1]["step"], "reward early/now": f"{early['reward']:.3g}/{now['reward']:.3g}",
+         "completions/mean_length early/now": f"{length_early:.3g}/{length_now:.3g}",
+         **{f"{name} early/now": f"{early[name]:.3g}/{now[name]:.3g}" for name in names[2:]}},
+        "Read the longest completions (session.completions_view()); cap or normalise a reward that grows with "
+        "length, weight the correctness reward up (reward_weights), or lower max_completion_length.",
+    ), length_now / max(length_early, 1e-12))]
+
+
+def diagnose_step(history: list[dict], *, beta: float, max_completion_length: int) -> list[Diagnosis]:
+    """Every live rule over ``history`` (the step's row last)."""
+    return [*zero_signal(history), *truncation(history, max_completion_length=max_completion_length),
+            *entropy_collapse(history), *kl_climbing(history, beta=beta), *clip_ratio_climbing(history),
+            *importance_ratio_drift(history), *length_rewarded(history)]
+
+
+class LiveWatch:
+    """The rate limit of the live rules: what each code was last raised with (see the module docstring)."""
+
+    def __init__(self):
+        self.raised: dict[str, tuple[int, int, float]] = {}  # code -> (step, severity rank, measure)
+
+    def due(self, diagnosis: Diagnosis, step: int) -> bool:
+        """Whether ``diagnosis`` at ``step`` is raised; if so, it is recorded as raised."""
+        finding = diagnosis.finding
+        last = self.raised.get(finding.code)
+        if last is not None:
+            last_step, rank, measure = last
+            if not (finding.rank > rank or diagnosis.measure >= WORSENED_BY * measure
+                    or step - last_step >= REPEAT_AFTER_STEPS):
+                return False
+        self.raised[finding.code] = (step, finding.rank, diagnosis.measure)
+        return True
+
+    def new_findings(self, history: list[dict], *, beta: float, max_completion_length: int) -> list[Finding]:
+        """The findings the rules raise over ``history`` that the rate limit lets through."""
+        step = history[-1]["step"]
+        return [diagnosis.finding for diagnosis in diagnose_step(history, beta=beta,
+                                                                 max_completion_length=max_completion_length)
+                if self.due(diagnosis, step)]

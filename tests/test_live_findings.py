@@ -1,0 +1,44 @@
+"""Live findings on real short runs: raised after the optimizer step whose history shows them, once
+per cause, as "finding" events, and kept with doctor()'s in session.findings (grpo_lab/doctor/live.py,
+grpo_lab/session_doctor.py)."""
+
+from tests.test_doctor import always
+
+
+def _codes(findings):
+    return [(finding.code, finding.severity, finding.evidence.get("step")) for finding in findings]
+
+
+def test_the_healthy_small_config_raises_nothing_above_info_over_20_steps(make_session):
+    session = make_session(max_steps=20)
+    session.run(20, progress=False)
+    assert [f for f in session.live_findings if f.severity != "info"] == [], _codes(session.live_findings)
+
+
+def test_tied_groups_and_truncation_are_raised_at_the_fifth_step_in_a_row(make_session):
+    session = make_session(reward_funcs=[always(0.0)], max_completion_length=2, max_steps=6)
+    preflight = session.doctor()
+    heard = []
+    session.on(lambda event, payload: heard.append(payload) if event == "finding" else None)
+    session.run(6, progress=False)
+    assert _codes(session.live_findings) == [("no_signal_steps", "error", 5), ("truncation_in_training", "error", 5)]
+    assert heard == session.live_findings  # one event each, and the sixth step raised nothing again
+    tied, cut = session.live_findings
+    assert tied.evidence["steps in a row"] == 5 and "learned nothing" in tied.message
+    assert cut.evidence["completions/clipped_ratio, mean of 5 steps"] == 1.0
+    assert cut.fix.startswith("max_completion_length=4")
+    # doctor()'s findings and the live ones together, most severe first
+    assert sorted(session.findings.codes) == sorted(preflight.codes + ["no_signal_steps", "truncation_in_training"])
+    assert session.findings[0].severity == "error"
+
+
+def test_a_large_learning_rate_collapses_entropy_and_climbs_the_kl(make_session):
+    session = make_session(learning_rate=1e-2, beta=0.1, num_iterations=2, max_steps=6)
+    session.run(6, progress=False)
+    raised = {finding.code: finding for finding in session.live_findings}
+    assert raised["entropy_collapse"].severity == "warning"
+    assert raised["entropy_collapse"].evidence["entropy now"] < 0.25 * raised["entropy_collapse"].evidence[
+        "entropy early"]
+    kl = raised["kl_climbing"]
+    assert kl.severity == "warning" and kl.evidence["kl now"] >= 1.5 * kl.evidence["kl before"]
+    assert "raise beta" in kl.fix
