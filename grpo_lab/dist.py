@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from grpo_lab import notices
+from grpo_lab import notices, zero
 
 
 def _has_accelerator_device() -> bool:
@@ -27,16 +27,17 @@ def make_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
 
     On a machine without a GPU the accelerator is told so (``cpu=True``): only then does accelerate
     join the processes of ``accelerate launch --multi_gpu`` into one gloo group (MULTI_CPU) instead
-    of running each as a separate single-process job. accelerate has no FSDP on CPU: a launch with
-    an FSDP config runs there as plain data parallel, with a warning that says so.
+    of running each as a separate single-process job. accelerate has no FSDP or DeepSpeed on CPU: a
+    launch with such a config runs there as plain data parallel, with a warning that says so.
     """
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
     _forget_other_precision(mixed)
     cpu = use_cpu or not _has_accelerator_device()
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    if cpu and fsdp and os.environ.get("RANK", "0") == "0":  # said once, by the main process
+    asked = [name for name in ("FSDP", "DeepSpeed")
+             if os.environ.get(f"ACCELERATE_USE_{name.upper()}", "").lower() == "true"]
+    if cpu and asked and os.environ.get("RANK", "0") == "0":  # said once, by the main process
         notices.warn(
-            "accelerate launch asked for FSDP, which shards the model over GPUs; on CPU accelerate runs "
+            f"accelerate launch asked for {asked[0]}, which shards the model over GPUs; on CPU accelerate runs "
             "the processes as plain data parallel instead (each holds the whole model and optimizer).",
         )
     return Accelerator(mixed_precision=mixed, cpu=cpu)
@@ -182,23 +183,50 @@ def check_savable(accelerator: Accelerator) -> None:
             "grpo_lab gathers the shards of FSDP 2 only, and this launch asked for FSDP 1. Set fsdp_version: 2 in "
             "the accelerate config, as examples/accelerate_configs/fsdp.yaml does."
         )
-    if sharding(accelerator) == "deepspeed":
+    if sharding(accelerator) == "deepspeed" and zero.stage(accelerator) == 1:
         raise NotImplementedError(
-            "grpo_lab cannot yet write checkpoints under DeepSpeed ZeRO: each process holds only its part of the "
-            "optimizer state (and under ZeRO-3 of the weights), and grpo_lab does not gather them. Launch with FSDP "
-            "(examples/accelerate_configs/fsdp.yaml), which shards as ZeRO-3 does and whose checkpoints grpo_lab "
-            "gathers, or with DDP."
+            "grpo_lab gathers the partitions of DeepSpeed ZeRO-2 and ZeRO-3, and this launch asked for ZeRO-1. Set "
+            "zero_stage: 2 in the accelerate config (it partitions the gradients too, in no more memory), as "
+            "examples/accelerate_configs/deepspeed_zero2.yaml does."
         )
+
+
+def prepare_settings(accelerator: Accelerator, config) -> None:
+    """Settings of the launch's sharding that grpo_lab's config decides, made before ``prepare``
+    (under DeepSpeed, its config's "auto" entries: see :func:`grpo_lab.zero.fill_config`)."""
+    if sharding(accelerator) == "deepspeed":
+        zero.fill_config(accelerator.state.deepspeed_plugin, config)
+
+
+def backward(accelerator: Accelerator, model, loss: torch.Tensor, *, last: bool) -> None:
+    """One micro-batch's backward pass; ``last``: the optimizer step's last micro-batch. Under
+    DeepSpeed the engine takes it (:func:`grpo_lab.zero.backward`), and :func:`grpo_lab.zero.step` the step."""
+    if sharding(accelerator) == "deepspeed":
+        zero.backward(model, loss, last=last)
+    else:
+        accelerator.backward(loss)
+
+
+def clear_gradients(accelerator: Accelerator, model, optimizer) -> None:
+    """Drop the gradients of earlier backward passes before a step's first one; under DeepSpeed,
+    refuse where some are kept for a step not yet taken (:func:`grpo_lab.zero.check_no_gradients`)."""
+    if sharding(accelerator) == "deepspeed":
+        zero.check_no_gradients(model)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def whole_tensors(accelerator: Accelerator, model, *, adapter_only: bool = False):
     """``(name, tensor)`` for the model's state dict (``adapter_only``: its trainable parameters, a
-    PEFT model's adapter), each tensor whole. Under FSDP each is gathered from the shards as it is
-    reached: a collective, so every process must go through all of them in the same order."""
+    PEFT model's adapter), each tensor whole. Under FSDP (or ZeRO-3) each is gathered from the shards
+    (or partitions) as it is reached: a collective, so every process must go through all of them in
+    the same order."""
     if adapter_only:
         items = ((name, parameter.detach()) for name, parameter in model.named_parameters() if parameter.requires_grad)
     else:
         items = model.state_dict().items()
+    if zero.partitioned(model):
+        yield from zero.whole_tensors(model, adapter_only=adapter_only)
+        return
     if sharding(accelerator) != "fsdp":
         yield from items
         return
@@ -209,7 +237,10 @@ def whole_tensors(accelerator: Accelerator, model, *, adapter_only: bool = False
 def shard_frozen_copy(accelerator: Accelerator, model):
     """Under FSDP 2, ``model`` (a frozen copy of the policy, such as the KL reference) sharded over the
     processes as accelerate shards the policy, in place, so that each process holds its share of it
-    and not a whole copy; else ``model`` as it is. Collective."""
+    and not a whole copy (under ZeRO-3: :func:`grpo_lab.zero.partition_frozen_copy`); else ``model``
+    as it is. Collective."""
+    if sharding(accelerator) == "deepspeed":
+        return zero.partition_frozen_copy(accelerator, model)
     if sharding(accelerator) != "fsdp" or not accelerator.is_fsdp2:
         return model
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
@@ -229,11 +260,12 @@ def reshard(model) -> None:
 
 
 def full_state(accelerator: Accelerator, model) -> dict | None:
-    """Under FSDP, ``model``'s whole state dict, every name (tied aliases included) as ``state_dict()``
-    has them, gathered from the shards onto the main process's CPU (the others get an empty dict);
-    None when the model is not sharded. Collective: every process must call it."""
-    if sharding(accelerator) is None:
-        return None
+    """Under FSDP (or ZeRO-3), ``model``'s whole state dict, every name (tied aliases included) as
+    ``state_dict()`` has them, gathered from the shards (or partitions) onto the main process's CPU
+    (the others get an empty dict); None when the model is not sharded. Collective: every process
+    must call it."""
+    if sharding(accelerator) != "fsdp":
+        return zero.gathered_state(accelerator, model) if zero.partitioned(model) else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -241,8 +273,11 @@ def full_state(accelerator: Accelerator, model) -> dict | None:
 
 def load_full_state(accelerator: Accelerator, model, state: dict) -> None:
     """Load a whole state dict (from ``state_dict()`` or :func:`full_state`) into ``model``; under FSDP
-    each process keeps its shard of every tensor. Collective under FSDP."""
-    if sharding(accelerator) is None:
+    (or ZeRO-3) each process keeps its shard (or partition) of every tensor. Collective then."""
+    if zero.partitioned(model):
+        zero.load_whole(model, state)
+        return
+    if sharding(accelerator) != "fsdp":
         model.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -251,10 +286,12 @@ def load_full_state(accelerator: Accelerator, model, state: dict) -> None:
 
 
 def full_model_state(accelerator: Accelerator, model, *, adapter_only: bool = False) -> dict | None:
-    """Under FSDP, the whole model's state dict (``adapter_only``: a PEFT adapter's, gathered alone)
-    from every process's shards, on the main process's CPU (the others get an empty dict); None
-    when the model is not sharded, so that its own ``state_dict()`` is whole. Collective: every
-    process must call it."""
+    """Under FSDP (or ZeRO-3), the whole model's state dict (``adapter_only``: a PEFT adapter's,
+    gathered alone) from every process's shards, on the main process's CPU (the others get an empty
+    dict); None when each process holds the whole weights (no sharding, ZeRO-2), so that its own
+    ``state_dict()`` is whole. Collective: every process must call it."""
+    if sharding(accelerator) == "deepspeed":
+        return zero.full_model_state(accelerator, accelerator.unwrap_model(model), adapter_only=adapter_only)
     if sharding(accelerator) is None:
         return None
     if adapter_only:
@@ -279,6 +316,8 @@ def full_optimizer_state(accelerator: Accelerator, model, optimizer) -> dict | N
     None too before the first update, when there is no state to gather: torch's function would
     then run a zero-learning-rate step to create it, which counts as a step for AdamW.
     """
+    if sharding(accelerator) == "deepspeed":  # always by name: DeepSpeed's own state dict holds objects
+        return zero.full_optimizer_state(accelerator, accelerator.unwrap_model(model), optimizer)
     inner = _torch_optimizer(optimizer)
     if sharding(accelerator) is None or not inner.state:
         return None
@@ -297,6 +336,10 @@ def load_optimizer_state(accelerator: Accelerator, model, optimizer, state: dict
     from a single-process checkpoint. A parameter without saved state (it never had a gradient)
     starts afresh, as torch's own loading leaves it.
     """
+    if sharding(accelerator) == "deepspeed":
+        zero.load_optimizer_state(accelerator.unwrap_model(model), optimizer, state, by_name=by_name)
+        return
+    state = {key: value for key, value in state.items() if key != zero.MASTER_WEIGHTS}  # ZeRO's own fp32 weights
     sharded = sharding(accelerator) == "fsdp"
     if not by_name and (not sharded or not state["state"]):  # no state: only the settings, the same on any layout
         optimizer.load_state_dict(state)

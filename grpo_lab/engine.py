@@ -313,8 +313,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             grad_norm = float(self.accelerator.clip_grad_norm_(parameters, max_norm))
             skipped = not math.isfinite(grad_norm)
             self._step_event("on_pre_optimizer_step")
-            if not skipped:
-                self.optimizer.step()
+        if not skipped:
+            self.optimizer.step()  # under DeepSpeed a no-op, which tells the scheduler that a step was taken
         self._step_event("on_optimizer_step")
         if not skipped:
             self.scheduler.step()
@@ -348,5 +348,5 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
     def _mix_reference(self) -> None:
         """TR-DPO: ref <- alpha * policy + (1 - alpha) * ref (arXiv:2404.09656)."""
         alpha = self.config.ref_model_mixup_alpha
-        for ref, policy in zip(self.ref_model.parameters(), self.unwrapped_model.parameters(), strict=True):
+        for ref, policy in zero.parameter_pairs(self.ref_model, self.unwrapped_model):  # ZeRO-3: gathered
             ref.mul_(1 - alpha).add_(policy.detach(), alpha=alpha)  # FSDP: each process mixes its shards

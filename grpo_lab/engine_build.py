@@ -9,7 +9,6 @@ Each function returns what it makes; none keeps state.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import tempfile
@@ -18,7 +17,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
-from grpo_lab import dist, notices
+from grpo_lab import dist, notices, zero
 from grpo_lab.config import GRPOConfig
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
@@ -311,7 +310,7 @@ def reference_copy(policy, config: GRPOConfig, is_peft: bool, device):
     """The frozen reference model of the KL term (beta > 0), or None: with PEFT the base model under
     the adapter is the reference."""
     if config.beta > 0 and not is_peft:
-        return copy.deepcopy(policy).eval().requires_grad_(False).to(device)
+        return zero.whole_copy(policy).eval().requires_grad_(False).to(device)
     return None
 
 

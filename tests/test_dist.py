@@ -9,31 +9,50 @@ import pytest
 from accelerate.utils import DistributedType
 
 from grpo_lab.dist import check_savable
+from grpo_lab.zero import fill_config
 from tests.conftest import launch_two
 
 BUILD = "from grpo_lab.dist import make_accelerator; print(make_accelerator('fp32', use_cpu=True).distributed_type)"
 
 
-def test_an_fsdp_launch_on_cpu_warns_that_it_runs_unsharded():
+@pytest.mark.parametrize("name", ["FSDP", "DeepSpeed"])
+def test_a_sharded_launch_on_cpu_warns_that_it_runs_unsharded(name):
     env = {key: value for key, value in os.environ.items() if not key.startswith("ACCELERATE_USE_")}
-    fsdp = subprocess.run([sys.executable, "-c", BUILD], env={**env, "ACCELERATE_USE_FSDP": "true"},
-                          capture_output=True, text=True, check=True)
-    assert "accelerate launch asked for FSDP, which shards the model over GPUs" in fsdp.stderr
-    assert fsdp.stdout.strip() == "DistributedType.NO"  # one process here; MULTI_CPU under a 2-process launch
+    launched = subprocess.run([sys.executable, "-c", BUILD], env={**env, f"ACCELERATE_USE_{name.upper()}": "true"},
+                              capture_output=True, text=True, check=True)
+    assert f"accelerate launch asked for {name}, which shards the model over GPUs" in launched.stderr
+    assert launched.stdout.strip() == "DistributedType.NO"  # one process here; MULTI_CPU under a 2-process launch
     plain = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, check=True)
     assert "shards the model" not in plain.stderr
 
 
-def test_a_deepspeed_zero_run_is_refused_up_front_as_its_checkpoints_would_hold_one_process_part():
-    # deepspeed is not installed here: a stand-in for the accelerator a DeepSpeed launch builds
+def test_a_deepspeed_config_takes_its_auto_batch_clipping_and_accumulation_from_the_grpo_config():
+    config = SimpleNamespace(per_device_train_batch_size=4, max_grad_norm=0.5)
+    plugin = SimpleNamespace(deepspeed_config={"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                                               "zero_optimization": {"stage": 3}})
+    fill_config(plugin, config)
+    assert plugin.deepspeed_config == {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5,
+                                       "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}}
+    fill_config(plugin, config)  # the same values again: accepted (a resumed run's second session)
+    # grpo_lab accumulates over micro-batches itself: DeepSpeed's own accumulation would divide the loss again
+    plugin.deepspeed_config["gradient_accumulation_steps"] = 4
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4.*grpo_lab's config gives 1.*\"auto\""):
+        fill_config(plugin, config)
+    plugin = SimpleNamespace(deepspeed_config={"gradient_clipping": 1.0})
+    with pytest.raises(ValueError, match="gradient_clipping=1.0.*0.5 \\(from max_grad_norm\\)"):
+        fill_config(plugin, config)
+    fill_config(plugin, SimpleNamespace(per_device_train_batch_size=4, max_grad_norm=1.0))
+
+
+def test_a_zero_1_run_is_refused_up_front_as_only_zero_2_and_3_partitions_are_gathered():
     def launched(stage):
         return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
-    for stage in (1, 2, 3):
-        with pytest.raises(NotImplementedError, match="cannot yet write checkpoints under DeepSpeed ZeRO.*FSDP"):
-            check_savable(launched(stage))
-    check_savable(launched(0))  # stage 0 partitions nothing
+    with pytest.raises(NotImplementedError, match="ZeRO-2 and ZeRO-3.*asked for ZeRO-1.*zero_stage: 2"):
+        check_savable(launched(1))
+    for stage in (0, 2, 3):  # stage 0 partitions nothing
+        check_savable(launched(stage))
     check_savable(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
 
 
