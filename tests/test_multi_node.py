@@ -31,6 +31,7 @@ if trainer.accelerator.is_main_process:
     world = trainer.accelerator.num_processes
     result = {"history": rows, "weights_sha256": weights_digest(trainer.model), "world": world}
     json.dump(result, open(sys.argv[2], "w"))
+trainer.close()  # as a script should: see GRPOTrainer.close
 """
 
 

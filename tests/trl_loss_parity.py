@@ -270,6 +270,7 @@ def main(out_path: str) -> None:
             found[f"{loss_type}/{level}/{json.dumps(options)}"] = problems
     with open(f"{out_path}-{rank}.json", "w") as report:
         json.dump(found, report)
+    accelerator.end_training()  # the process group joins its threads before the interpreter shuts down
 
 
 if __name__ == "__main__":

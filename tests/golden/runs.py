@@ -41,6 +41,7 @@ trainer.train()
 if trainer.accelerator.is_main_process:
     rows = [{k: v for k, v in row.items() if k != "step_time"} for row in trainer.session.history.to_dict("records")]
     json.dump({"history": rows, "weights_sha256": weights_digest(trainer.model)}, open(sys.argv[2], "w"))
+trainer.close()  # as a script should: see GRPOTrainer.close
 """
 
 
