@@ -3,6 +3,7 @@
     grpo-lab demo [--steps N] [--json]        GRPO on the embedded task, accuracy before and after
     grpo-lab eval [--model PATH] [--json]     held-out figures of a model on the embedded task
     grpo-lab train RECIPE.yaml [--field V]    train from a YAML recipe (see grpo_lab.recipes)
+    grpo-lab doctor RECIPE.yaml|SCRIPT.py [--field V]   the doctor's probe of a run, without training it
     grpo-lab export NOTEBOOK -o train.py      turn a notebook's exported cells into a script
 """
 
@@ -139,6 +140,55 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Build the run a recipe or a training script describes, run ``session.doctor()`` on it instead
+    of training, and print the findings; exit status 1 where one is an error."""
+    from pathlib import Path
+
+    target = Path(args.target)
+    if target.suffix not in (".yaml", ".yml", ".py"):
+        raise ValueError(f"{args.target!r} is neither a recipe (.yaml) nor a training script (.py).")
+    if not target.is_file():
+        raise FileNotFoundError(f"{args.target}: no such file.")
+    findings = _script_findings(target, args.overrides) if target.suffix == ".py" else _recipe_findings(
+        target, args.overrides)
+    if args.json:
+        print(json.dumps({"summary": findings.summary(), "findings": [f.to_dict() for f in findings]}, default=str))
+    else:
+        print(repr(findings))
+    return 1 if any(finding.severity == "error" for finding in findings) else 0
+
+
+def _recipe_findings(recipe, overrides: list[str]):
+    from grpo_lab.recipes import build_trainer
+
+    trainer = build_trainer(recipe, overrides)
+    try:
+        return trainer.session.doctor()
+    finally:
+        trainer.close()
+
+
+def _script_findings(script, overrides: list[str]):
+    """Run ``script`` (its own arguments: ``overrides``) up to its ``GRPOTrainer.train()``, which runs
+    the probe instead of training."""
+    import runpy
+
+    from grpo_lab.trainer_doctor import ProbeDone, probe_only
+
+    argv, path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(script), *overrides], [str(script.resolve().parent)]
+    try:
+        with probe_only():
+            runpy.run_path(str(script), run_name="__main__")
+    except ProbeDone as done:
+        return done.findings
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    raise ValueError(f"{script} ended without calling grpo_lab's GRPOTrainer.train(): the doctor probes the run "
+                     "that call would start (a script importing TRL's trainer: change the import to grpo_lab).")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
@@ -201,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--json", action="store_true", help="print the last metrics row as JSON")
     train.set_defaults(handler=cmd_train)
 
+    doctor = commands.add_parser(
+        "doctor", help="probe a run (a recipe, or a script that calls GRPOTrainer.train()) and say why it would "
+        "not learn; exit status 1 on an error finding",
+        epilog="A recipe takes --FIELD VALUE overrides as `grpo-lab train` does; a script's own arguments follow "
+        "it. The script runs up to its GRPOTrainer.train(), which runs the probe (one generation batch, scored, "
+        "one loss pass, no update) instead of training. Every finding: docs/troubleshooting.md.",
+    )
+    doctor.add_argument("target", help="a recipe (.yaml) or a training script (.py)")
+    doctor.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    doctor.set_defaults(handler=cmd_doctor)
+
     export = commands.add_parser("export", help="export a notebook's `export` cells to a training script")
     export.add_argument("notebook", help="the .ipynb file")
     export.add_argument("-o", "--output", default="train.py", help="script to write (default: train.py)")
@@ -225,7 +286,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
-    if args.command in ("train", "vllm-serve"):
+    if args.command in ("train", "doctor", "vllm-serve"):
         args.overrides = extra
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")

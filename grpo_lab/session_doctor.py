@@ -59,5 +59,25 @@ class SessionDoctor:
 
     @property
     def live_findings(self) -> list[Finding]:
-        """The live findings raised since the session was built, in the order raised."""
+        """The live findings raised since the session was built, in the order raised (those of steps an
+        ``undo()`` took back are gone; a checkpoint keeps them)."""
         return list(self._live_findings or [])
+
+    def _doctor_records(self) -> dict:
+        """The findings and the live rate limit as plain values, for state dicts and checkpoints."""
+        return {
+            "doctor": None if self._findings is None else [finding.to_dict() for finding in self._findings],
+            "live": [finding.to_dict() for finding in self._live_findings or []],
+            "raises": [list(entry) for entry in (self._live_watch.raises if self._live_watch else [])],
+        }
+
+    def _load_doctor_records(self, records: dict | None) -> None:
+        """Return the findings to ``records`` (:meth:`_doctor_records`; None, from a state saved before
+        findings were kept: none); live findings of steps past the history's last are dropped, as are
+        their raises (the steps after an undo, or after the checkpoint a run resumed from)."""
+        records = records or {"doctor": None, "live": [], "raises": []}
+        step = self._history[-1]["step"] if self._history else 0
+        self._findings = None if records["doctor"] is None else Findings(map(Finding.from_dict, records["doctor"]))
+        self._live_findings = [finding for finding in map(Finding.from_dict, records["live"])
+                               if finding.evidence.get("step", 0) <= step]
+        self._live_watch = LiveWatch(records["raises"]).before(step)

@@ -160,6 +160,7 @@ def _checkpoint_records(session) -> dict:
         "applied_config": plain_values(session._applied_config),
         "batch_step": session.batch_step,
         "last_stage": session._last_stage,
+        "findings": plain_values(session._doctor_records()),
         "name": session.name,
         "fork_point": session.fork_point,
         "reward_funcs": _referenced(user_reward_funcs(engine)),
@@ -278,6 +279,7 @@ def _restore(session, state: dict, built: dict) -> None:
     session._applied_config = {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}
     session.batch_step = extra["batch_step"]
     session._last_stage = extra["last_stage"]
+    session._load_doctor_records(extra.get("findings"))  # absent from a checkpoint made before findings were kept
     if own["pending"] is None or own["pending"][0] is None:  # dropped, or saved between batches
         session.discard_batch()
         return

@@ -169,6 +169,7 @@ def session_records(session) -> dict:
         "applied_config": session._applied_config,
         "batch_step": session.batch_step,
         "last_stage": session._last_stage,
+        "findings": session._doctor_records(),
     }
 
 
@@ -199,6 +200,7 @@ def load_session_state_dict(session, state: dict) -> None:
     session._evaluations = records.get("evaluations", [])  # absent from a state dict made before they were kept
     session.config_changes, session._applied_config = records["config_changes"], records["applied_config"]
     session.batch_step, session._last_stage = records["batch_step"], records["last_stage"]
+    session._load_doctor_records(records.get("findings"))  # absent from a state dict made before findings were kept
     for name, value in copy.deepcopy(state["config"]).items():
         setattr(session.config, name, value)
     session.rollout, session.scores, session.advantages_result = on_device(

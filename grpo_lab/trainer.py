@@ -28,7 +28,8 @@ from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
 from grpo_lab.session import GRPOSession
-from grpo_lab.trainer_doctor import log_live_findings, preflight
+from grpo_lab.run_logs import drop_rows_after
+from grpo_lab.trainer_doctor import FINDINGS_FILE, log_live_findings, preflight
 from grpo_lab.trainer_evaluation import TrainerEvaluation
 from grpo_lab.trainer_events import TrainerEvents, TrainOutput
 from grpo_lab.trainer_results import TrainerResults
@@ -131,7 +132,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             self._resume(resume_from_checkpoint)
         total = self.session.engine.total_steps()
         if resume_from_checkpoint:
-            on_main(self.accelerator, "drop metrics.jsonl rows the resumed steps replace",
+            on_main(self.accelerator, "drop logged rows the resumed steps replace",
                     self._drop_logged_steps_after)
         if self.session.global_step < total:
             preflight(self)  # doctor="warn" or "stop": the probe runs before the first step
@@ -232,23 +233,17 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                                 samples_per_step=samples * self.accelerator.num_processes)
 
     def _drop_logged_steps_after(self) -> None:
-        """Remove from ``metrics.jsonl`` the rows of steps after the one resumed from: a run stopped
-        after logging steps it had not checkpointed yet. The resumed run logs those steps again,
-        once (a line cut short by the stop goes too)."""
-        path, step = self.output_dir / "metrics.jsonl", self.session.global_step
-        if not path.exists():
-            return
-        lines = path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if _logged_step(line) <= step]
-        if len(kept) == len(lines):
-            return
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text("".join(kept))
-        os.replace(partial, path)
-        notices.warn(
-            f"{path} held {len(lines) - len(kept)} row(s) logged after step {step}, the step this run resumes from; "
-            "they were removed, and the resumed steps are logged in their place."
-        )
+        """Remove from ``metrics.jsonl`` and ``findings.jsonl`` the rows of steps after the one resumed
+        from: a run stopped after logging steps it had not checkpointed yet. The resumed run logs those
+        steps again, once (a line cut short by the stop goes too)."""
+        step = self.session.global_step
+        for name in ("metrics.jsonl", FINDINGS_FILE):
+            removed = drop_rows_after(self.output_dir / name, step)
+            if removed:
+                notices.warn(
+                    f"{self.output_dir / name} held {removed} row(s) logged after step {step}, the step this run "
+                    "resumes from; they were removed, and the resumed steps are logged in their place."
+                )
 
     def _log(self, row: dict, sinks: list, completions_every: int) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -388,11 +383,3 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
 
         on_main(self.accelerator, f"save the model to {target}", write)
         return target
-
-
-def _logged_step(line: str) -> float:
-    """The step of a ``metrics.jsonl`` line; infinity for one that is not a complete row."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")

@@ -2,20 +2,43 @@
 before the first step, and the log of every finding, preflight and live.
 
 Findings are printed (the main process only) and appended to ``<output_dir>/findings.jsonl``, one
-line per finding: ``step`` (0 for the preflight probe, else the optimizer step whose row the live
-rule read), ``source`` ("doctor" or "live"), ``code``, ``severity``, ``message``, ``evidence`` and
-``fix``. They go to a file of their own rather than into ``metrics.jsonl``, whose rows keep TRL's
-metric names (numbers, one row per step).
+line per finding: ``step`` (for the preflight probe, the step training starts from: 0, or the
+checkpoint's step on a resume; else the optimizer step whose row the live rule read), ``source``
+("doctor" or "live"), ``code``, ``severity``, ``message``, ``evidence`` and ``fix``. They go to a
+file of their own rather than into ``metrics.jsonl``, whose rows keep TRL's metric names (numbers,
+one row per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from grpo_lab.dist import from_main, on_main
 from grpo_lab.doctor import Finding, Findings
 
 FINDINGS_FILE = "findings.jsonl"
+_probe_only = False  # set by probe_only(): train() runs the probe and stops, whatever GRPOConfig.doctor says
+
+
+class ProbeDone(Exception):
+    """Raised by ``train()`` inside :func:`probe_only` once the probe ran: it carries the findings."""
+
+    def __init__(self, findings: Findings):
+        super().__init__("the doctor's probe ran; training was not started")
+        self.findings = findings
+
+
+@contextlib.contextmanager
+def probe_only():
+    """Within it, ``GRPOTrainer.train()`` runs ``session.doctor()`` in place of training and raises
+    :class:`ProbeDone` with the findings (what ``grpo-lab doctor script.py`` runs a script under)."""
+    global _probe_only
+    _probe_only = True
+    try:
+        yield
+    finally:
+        _probe_only = False
 
 
 class DoctorStop(RuntimeError):
@@ -36,10 +59,13 @@ def preflight(trainer) -> None:
     "warn" or "stop", print and record its findings on the main process, and, for "stop", raise
     :class:`DoctorStop` on every process where the main process's probe found an error."""
     mode = trainer.args.doctor
+    if _probe_only:
+        raise ProbeDone(trainer.session.doctor())
     if mode == "off":
         return
     findings = trainer.session.doctor()
-    on_main(trainer.accelerator, f"write {FINDINGS_FILE}", lambda: _record(trainer, findings, 0, "doctor"))
+    step = trainer.session.global_step
+    on_main(trainer.accelerator, f"write {FINDINGS_FILE}", lambda: _record(trainer, findings, step, "doctor"))
     errors = from_main(trainer.accelerator, [f.code for f in findings if f.severity == "error"])
     if mode == "stop" and errors:
         raise DoctorStop(errors, findings)
@@ -57,7 +83,7 @@ def _record(trainer, findings: list[Finding], step: int, source: str) -> None:
         if source == "doctor":
             print(f"doctor: {Findings().summary()}")
         return
-    title = "doctor, before the first step" if source == "doctor" else f"doctor, at step {step}"
+    title = f"doctor, before step {step + 1}" if source == "doctor" else f"doctor, at step {step}"
     print(f"{title}: {Findings(findings).summary()}")
     for finding in findings:
         print(finding)

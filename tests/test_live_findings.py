@@ -42,3 +42,29 @@ def test_a_large_learning_rate_collapses_entropy_and_climbs_the_kl(make_session)
     kl = raised["kl_climbing"]
     assert kl.severity == "warning" and kl.evidence["kl now"] >= 1.5 * kl.evidence["kl before"]
     assert "raise beta" in kl.fix
+
+
+def test_undo_takes_back_the_findings_of_the_steps_it_undoes_and_they_are_raised_again(make_session):
+    session = make_session(reward_funcs=[always(0.0)], max_completion_length=2, max_steps=8, undo_steps=2)
+    session.run(5, progress=False)
+    raised = _codes(session.live_findings)
+    assert raised == [("no_signal_steps", "error", 5), ("truncation_in_training", "error", 5)]
+    session.undo(1)
+    assert session.live_findings == [] and session.findings == []
+    session.run(1, progress=False)  # step 5 again: five steps in a row once more, and the rate limit forgot them
+    assert _codes(session.live_findings) == raised
+    session.run(1, progress=False)
+    assert _codes(session.live_findings) == raised  # step 6 repeats nothing
+
+
+def test_a_saved_session_keeps_its_findings_and_their_rate_limit(make_session, tmp_path):
+    from grpo_lab import GRPOSession
+
+    session = make_session(reward_funcs=[always(0.0)], max_completion_length=2, max_steps=8)
+    session.doctor()
+    session.run(5, progress=False)
+    path = session.save(tmp_path / "saved")
+    loaded = GRPOSession.load(path, reward_funcs=[always(0.0)])
+    assert loaded.findings == session.findings and loaded.live_findings == session.live_findings
+    loaded.run(1, progress=False)
+    assert _codes(loaded.live_findings) == _codes(session.live_findings)  # not raised again at step 6

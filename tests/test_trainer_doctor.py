@@ -31,7 +31,7 @@ def test_doctor_warn_prints_the_findings_and_trains_with_live_ones_logged(task, 
     trainer = _trainer(task, tmp_path, max_completion_length=2, doctor="warn", max_steps=5)
     trainer.train()
     printed = capsys.readouterr().out
-    assert "doctor, before the first step" in printed and "[error] truncation:" in printed
+    assert "doctor, before step 1" in printed and "[error] truncation:" in printed
     assert "doctor, at step 5" in printed and "[error] truncation_in_training:" in printed
     assert trainer.session.global_step == 5 and (tmp_path / "checkpoint-5").exists()
     logged = [(entry["step"], entry["source"], entry["code"]) for entry in _logged(tmp_path)]
@@ -89,5 +89,20 @@ def test_doctor_stop_under_two_processes_stops_both_and_prints_once(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     stops = [(tmp_path / f"out-stop-{rank}.txt").read_text().split(",") for rank in (0, 1)]
     assert stops[0] == stops[1] and "truncation" in stops[0]  # the main process's decision on both
-    assert done.stdout.count("doctor, before the first step") == 1
+    assert done.stdout.count("doctor, before step 1") == 1
     assert {entry["source"] for entry in _logged(out)} == {"doctor"} and list(out.glob("checkpoint-*")) == []
+
+
+def test_a_resume_drops_the_findings_logged_after_its_checkpoint_and_logs_them_once(task, tmp_path):
+    _trainer(task, tmp_path, max_completion_length=2, doctor="warn", max_steps=6, save_steps=4).train()
+    first = [(entry["step"], entry["source"], entry["code"]) for entry in _logged(tmp_path)]
+    assert (5, "live", "truncation_in_training") in first
+    with pytest.warns(UserWarning, match=r"findings.jsonl held \d+ row\(s\) logged after step 4"):
+        resumed = _trainer(task, tmp_path, max_completion_length=2, doctor="warn", max_steps=6, save_steps=4)
+        resumed.train(resume_from_checkpoint=tmp_path / "checkpoint-4")
+    again = [(entry["step"], entry["source"], entry["code"]) for entry in _logged(tmp_path)]
+    assert [e for e in again if e[0] == 0] == [e for e in first if e[0] == 0]
+    assert [step for step, _, _ in again] == sorted(step for step, _, _ in again)
+    assert [e for e in again if e[0] > 4] == [e for e in first if e[0] > 4]  # the live ones, once
+    assert {e for e in again if e[0] == 4} and all(source == "doctor" for step, source, _ in again if step == 4)
+    assert [f.code for f in resumed.session.live_findings].count("truncation_in_training") == 1

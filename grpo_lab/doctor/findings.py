@@ -38,6 +38,16 @@ class Finding:
         """0 for info, 1 for warning, 2 for error."""
         return SEVERITIES.index(self.severity)
 
+    def to_dict(self) -> dict:
+        """The finding as plain values (JSON-ready where its evidence is), for checkpoints and logs."""
+        return {"code": self.code, "severity": self.severity, "message": self.message,
+                "evidence": dict(self.evidence), "fix": self.fix}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Finding:
+        """The finding :meth:`to_dict` wrote."""
+        return cls(values["code"], values["severity"], values["message"], dict(values["evidence"]), values["fix"])
+
     def __str__(self) -> str:
         lines = [f"[{self.severity}] {self.code}: {self.message}"]
         lines += [f"    {name}: {_shown(value)}" for name, value in self.evidence.items()]

@@ -247,21 +247,25 @@ def diagnose_step(history: list[dict], *, beta: float, max_completion_length: in
 
 
 class LiveWatch:
-    """The rate limit of the live rules: what each code was last raised with (see the module docstring)."""
+    """The rate limit of the live rules: every raise of each code (see the module docstring)."""
 
-    def __init__(self):
-        self.raised: dict[str, tuple[int, int, float]] = {}  # code -> (step, severity rank, measure)
+    def __init__(self, raises: list[tuple[str, int, int, float]] = ()):
+        self.raises = [tuple(entry) for entry in raises]  # (code, step, severity rank, measure), in raise order
+
+    def before(self, step: int) -> LiveWatch:
+        """The rate limit as it stood after ``step`` was read: the raises at or before it (an undo to ``step``)."""
+        return LiveWatch([entry for entry in self.raises if entry[1] <= step])
 
     def due(self, diagnosis: Diagnosis, step: int) -> bool:
         """Whether ``diagnosis`` at ``step`` is raised; if so, it is recorded as raised."""
         finding = diagnosis.finding
-        last = self.raised.get(finding.code)
+        last = next((entry for entry in reversed(self.raises) if entry[0] == finding.code), None)
         if last is not None:
-            last_step, rank, measure = last
+            _, last_step, rank, measure = last
             if not (finding.rank > rank or diagnosis.measure >= WORSENED_BY * measure
                     or step - last_step >= REPEAT_AFTER_STEPS):
                 return False
-        self.raised[finding.code] = (step, finding.rank, diagnosis.measure)
+        self.raises.append((finding.code, step, finding.rank, diagnosis.measure))
         return True
 
     def new_findings(self, history: list[dict], *, beta: float, max_completion_length: int) -> list[Finding]:
