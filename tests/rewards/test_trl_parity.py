@@ -1,0 +1,96 @@
+"""The library's TRL-named reward functions give TRL 1.16's values (and log TRL's columns) on the
+same completions."""
+
+import importlib.util
+import random
+
+import pytest
+
+import grpo_lab.rewards as ours
+
+trl_rewards = pytest.importorskip("trl.rewards")
+
+needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
+                                       reason="math-verify is not installed (pip install 'grpo_lab[math]')")
+
+TEXTS = [
+    r"The answer is \boxed{\frac{1}{2}}.",
+    r"Dividing gives \boxed{0.5}",
+    r"So \boxed{\frac{1}{3}}",
+    "I have no idea.",
+    r"Final answer: $\frac{1}{2}$",
+    r"\boxed{2}",
+    r"The answer is \boxed{3 \text{ cm}}",
+    r"<think>\nI think it is \boxed{7}\n</think>\nSo \boxed{\frac{1}{2}}",
+    "<think>\nstep 1\nstep 2\n</think>\nThe answer is 4.",
+    "<think>unfinished \\boxed{\\frac{1}{2}}",
+    "<think>a</think><think>b</think> \\boxed{2}",
+    r" <think>x</think> \boxed{2}",
+    r"\boxed{x^2 + 2x + 1}",
+    r"\boxed{(x+1)^2}",
+    "",
+]
+SOLUTIONS = [r"\frac{1}{2}"] * 5 + ["2", "3", r"\frac{1}{2}", "4", r"\frac{1}{2}", "2", "not parseable",
+                                   r"$(x+1)^2$", r"$x^2+2x+1$", "5"]
+COMPLETIONS = [[{"role": "assistant", "content": text}] for text in TEXTS]
+
+
+def logged(func, *args, **kwargs):
+    extras = {}
+    values = func(*args, log_extra=lambda name, column: extras.update({name: column}), **kwargs)
+    return values, extras
+
+
+@needs_math_verify
+def test_accuracy_reward_matches_trl():
+    assert logged(ours.accuracy_reward, COMPLETIONS, SOLUTIONS) == logged(trl_rewards.accuracy_reward, COMPLETIONS,
+                                                                          SOLUTIONS)
+    assert ours.accuracy_reward(TEXTS, SOLUTIONS) == trl_rewards.accuracy_reward(COMPLETIONS, SOLUTIONS)
+
+
+@needs_math_verify
+@pytest.mark.parametrize("delimiters", [None, ["</think>"], ["</answer>", "</think>"]])
+def test_reasoning_accuracy_reward_matches_trl(delimiters):
+    mine = logged(ours.reasoning_accuracy_reward, COMPLETIONS, SOLUTIONS, reasoning_delimiters=delimiters)
+    theirs = logged(trl_rewards.reasoning_accuracy_reward, COMPLETIONS, SOLUTIONS, reasoning_delimiters=delimiters)
+    assert mine == theirs
+
+
+@needs_math_verify
+@pytest.mark.parametrize("options", [{}, dict(min_value_wrong=-2.0, max_value_wrong=0.0, min_value_correct=0.25,
+                                              max_value_correct=3.0)])
+def test_cosine_scaled_reward_matches_trl(options):
+    completion_ids = [[1] * length for length in (0, 1, 10, 25, 49, 50, 51, 75, 99, 100, 101, 150, 3, 60, 80)]
+    mine = ours.get_cosine_scaled_reward(100, **options)
+    theirs = trl_rewards.get_cosine_scaled_reward(100, **options)
+    assert mine.__name__ == theirs.__name__
+    kwargs = dict(completions=COMPLETIONS, solution=SOLUTIONS, completion_ids=completion_ids)
+    assert mine(**kwargs) == theirs(**kwargs)
+
+
+def test_think_format_reward_matches_trl():
+    texts = TEXTS + ["<think>\n\n</think>", "<think></think>", "</think>", "<think>\na\n</think>\n<think>",
+                     "<THINK>a</THINK>", "<think>a\n</think>\nb\n\nc"]
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    assert ours.think_format_reward(completions) == trl_rewards.think_format_reward(completions)
+    assert ours.think_format_reward(texts) == trl_rewards.think_format_reward(completions)
+
+
+@pytest.mark.parametrize("max_len, cache", [(100, 20), (50, 0), (10, 10), (64, 1)])
+def test_soft_overlong_punishment_matches_trl(max_len, cache):
+    completion_ids = [[3] * length for length in range(0, 2 * max_len + 2)]
+    mine = ours.get_soft_overlong_punishment(max_len, cache)
+    theirs = trl_rewards.get_soft_overlong_punishment(max_len, cache)
+    assert mine.__name__ == theirs.__name__
+    assert mine(completion_ids=completion_ids) == theirs(completion_ids=completion_ids)
+
+
+@pytest.mark.parametrize("ngram_size, max_penalty", [(3, -1.0), (1, -1.0), (2, -0.5), (4, -2.0), (3, 0.0)])
+def test_repetition_penalty_matches_trl(ngram_size, max_penalty):
+    generator = random.Random(ngram_size)
+    completion_ids = [[generator.randrange(vocabulary) for _ in range(length)]
+                      for vocabulary in (2, 5, 50) for length in (0, 1, 2, 3, 4, 7, 20, 100)]
+    mine = ours.get_repetition_penalty_reward(ngram_size, max_penalty)
+    theirs = trl_rewards.get_repetition_penalty_reward(ngram_size, max_penalty)
+    assert mine.__name__ == theirs.__name__
+    assert mine(completion_ids=completion_ids) == theirs(completion_ids=completion_ids)
