@@ -247,3 +247,25 @@ def test_a_finding_refuses_an_unknown_severity(severity):
 
     with pytest.raises(ValueError, match="severity must be one of"):
         Finding("x", severity, "m")
+
+
+def test_a_stop_string_the_model_never_writes_is_named(make_session):
+    findings = make_session(generation_kwargs={"stop_strings": ["@@never@@"]}, max_completion_length=4).doctor()
+    stop = next(f for f in findings if f.code == "stop_never_matched")
+    assert stop.severity == "warning"  # the completions it was to end are truncated
+    assert stop.evidence["stop strings"] == ["@@never@@"] and "rely on the EOS token" in stop.fix
+
+
+def test_a_context_and_completion_limit_far_past_the_probe_forecast_a_memory_shortfall(task, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # the shipped model with room for 100,000 positions (its rotary embedding has no learned table)
+    model = AutoModelForCausalLM.from_pretrained(task.model, max_position_embeddings=100_000)
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_completion_length": 20_000})
+    session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          processing_class=AutoTokenizer.from_pretrained(task.model))
+    forecast = next(f for f in session.doctor() if f.code == "memory_forecast")
+    assert forecast.severity == "warning" and "out-of-memory" in forecast.message
+    evidence = forecast.evidence
+    assert evidence["worst-case sequence length"] > 20_000 > evidence["probe sequence length"]
+    assert evidence["scale"] > 100 and "per_device_train_batch_size" in forecast.fix

@@ -9,9 +9,14 @@ def _codes(findings):
     return [(finding.code, finding.severity, finding.evidence.get("step")) for finding in findings]
 
 
-def test_the_healthy_small_config_raises_nothing_above_info_over_20_steps(make_session):
-    session = make_session(max_steps=20)
-    session.run(20, progress=False)
+def test_the_demo_configuration_raises_nothing_above_info_in_doctor_or_over_its_100_steps(task, tmp_path):
+    from grpo_lab import GRPOSession
+
+    config = task.config(output_dir=str(tmp_path))
+    assert config.max_steps == 100  # what `grpo-lab demo` runs
+    session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+    assert session.doctor().above("info") == []
+    session.run(100, progress=False)
     assert [f for f in session.live_findings if f.severity != "info"] == [], _codes(session.live_findings)
 
 
@@ -68,3 +73,22 @@ def test_a_saved_session_keeps_its_findings_and_their_rate_limit(make_session, t
     assert loaded.findings == session.findings and loaded.live_findings == session.live_findings
     loaded.run(1, progress=False)
     assert _codes(loaded.live_findings) == _codes(session.live_findings)  # not raised again at step 6
+
+
+def test_a_reward_for_length_rises_while_correctness_does_not(make_session):
+    def correctness_reward(completions, **kwargs):  # the task made too hard for this model: never correct
+        return [0.0] * len(completions)
+
+    def verbosity(completion_ids, **kwargs):  # pays for length alone
+        return [len(ids) / 32 for ids in completion_ids]
+
+    session = make_session(reward_funcs=[correctness_reward, verbosity], max_completion_length=32, max_steps=12)
+    session.run(12, progress=False)
+    raised = [f for f in session.live_findings if f.code == "reward_rising_with_length"]
+    assert raised, _codes(session.live_findings)
+    finding = raised[0]
+    assert finding.severity == "warning" and "'correctness_reward'" in finding.message
+    early, now = (float(v) for v in finding.evidence["completions/mean_length early/now"].split("/"))
+    assert now >= 1.5 * early
+    assert finding.evidence["rewards/correctness_reward/mean early/now"] == "0/0"
+    assert "reward_weights" in finding.fix and "max_completion_length" in finding.fix
