@@ -351,3 +351,29 @@ trainer.close()
     assert (tmp_path / "out" / "checkpoint-3" / "COMPLETE").exists()
     health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server}/health", timeout=10).read())
     assert health["version"] == 3
+
+
+def test_the_doctor_names_a_server_serving_other_weights_than_the_trainers(task, server, tmp_path):
+    # the server serves the shipped model; the trainer starts from another checkpoint of it (the
+    # shipped weights moved by noise), as a run does whose server was started on the wrong model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3 * parameter.std())
+    config = task.config(max_steps=5, use_vllm=True, vllm_mode="server", vllm_server_port=server,
+                         vllm_server_host="127.0.0.1", output_dir=str(tmp_path))
+    session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          processing_class=load_tokenizer(task.model), peft_config=lora())
+    try:
+        gap = next(f for f in session.doctor() if f.code == "vllm_logprob_gap")
+        assert gap.severity == "warning" and gap.evidence["sampling/sampling_logp_difference/mean"] > 0.05
+        assert "--dtype" in gap.fix and "stale weights" in gap.message
+        session.run(5, progress=False)
+        drift = [f for f in session.live_findings if f.code == "importance_ratio_drift"]
+        assert [f.evidence["step"] for f in drift] == [5], [(f.code, f.evidence) for f in session.live_findings]
+        assert abs(drift[0].evidence["sampling/importance_sampling_ratio/mean"] - 1) > 0.2
+    finally:
+        session.close()
