@@ -1,6 +1,6 @@
 """Train from a YAML recipe, for runs that never open a notebook (``grpo-lab train recipe.yaml``).
 
-A recipe holds ``GRPOConfig`` fields plus four optional keys:
+A recipe holds ``GRPOConfig`` fields plus five optional keys:
 
 .. code-block:: yaml
 
@@ -8,9 +8,29 @@ A recipe holds ``GRPOConfig`` fields plus four optional keys:
     reward_funcs:                  # "module:function"; default: the embedded task's rewards
       - grpo_lab.tasks.addition:correctness_reward   # modules beside the recipe or in the working
                                                      # directory import too (my_rewards:fn)
-    train_dataset: default_task    # "default_task" or a directory written by Dataset.save_to_disk
-    eval_dataset: default_task
+    train_dataset: default_task    # "default_task", a directory written by Dataset.save_to_disk,
+                                   # or a mapping (below)
+    eval_dataset: default_task     # default: the embedded task's, where train_dataset is too; else none
+    peft:                          # train a LoRA adapter: peft.LoraConfig's fields (task_type CAUSAL_LM)
+      r: 16
+      lora_alpha: 32
+      target_modules: all-linear
     learning_rate: 1.0e-4          # any GRPOConfig field
+
+A dataset given as a mapping:
+
+.. code-block:: yaml
+
+    train_dataset:
+      path: openai/gsm8k           # a local .jsonl/.json/.csv/.parquet file (one split), a directory
+                                   # written by save_to_disk, or a Hugging Face Hub dataset id; a
+                                   # relative path is looked up beside the recipe, then in the working
+                                   # directory
+      name: main                   # hub only: the dataset's configuration
+      split: train                 # hub, or a saved DatasetDict (default: train)
+      map: gsm8k_data:to_grpo_row  # optional "module:function", called on each row (a dict); the rows
+                                   # it returns (a prompt, and the columns reward functions read)
+                                   # replace the original columns
 """
 
 from __future__ import annotations
@@ -22,7 +42,10 @@ import sys
 from pathlib import Path
 
 
-RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset")
+RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset", "peft")
+DATASET_KEYS = ("path", "name", "split", "map")
+"""The keys of a dataset given as a mapping (see the module docstring)."""
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 def import_object(reference: str, search: tuple[Path, ...] = ()):
@@ -46,12 +69,68 @@ def import_object(reference: str, search: tuple[Path, ...] = ()):
     return getattr(imported, attribute)
 
 
-def _dataset(reference, task, split: str):
+def _dataset(reference, task, split: str, where: str, search: tuple[Path, ...]):
     if reference in (None, "default_task"):
         return getattr(task, f"{split}_dataset")
+    if isinstance(reference, dict):
+        return _mapped_dataset(reference, f"{where}: {split}_dataset", search)
+    if not isinstance(reference, str):
+        raise ValueError(f"{where}: {split}_dataset must be 'default_task', a directory written by save_to_disk, or "
+                         f"a mapping with {', '.join(DATASET_KEYS)}; got {reference!r}.")
     from datasets import load_from_disk
 
     return load_from_disk(str(reference))
+
+
+def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...]):
+    """A dataset given as a mapping of ``DATASET_KEYS``: loaded, then mapped row by row."""
+    from datasets import load_dataset, load_from_disk
+
+    unknown = sorted(set(spec) - set(DATASET_KEYS))
+    if unknown or not isinstance(spec.get("path"), str):
+        problem = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'path' (a string)"
+        raise ValueError(f"{where} has {problem}; its keys are {', '.join(DATASET_KEYS)} (path required), e.g. "
+                         "{path: data/train.jsonl, map: my_data:to_row}.")
+    path = next((folder / spec["path"] for folder in search if (folder / spec["path"]).exists()), None)
+    if path is not None and path.is_file():
+        if path.suffix not in FILE_BUILDERS or {"name", "split"} & set(spec):
+            raise ValueError(f"{where}: {path} is a local file, read as one split: give a "
+                             f"{'/'.join(FILE_BUILDERS)} file without 'name' or 'split'.")
+        dataset = load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+    elif path is not None:
+        dataset = load_from_disk(str(path))
+        if isinstance(dataset, dict):  # a DatasetDict saved whole: one of its splits
+            dataset = dataset[spec.get("split", "train")]
+    else:
+        try:
+            dataset = load_dataset(spec["path"], spec.get("name"), split=spec.get("split", "train"))
+        except Exception as error:
+            raise ValueError(f"{where}: {spec['path']!r} is neither a file nor a folder here, and loading it as a Hub "
+                             f"dataset failed ({type(error).__name__}: {error}). Check the path, or the network "
+                             "(HF_HUB_OFFLINE=1 allows only datasets already in the cache).") from error
+    if "map" in spec:
+        dataset = dataset.map(import_object(spec["map"], search), remove_columns=dataset.column_names)
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"{where}: the dataset's columns are {', '.join(dataset.column_names)}, without 'prompt'; "
+                         "give 'map: module:function' returning a dict with a prompt (and the columns your reward "
+                         "functions read) for each row.")
+    return dataset
+
+
+def _peft_config(spec, where: str):
+    """``peft.LoraConfig`` from the recipe's ``peft`` mapping (None: full fine-tuning)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: peft must be a mapping of peft.LoraConfig fields, e.g. "
+                         f"{{r: 16, lora_alpha: 32, target_modules: all-linear}}; got {spec!r}.")
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **spec})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: peft: {error} (its keys are peft.LoraConfig's fields: r, lora_alpha, "
+                         "lora_dropout, target_modules...).") from error
 
 
 def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
@@ -94,10 +173,14 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
                 f"not a string; give each entry as 'module:function' text, e.g. '- my_rewards:length_reward'{hint}."
             )
     funcs = [import_object(r, search) for r in setup["reward_funcs"]] if setup["reward_funcs"] else task.reward_funcs
+    own_data = setup["train_dataset"] not in (None, "default_task")
+    where = str(recipe_path)
     return GRPOTrainer(
         setup["model"] or task.model, funcs, args=config,
-        train_dataset=_dataset(setup["train_dataset"], task, "train"),
-        eval_dataset=_dataset(setup["eval_dataset"], task, "eval"),
+        train_dataset=_dataset(setup["train_dataset"], task, "train", where, search),
+        eval_dataset=None if own_data and setup["eval_dataset"] is None else _dataset(
+            setup["eval_dataset"], task, "eval", where, search),
+        peft_config=_peft_config(setup["peft"], where),
     )
 
 

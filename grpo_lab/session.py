@@ -29,6 +29,7 @@ from grpo_lab.session_doctor import SessionDoctor
 from grpo_lab.session_experiments import SessionExperiments
 from grpo_lab.session_files import SessionFiles
 from grpo_lab.session_loops import SessionLoops
+from grpo_lab.session_rewards import SessionRewards, log_entry, shown_columns
 from grpo_lab.session_views import SessionViews
 from grpo_lab.stages import RANDOM_STATE_LOCK, STAGES, StageOrderError, check_stage_order, drives_stages
 from grpo_lab.state import rng_state, set_rng_state
@@ -37,7 +38,7 @@ from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 __all__ = ["GRPOSession", "STAGES", "StageOrderError"]
 
 
-class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, SessionDoctor):
+class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, SessionDoctor, SessionRewards):
     """Stateful, stage-by-stage GRPO. Same arguments as :class:`grpo_lab.GRPOTrainer`."""
 
     def __init__(
@@ -153,7 +154,7 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
     @property
     def completions_log(self) -> pd.DataFrame:
         """Every scored completion of every step: step, prompt, completion, rewards, advantage."""
-        frames = [pd.DataFrame(columns) for columns in self._completion_log]
+        frames = [pd.DataFrame(shown_columns(columns)) for columns in self._completion_log]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     @property
@@ -355,8 +356,7 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
             row["step_time"] = time.perf_counter() - self._step_started
         self._history.append(row)
         if self.batch_step == 0:
-            columns = self.advantages_result.to_dict()
-            self._completion_log.append({"step": [self.global_step] * len(columns["group"]), **columns})
+            self._completion_log.append(log_entry(self.advantages_result, self.global_step))
         # The views show the trained batch (tokens, rewards, advantages) after discard_batch() drops it.
         self.last_trained = self.loss_result
         self.loss_result = None

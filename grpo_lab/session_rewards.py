@@ -1,0 +1,209 @@
+"""GRPOSession's reward workbench: ``try_rewards`` scores completions already generated with other
+reward functions, without generating and without changing the session (the arithmetic:
+:mod:`grpo_lab.reward_trial`); ``use_rewards`` makes them the session's, recorded in
+``config_changes`` like a config edit.
+
+What the history is re-scored from: the completion log (``session._completion_log``, one entry of
+columns per logged batch) shows prompts and completions as text, the rewards and the advantage, but
+not everything reward functions receive. So each entry also keeps, under :data:`REWARD_INPUTS`, the
+rest of what the training call passed, in the smallest form that gives it back exactly (re-deriving
+from the dataset would need the rows' indices, which are not logged, and tokenizing the text again
+does not always give back the sampled token ids):
+
+- ``prompts``: the prompts as the dataset gave them where any is a list of chat messages (None: the
+  ``prompt`` column's text is the prompt);
+- ``completions``: only where a rollout function returned completions of its own (None: they are
+  the ``completion`` text, wrapped as one assistant message for a conversational prompt);
+- ``completion_ids``: each completion's token ids as int32 bytes (4 bytes a token; a list of Python
+  ints takes 8 to 36);
+- ``columns``: the dataset's columns (``answer``...), None for a column the entry shows already.
+
+``session.completions_log`` leaves that key out. The entries travel with ``save``/``load``, undo
+and fork as the log does (a value a checkpoint cannot store, an image, is kept as its text).
+Batches logged without it, by a grpo_lab that did not keep it, are left out with a warning.
+Environment instances are live objects and are not kept: a function that reads ``environments=``
+can be tried on the held batch only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from grpo_lab import notices
+from grpo_lab.engine_build import reward_functions
+from grpo_lab.reward_trial import AdvantageSettings, RewardTrial, TrialBatch, batch_advantages, run_trial
+from grpo_lab.rewards.preparation import check_reward_weights, reward_func_name, weights_tensor
+from grpo_lab.rollout.environments import user_reward_funcs
+from grpo_lab.rollout.prompts import is_conversational, wrap_completions
+from grpo_lab.stages import StageOrderError, drives_stages
+from grpo_lab.state import rng_state, set_rng_state
+from grpo_lab.types import Advantages, Rollout
+
+REWARD_INPUTS = "reward_inputs"
+"""The key of a completion-log entry that holds what reward functions received besides the shown
+columns (see the module docstring)."""
+
+
+def completion_id_lists(rollout: Rollout) -> list[list[int]]:
+    """Each completion's token ids without padding, as reward functions receive them."""
+    return [  # as Python lists: one indexing call per row would take longer than the rewards
+        [token for token, kept in zip(ids, mask) if kept]
+        for ids, mask in zip(rollout.completion_ids_BT.tolist(), rollout.completion_mask_BT.tolist())
+    ]
+
+
+def log_entry(advantages: Advantages, step: int) -> dict:
+    """A completion-log entry for a batch first trained at ``step``: ``advantages``' columns, the step,
+    and under :data:`REWARD_INPUTS` what reward functions receive beyond them."""
+    columns = advantages.to_dict()
+    rollout = advantages.scores.rollout
+    conversational = any(is_conversational(prompt) for prompt in rollout.prompts)
+    prompts = list(rollout.prompts) if conversational else None
+    own_completions = rollout.completions != wrap_completions(rollout.prompts, rollout.completion_texts)
+    inputs = {
+        "prompts": prompts,
+        "completions": list(rollout.completions) if own_completions else None,
+        "completion_ids": [np.asarray(ids, dtype=np.int32).tobytes() for ids in completion_id_lists(rollout)],
+        "columns": {name: None if columns.get(name) == list(values) else list(values)
+                    for name, values in rollout.columns.items()},
+    }
+    return {"step": [step] * len(columns["group"]), **columns, REWARD_INPUTS: inputs}
+
+
+def shown_columns(entry: dict) -> dict:
+    """A completion-log entry without :data:`REWARD_INPUTS`: the columns ``completions_log`` shows."""
+    return {name: values for name, values in entry.items() if name != REWARD_INPUTS}
+
+
+def _logged_batch(entry: dict) -> TrialBatch:
+    inputs = entry[REWARD_INPUTS]
+    prompts = list(entry["prompt"]) if inputs["prompts"] is None else inputs["prompts"]
+    texts = list(entry["completion"])
+    return TrialBatch(
+        step=int(entry["step"][0]), prompts=prompts,
+        completions=wrap_completions(prompts, texts) if inputs["completions"] is None else inputs["completions"],
+        completion_ids=[np.frombuffer(ids, dtype=np.int32).tolist() for ids in inputs["completion_ids"]],
+        columns={name: list(entry[name]) if values is None else values for name, values in inputs["columns"].items()},
+        prompt_texts=list(entry["prompt"]), completion_texts=texts,
+        current_B=torch.tensor(entry["reward"], dtype=torch.float32),
+        current_advantages_B=torch.tensor(entry["advantage"], dtype=torch.float32),
+    )
+
+
+def _checked_weights(weights, funcs: list) -> list[float] | None:
+    """``weights`` as floats, refused unless one finite number per function (or None)."""
+    if weights is None:
+        return None
+    if not isinstance(weights, (list, tuple)) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be a list of finite numbers, one per reward function; got {weights!r}.")
+    check_reward_weights(list(weights), funcs)
+    return [float(w) for w in weights]
+
+
+class SessionRewards:
+    """GRPOSession's ``try_rewards`` and ``use_rewards`` (see the module docstring)."""
+
+    @drives_stages
+    def try_rewards(self, funcs, on: str = "batch", weights: list[float] | None = None, *, k: int = 5) -> RewardTrial:
+        """Score completions already generated with the reward functions ``funcs`` (one, or a list)
+        and compare them with the current rewards; nothing in the session changes (weights, random
+        state, batch, history, reward functions).
+
+        ``on="batch"``: the held batch (generated, or scored: only a scored one has current rewards
+        to compare with); ``on="history"``: every completion logged so far (``completions_log``,
+        each batch as it was first trained; see :mod:`grpo_lab.session_rewards` for what is kept).
+        The functions are called as training calls them (``grpo_lab.rewards.score_completions``,
+        TRL's keyword arguments, one call per batch, ``trainer_state`` at the batch's step) and the
+        advantages come from the engine's advantage function with the session's config.
+        ``weights``: one per function, for their weighted ``total`` (what ``use_rewards(funcs,
+        weights)`` would train on). ``k``: the completions to show per function where the new and
+        the current rewards rank them most differently. Returns a :class:`RewardTrial`
+        (``to_pandas()``, ``completions``, ``disagreements``, ``figure()``)."""
+        if on not in ("batch", "history"):
+            raise ValueError(f"try_rewards(on=...) takes 'batch' (the held batch) or 'history' (every logged "
+                             f"completion), got {on!r}.")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"try_rewards(k=...) takes a whole number of examples >= 0, got {k!r}.")
+        engine = self.engine
+        if engine.accelerator.num_processes > 1:
+            raise RuntimeError("try_rewards runs in one process (a notebook); under accelerate launch each process "
+                               "holds a share of every batch.")
+        batches = self._held_batch() if on == "batch" else self._logged_batches()
+        funcs, classes, names = reward_functions(funcs, None, self.config, list(batches[0].columns),
+                                                 engine.accelerator.device)
+        weights = _checked_weights(weights, funcs)
+        config = self.config
+        settings = AdvantageSettings(config.num_generations, config.scale_rewards, config.multi_objective_aggregation)
+        random = rng_state()
+        try:
+            return run_trial(batches, funcs, classes, names, weights, settings=settings, k=k, on=on,
+                             trainer_state=engine.trainer_state(), reward_timeout=config.reward_timeout)
+        finally:
+            set_rng_state(random)  # a reward function that draws leaves the session's stream where it was
+
+    def _held_batch(self) -> list[TrialBatch]:
+        rollout, engine = self.rollout, self.engine
+        if rollout is None:
+            logged = sum(len(entry["step"]) for entry in self._completion_log)
+            raise StageOrderError(
+                "try_rewards(on='batch') scores the held batch, and there is none: the next stage is generate(). "
+                f"Call session.generate() first, or try_rewards(funcs, on='history') for the {logged} completions "
+                "logged so far."
+            )
+        columns = rollout.columns if engine.environments is None else engine.environments.scoring_columns(rollout)
+        current = advantages = None
+        if self.scores is not None:
+            own = 0 if engine.environments is None else len(engine.environments.reward_funcs)
+            weights_F = weights_tensor(self.config.reward_weights, self.scores.reward_names, own)
+            config = self.config
+            settings = AdvantageSettings(config.num_generations, config.scale_rewards,
+                                         config.multi_objective_aggregation)
+            stats = batch_advantages(self.scores.rewards_BF.cpu(), weights_F, settings)
+            current, advantages = stats.rewards_B, stats.advantages_B
+        return [TrialBatch(
+            step=self.global_step - self.batch_step + 1, prompts=rollout.prompts, completions=rollout.completions,
+            completion_ids=completion_id_lists(rollout), columns=columns, prompt_texts=rollout.to_dict()["prompt"],
+            completion_texts=list(rollout.completion_texts), current_B=current, current_advantages_B=advantages,
+        )]
+
+    def _logged_batches(self) -> list[TrialBatch]:
+        entries = [entry for entry in self._completion_log if len(entry["step"])]
+        kept = [entry for entry in entries if REWARD_INPUTS in entry]
+        if not kept:
+            raise StageOrderError(
+                "try_rewards(on='history') scores the completions logged so far, and there are none"
+                + (" that kept the reward functions' inputs (they were logged by an earlier grpo_lab)" if entries
+                   else ": the log grows with each optimizer step") + ". Call session.step() first, or try_rewards("
+                "funcs, on='batch') on a generated batch."
+            )
+        if len(kept) < len(entries):
+            notices.warn(f"try_rewards(on='history'): {len(entries) - len(kept)} logged batch(es) were logged without "
+                         "the reward functions' inputs (by an earlier grpo_lab) and are left out.")
+        return [_logged_batch(entry) for entry in kept]
+
+    @drives_stages
+    def use_rewards(self, funcs, weights: list[float] | None = None) -> None:
+        """Make ``funcs`` (one, or a list) the session's reward functions, weighted by ``weights`` (one
+        per function; None: 1 each), in one edit recorded in ``config_changes`` as ``reward_funcs``
+        (old and new: the functions' names) and ``reward_weights``, from the next optimizer step, as
+        a config edit is; the dashboard marks it on the curves. A held batch not trained on yet is
+        scored again (its scores are dropped: the next stage is score()); a half-used batch keeps
+        its rewards. Refused, with nothing changed, where a function cannot be called as training
+        calls it or the weights do not match. An environment's ``get_reward`` stays, last. ``undo()``
+        puts back the config and its record but not the functions, which no saved state holds: call
+        ``use_rewards`` again with the old ones."""
+        listed = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        weights = _checked_weights(weights, listed)
+        old_names = [reward_func_name(func) for func in user_reward_funcs(self.engine)]
+        old_weights = self._applied_config.get("reward_weights")
+        self.reward_funcs = listed  # checks every function first: a refusal changes nothing
+        self.config.reward_weights = weights
+        self._applied_config["reward_weights"] = None if weights is None else list(weights)
+        self._record_change("reward_funcs", old_names, [reward_func_name(f) for f in user_reward_funcs(self.engine)])
+        self._record_change("reward_weights", old_weights, weights)
+        if self.scores is not None and self.batch_step == 0:
+            self.scores = self.advantages_result = self.loss_result = None
