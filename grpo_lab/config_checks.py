@@ -18,6 +18,7 @@ from typing import Any
 
 from grpo_lab.config_args import normalise
 from grpo_lab.config_trainer_args import check_trainer_arguments
+from grpo_lab.doctor.thresholds import check_config as check_doctor_thresholds
 from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high, loss_spec
 from grpo_lab.reporting import SUPPORTED_REPORTERS
 
@@ -55,9 +56,7 @@ NOT_YET_IMPLEMENTED = {
 but their default, with the reason (never silently ignored)."""
 
 def validate(config) -> None:
-    """Check every field of ``config``; raise ``ValueError`` (bad value) or ``NotImplementedError`` (a TRL
-    field grpo_lab does not support yet set to a non-default value). Normalises TRL's aliases
-    (``scale_rewards`` True/False, JSON strings for dict fields, ``report_to`` lists)."""
+    """Check and normalise every field of ``config``, as :meth:`GRPOConfig.validate` describes."""
     normalise(config)
     _check_choices(config)
     _check_counts(config)
@@ -67,6 +66,7 @@ def validate(config) -> None:
     _check_ranges(config)
     _check_reward_weights(config)
     _check_generation(config)
+    check_doctor_thresholds(config)
     if config.bf16 and config.fp16:
         raise ValueError("bf16 and fp16 cannot both be True: choose one mixed precision.")
     if config.fp16 and config.use_cpu:

@@ -331,6 +331,12 @@ class GRPOFields:
         on. "stop": the same, but raise, before any step and checkpoint, when a finding is an error. The findings
         also go to output_dir/findings.jsonl, with the live findings the session raises after each step
         (docs/troubleshooting.md).""")
+    doctor_thresholds: dict[str, Any] | str | None = setting(None, "live", """grpo_lab only: thresholds of
+        ``session.doctor()`` and of the live findings to override, by name, e.g. ``{"truncation_warning": 0.2,
+        "persistent_steps": 3}`` (a dict, or JSON on the command line); the others keep their defaults. Every
+        threshold, its default, the values it takes and the findings it governs: docs/troubleshooting.md,
+        "Thresholds". An unknown name or a value out of range is refused. An edit applies from the next
+        ``doctor()`` or the next step's live rules. None: every default.""")
     keep_freed_cpu_memory: bool = built(True, "process", """grpo_lab only: training on a CPU with glibc, keep the
         memory each step frees for the next step instead of returning it to the OS (``grpo_lab/accel/host_memory.py``),
         as PyTorch's CUDA allocator does on a GPU: otherwise every step's activations come back as fresh pages that the

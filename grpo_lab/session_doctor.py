@@ -7,6 +7,7 @@ from __future__ import annotations
 from grpo_lab.doctor import Finding, Findings
 from grpo_lab.doctor.live import LiveWatch
 from grpo_lab.doctor.probe import diagnose
+from grpo_lab.doctor.thresholds import resolve
 from grpo_lab.stages import drives_stages
 
 
@@ -24,7 +25,8 @@ class SessionDoctor:
         reward functions that give no signal, prompt groups too easy or too hard, a chat template or
         EOS token that is wrong, compute spent on zero advantages, a memory shortfall, a vLLM
         log-prob gap; and what the loss will show (``Findings``, most severe first; each with its
-        cause, evidence and fix).
+        cause, evidence and fix). The rules compare with the thresholds of
+        ``config.doctor_thresholds`` (their defaults: docs/troubleshooting.md, "Thresholds").
 
         The session is left as it was: weights, gradients, optimizer, random states, the sampler's
         position, a half-used batch (and a pending loss()), history and config. Config edits made
@@ -46,12 +48,14 @@ class SessionDoctor:
         return Findings([*(self._findings or []), *self._live_findings])
 
     def _diagnose_step(self) -> list[Finding]:
-        """Read the live rules over the history after an optimizer step; keep and announce (event
-        ``"finding"``, one per finding) those the rate limit lets through, and return them."""
+        """Read the live rules over the history after an optimizer step, under the thresholds of
+        ``config.doctor_thresholds`` as it stands (an edit applies from the next step); keep and announce
+        (event ``"finding"``, one per finding) those the rate limit lets through, and return them."""
         if self._live_watch is None:
             self._live_watch, self._live_findings = LiveWatch(), []
         new = self._live_watch.new_findings(self._history, beta=self.config.beta,
-                                            max_completion_length=self.config.max_completion_length)
+                                            max_completion_length=self.config.max_completion_length,
+                                            thresholds=resolve(self.config.doctor_thresholds))
         self._live_findings.extend(new)
         for finding in new:
             self._notify("finding", finding)

@@ -269,3 +269,37 @@ def test_a_context_and_completion_limit_far_past_the_probe_forecast_a_memory_sho
     evidence = forecast.evidence
     assert evidence["worst-case sequence length"] > 20_000 > evidence["probe sequence length"]
     assert evidence["scale"] > 100 and "per_device_train_batch_size" in forecast.fix
+
+
+def _truncated_share(finding) -> float:
+    cut, total = finding.evidence["truncated"].split(" (")[0].split(" of ")
+    return int(cut) / int(total)
+
+
+def test_a_threshold_override_changes_the_truncation_finding_of_the_same_probe(make_session):
+    from grpo_lab.doctor.thresholds import DEFAULTS
+
+    session = make_session(max_completion_length=2)
+    # the shortest limit whose probe cuts some completions but not most: a warning at the defaults
+    for limit in range(2, 17):
+        session.config.max_completion_length = limit
+        before = session.doctor()
+        found = [finding for finding in before if finding.code == "truncation"]
+        if found and found[0].severity == "warning":
+            break
+    else:
+        pytest.fail("no max_completion_length from 2 to 16 gives a truncation warning on the probe")
+    share = _truncated_share(found[0])
+    assert DEFAULTS.truncation_warning <= share <= DEFAULTS.truncation_error
+    others = [code for code in before.codes if code != "truncation"]
+    # the same probe batch (doctor() leaves the session as it was), read under other thresholds
+    session.config.doctor_thresholds = {"truncation_warning": min(1.0, share + 0.01), "truncation_error": 1.0}
+    assert session.doctor().codes == others
+    session.config.doctor_thresholds = {"truncation_error": share / 2}
+    assert DEFAULTS.truncation_warning <= share / 2
+    assert _only(session.doctor(), "truncation").severity == "error"
+    session.config.doctor_thresholds = {"truncation_warn": 0.3}
+    with pytest.raises(ValueError, match="Did you mean 'truncation_warning'"):
+        session.doctor()
+    session.config.doctor_thresholds = None
+    assert _only(session.doctor(), "truncation").severity == "warning"

@@ -92,3 +92,18 @@ def test_a_reward_for_length_rises_while_correctness_does_not(make_session):
     assert now >= 1.5 * early
     assert finding.evidence["rewards/correctness_reward/mean early/now"] == "0/0"
     assert "reward_weights" in finding.fix and "max_completion_length" in finding.fix
+
+
+def test_the_configs_thresholds_apply_to_the_live_rules_from_the_next_step(make_session):
+    session = make_session(reward_funcs=[always(0.0)], max_completion_length=2, max_steps=4,
+                           doctor_thresholds={"persistent_steps": 2})
+    session.run(2, progress=False)
+    assert _codes(session.live_findings) == [("no_signal_steps", "error", 2), ("truncation_in_training", "error", 2)]
+    cut = session.live_findings[1]
+    assert "the last 2 steps" in cut.message and cut.evidence["completions/clipped_ratio, mean of 2 steps"] == 1.0
+    # an edit between steps: the next step's rules read it (the warning threshold, in the evidence)
+    session.config.doctor_thresholds = {"persistent_steps": 2, "repeat_after_steps": 1, "truncation_warning": 0.5}
+    session.run(1, progress=False)
+    assert _codes(session.live_findings)[2:] == [("no_signal_steps", "error", 3),
+                                                 ("truncation_in_training", "error", 3)]
+    assert session.live_findings[3].evidence["threshold"] == 0.5

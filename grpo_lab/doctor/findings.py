@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas loads in to_pandas() only: the config's checks import this package
+    import pandas as pd
 
 SEVERITIES = ("info", "warning", "error")
 """From least to most severe: "info" explains what a run will show (nothing to fix), "warning" costs
@@ -81,6 +83,8 @@ class Findings(list):
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per finding: code, severity, message, evidence (a dict), fix."""
+        import pandas as pd
+
         columns = ["code", "severity", "message", "evidence", "fix"]
         return pd.DataFrame([[getattr(finding, name) for name in columns] for finding in self], columns=columns)
 

@@ -5,10 +5,12 @@ can be tested on hand-made rows.
 A rule returns :class:`Diagnosis` items: the :class:`~grpo_lab.doctor.findings.Finding` and a
 ``measure`` (a number that grows as the cause worsens). :class:`LiveWatch` rate-limits them: a code
 is raised the first time its rule fires, then again only when its severity rises, when its measure
-has grown by :data:`WORSENED_BY` since it was last raised, or when :data:`REPEAT_AFTER_STEPS` steps
-have passed with the rule still firing. A per-step cause must hold on each of the last
-:data:`PERSISTENT_STEPS` steps, so that one noisy step of a small batch is not raised. Every
-threshold is a constant here; docs/troubleshooting.md lists them with each finding.
+has grown by ``worsened_by`` since it was last raised, or when ``repeat_after_steps`` steps have
+passed with the rule still firing. A per-step cause must hold on each of the last
+``persistent_steps`` steps, so that one noisy step of a small batch is not raised. The thresholds
+come in as a :class:`~grpo_lab.doctor.thresholds.Thresholds` (the session passes those of
+``GRPOConfig.doctor_thresholds``; the defaults when none is given); docs/troubleshooting.md lists
+them with each finding.
 """
 
 from __future__ import annotations
@@ -17,36 +19,7 @@ import math
 from typing import NamedTuple
 
 from grpo_lab.doctor.findings import Finding
-from grpo_lab.doctor.rules import TRUNCATION_ERROR, TRUNCATION_WARNING
-
-PERSISTENT_STEPS = 5
-"""Steps in a row a per-step cause (truncation, all groups tied, importance-ratio drift) must hold to be
-raised: on a small batch one step's share is noisy (8 completions: one cut is 12%)."""
-EARLY_STEPS = 3
-"""The first steps whose mean is a metric's early value (the entropy, length and rewards of the start)."""
-RECENT_STEPS = 3
-"""The latest steps whose mean is a metric's current value; a trend compares it with the mean of the
-:data:`RECENT_STEPS` steps before them."""
-ENTROPY_COLLAPSE_FRACTION = 0.25
-"""Entropy below this fraction of its early value has collapsed: the policy samples nearly one token."""
-KL_WARNING = 0.1
-"""Mean per-token KL to the reference (nats) from which a climbing KL is reported (beta > 0)."""
-CLIP_RATIO_WARNING = 0.2
-"""Share of tokens whose ratio is clipped (``clip_ratio/region_mean``) from which a climbing one is reported."""
-CLIMB_FACTOR = 1.5
-"""A metric climbs when its current value is at least this factor of the one before."""
-IMPORTANCE_RATIO_DRIFT = 0.2
-"""|mean trainer/vLLM importance ratio - 1| from which the two engines drift apart."""
-LENGTH_GROWTH = 1.5
-"""Completions this factor longer than early on, while the reward rose, can mean a rewarded length."""
-REWARD_RISE = 0.1
-"""The least rise of the total reward (and of a correctness reward, to count as rising) over its early value."""
-CORRECTNESS_NAMES = ("correct", "accuracy", "answer", "exact", "match", "solve", "pass")
-"""Parts of a reward function's name that mark it as judging correctness."""
-REPEAT_AFTER_STEPS = 25
-"""Steps after which a cause still present is raised again."""
-WORSENED_BY = 1.5
-"""Factor of growth of a finding's measure that raises it again before :data:`REPEAT_AFTER_STEPS`."""
+from grpo_lab.doctor.thresholds import DEFAULTS, Thresholds
 
 
 class Diagnosis(NamedTuple):
@@ -75,34 +48,36 @@ def _streak(history: list[dict], holds) -> int:
     return count
 
 
-def truncation(history: list[dict], *, max_completion_length: int) -> list[Diagnosis]:
-    """The truncated share (``completions/clipped_ratio``) at or above the doctor's warning threshold on
-    each of the last :data:`PERSISTENT_STEPS` steps; an error where their mean is above the doctor's
-    error threshold."""
+def truncation(history: list[dict], *, max_completion_length: int,
+               thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """The truncated share (``completions/clipped_ratio``) at or above ``truncation_warning`` on each of
+    the last ``persistent_steps`` steps; an error where their mean is above ``truncation_error``."""
+    steps, warning = thresholds.persistent_steps, thresholds.truncation_warning
+
     def high(row):
         share = row.get("completions/clipped_ratio")
-        return share is not None and share >= TRUNCATION_WARNING
+        return share is not None and share >= warning
 
-    if _streak(history, high) < PERSISTENT_STEPS:
+    if _streak(history, high) < steps:
         return []
-    share = _mean([row["completions/clipped_ratio"] for row in history[-PERSISTENT_STEPS:]])
+    share = _mean([row["completions/clipped_ratio"] for row in history[-steps:]])
     return [Diagnosis(Finding(
-        "truncation_in_training", "error" if share > TRUNCATION_ERROR else "warning",
-        f"{share:.0%} of the completions of the last {PERSISTENT_STEPS} steps reached max_completion_length="
+        "truncation_in_training", "error" if share > thresholds.truncation_error else "warning",
+        f"{share:.0%} of the completions of the last {steps} steps reached max_completion_length="
         f"{max_completion_length} without an EOS token: the rewards judge answers cut off mid-way.",
-        {"step": history[-1]["step"], f"completions/clipped_ratio, mean of {PERSISTENT_STEPS} steps": share,
+        {"step": history[-1]["step"], f"completions/clipped_ratio, mean of {steps} steps": share,
          "completions/mean_length": history[-1].get("completions/mean_length"),
-         "max_completion_length": max_completion_length, "threshold": TRUNCATION_WARNING},
+         "max_completion_length": max_completion_length, "threshold": warning},
         f"max_completion_length={2 * max_completion_length} (or more), or mask_truncated_completions=True; "
         "session.doctor() suggests a limit from the lengths of the completions that ended.",
     ), share)]
 
 
-def zero_signal(history: list[dict]) -> list[Diagnosis]:
-    """Every prompt group tied (``frac_reward_zero_std`` == 1) on each of the last
-    :data:`PERSISTENT_STEPS` steps or more: their advantages, and with beta 0 their gradients, were zero."""
+def zero_signal(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """Every prompt group tied (``frac_reward_zero_std`` == 1) on each of the last ``persistent_steps``
+    steps or more: their advantages, and with beta 0 their gradients, were zero."""
     streak = _streak(history, lambda row: row.get("frac_reward_zero_std") == 1)
-    if streak < PERSISTENT_STEPS:
+    if streak < thresholds.persistent_steps:
         return []
     row = history[-1]
     return [Diagnosis(Finding(
@@ -115,54 +90,56 @@ def zero_signal(history: list[dict]) -> list[Diagnosis]:
     ), float(streak))]
 
 
-def entropy_collapse(history: list[dict]) -> list[Diagnosis]:
-    """Entropy (mean over the :data:`RECENT_STEPS` latest steps) below
-    :data:`ENTROPY_COLLAPSE_FRACTION` of its early value (the :data:`EARLY_STEPS` first steps)."""
-    entropy = _values(history, "entropy")
-    if len(entropy) < EARLY_STEPS + RECENT_STEPS:
+def entropy_collapse(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """Entropy (mean over the ``recent_steps`` latest steps) below ``entropy_collapse_fraction`` of its
+    early value (the ``early_steps`` first steps)."""
+    entropy, first, last = _values(history, "entropy"), thresholds.early_steps, thresholds.recent_steps
+    fraction = thresholds.entropy_collapse_fraction
+    if len(entropy) < first + last:
         return []
-    early, now = _mean(entropy[:EARLY_STEPS]), _mean(entropy[-RECENT_STEPS:])
-    if not early > 0 or now >= ENTROPY_COLLAPSE_FRACTION * early:
+    early, now = _mean(entropy[:first]), _mean(entropy[-last:])
+    if not early > 0 or now >= fraction * early:
         return []
     return [Diagnosis(Finding(
         "entropy_collapse", "warning",
         f"The policy's token entropy fell to {now:.3g} nats, {now / early:.0%} of its early {early:.3g}: it samples "
         "nearly the same tokens every time, so the completions of a group stop differing and the advantages vanish.",
         {"step": history[-1]["step"], "entropy early": early, "entropy now": now,
-         "threshold": f"{ENTROPY_COLLAPSE_FRACTION:g} x early"},
+         "threshold": f"{fraction:g} x early"},
         "Lower learning_rate, or keep entropy up: entropy_coef > 0 or use_adaptive_entropy=True with entropy_target "
         "near the early entropy; epsilon_high above epsilon (clip-higher) also slows the collapse.",
     ), early / max(now, 1e-12))]
 
 
-def _climb(history: list[dict], name: str, level: float) -> tuple[float, float] | None:
-    """(value before, current value) of ``name`` where the current value (last :data:`RECENT_STEPS`
-    steps) is at least ``level`` and :data:`CLIMB_FACTOR` times the value of the steps before; else None."""
-    values = _values(history, name)
-    if len(values) < 2 * RECENT_STEPS:
+def _climb(history: list[dict], name: str, level: float, thresholds: Thresholds) -> tuple[float, float] | None:
+    """(value before, current value) of ``name`` where the current value (last ``recent_steps`` steps)
+    is at least ``level`` and ``climb_factor`` times the value of as many steps before; else None."""
+    values, recent = _values(history, name), thresholds.recent_steps
+    if len(values) < 2 * recent:
         return None
-    now, before = _mean(values[-RECENT_STEPS:]), _mean(values[-2 * RECENT_STEPS:-RECENT_STEPS])
-    return (before, now) if now >= level and now >= CLIMB_FACTOR * before else None
+    now, before = _mean(values[-recent:]), _mean(values[-2 * recent:-recent])
+    return (before, now) if now >= level and now >= thresholds.climb_factor * before else None
 
 
-def kl_climbing(history: list[dict], *, beta: float) -> list[Diagnosis]:
-    """With beta > 0: the KL to the reference climbing past :data:`KL_WARNING`."""
-    climb = None if beta <= 0 else _climb(history, "kl", KL_WARNING)
+def kl_climbing(history: list[dict], *, beta: float, thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """With beta > 0: the KL to the reference climbing past ``kl_warning``."""
+    climb = None if beta <= 0 else _climb(history, "kl", thresholds.kl_warning, thresholds)
     if climb is None:
         return []
     before, now = climb
     return [Diagnosis(Finding(
         "kl_climbing", "warning",
         f"The KL to the reference model climbed from {before:.3g} to {now:.3g} nats per token over the last "
-        f"{2 * RECENT_STEPS} steps: the policy moves away faster than beta={beta:g} holds it back.",
-        {"step": history[-1]["step"], "kl before": before, "kl now": now, "beta": beta, "threshold": KL_WARNING},
+        f"{2 * thresholds.recent_steps} steps: the policy moves away faster than beta={beta:g} holds it back.",
+        {"step": history[-1]["step"], "kl before": before, "kl now": now, "beta": beta,
+         "threshold": thresholds.kl_warning},
         "Lower learning_rate, or raise beta; check the rewards for a shortcut the policy is racing towards.",
     ), now)]
 
 
-def clip_ratio_climbing(history: list[dict]) -> list[Diagnosis]:
-    """The share of clipped tokens (``clip_ratio/region_mean``) climbing past :data:`CLIP_RATIO_WARNING`."""
-    climb = _climb(history, "clip_ratio/region_mean", CLIP_RATIO_WARNING)
+def clip_ratio_climbing(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """The share of clipped tokens (``clip_ratio/region_mean``) climbing past ``clip_ratio_warning``."""
+    climb = _climb(history, "clip_ratio/region_mean", thresholds.clip_ratio_warning, thresholds)
     if climb is None:
         return []
     before, now = climb
@@ -171,59 +148,62 @@ def clip_ratio_climbing(history: list[dict]) -> list[Diagnosis]:
         f"The share of tokens whose ratio is clipped climbed from {before:.0%} to {now:.0%}: each step moves the "
         "policy further than the clipping range, and the clipped tokens give no gradient.",
         {"step": history[-1]["step"], "clip_ratio/region_mean before": before, "clip_ratio/region_mean now": now,
-         "threshold": CLIP_RATIO_WARNING},
+         "threshold": thresholds.clip_ratio_warning},
         "Lower learning_rate, or fewer optimizer steps per generation batch (num_iterations, steps_per_generation).",
     ), now)]
 
 
-def importance_ratio_drift(history: list[dict]) -> list[Diagnosis]:
-    """With vLLM: the mean trainer/vLLM importance ratio more than :data:`IMPORTANCE_RATIO_DRIFT` from 1
-    on each of the last :data:`PERSISTENT_STEPS` steps."""
+def importance_ratio_drift(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """With vLLM: the mean trainer/vLLM importance ratio more than ``importance_ratio_drift`` from 1 on
+    each of the last ``persistent_steps`` steps."""
     name = "sampling/importance_sampling_ratio/mean"
+    drift, steps = thresholds.importance_ratio_drift, thresholds.persistent_steps
 
     def drifted(row):
         ratio = row.get(name)
-        return ratio is not None and math.isfinite(ratio) and abs(ratio - 1) > IMPORTANCE_RATIO_DRIFT
+        return ratio is not None and math.isfinite(ratio) and abs(ratio - 1) > drift
 
-    if _streak(history, drifted) < PERSISTENT_STEPS:
+    if _streak(history, drifted) < steps:
         return []
     row, ratio = history[-1], history[-1][name]
     return [Diagnosis(Finding(
         "importance_ratio_drift", "warning",
         f"The mean importance ratio between the trainer and vLLM is {ratio:.3g}, more than "
-        f"{IMPORTANCE_RATIO_DRIFT:g} from 1 for {PERSISTENT_STEPS} steps or more: vLLM samples from a policy other "
+        f"{drift:g} from 1 for {steps} steps or more: vLLM samples from a policy other "
         "than the one trained (stale weights, another dtype, sampling settings only vLLM applies).",
         {"step": row["step"], name: ratio,
          "sampling/importance_sampling_ratio/min": row.get("sampling/importance_sampling_ratio/min"),
          "sampling/sampling_logp_difference/mean": row.get("sampling/sampling_logp_difference/mean"),
-         "threshold": IMPORTANCE_RATIO_DRIFT},
+         "threshold": drift},
         "Start vLLM with the training precision (--dtype), leave top_p/top_k/min_p at their defaults, and keep "
         "vllm_importance_sampling_correction=True.",
     ), abs(ratio - 1))]
 
 
-def _correctness_rewards(row: dict) -> list[str]:
+def _correctness_rewards(row: dict, parts: tuple[str, ...]) -> list[str]:
     names = [key[len("rewards/"):-len("/mean")] for key in row if key.startswith("rewards/") and key.endswith("/mean")]
-    return [name for name in names if any(part in name.lower() for part in CORRECTNESS_NAMES)]
+    return [name for name in names if any(part.lower() in name.lower() for part in parts)]
 
 
-def length_rewarded(history: list[dict]) -> list[Diagnosis]:
-    """The total reward rose by :data:`REWARD_RISE` or more and completions grew :data:`LENGTH_GROWTH`
-    times longer than early on, while every correctness reward (by its name: :data:`CORRECTNESS_NAMES`)
-    did not rise by as much. Only where such a reward is logged: without one, the rows cannot tell a
-    better answer from a longer one."""
-    if len(history) < EARLY_STEPS + RECENT_STEPS:
+def length_rewarded(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """The total reward rose by ``reward_rise`` or more and completions grew ``length_growth`` times
+    longer than early on, while every correctness reward (by its name: ``correctness_names``) did not
+    rise by as much. Only where such a reward is logged: without one, the rows cannot tell a better
+    answer from a longer one."""
+    first, last, rise = thresholds.early_steps, thresholds.recent_steps, thresholds.reward_rise
+    if len(history) < first + last:
         return []
-    correctness = _correctness_rewards(history[-1])
+    correctness = _correctness_rewards(history[-1], thresholds.correctness_names)
     names = ["reward", "completions/mean_length", *(f"rewards/{name}/mean" for name in correctness)]
     series = {name: _values(history, name) for name in names}
-    if not correctness or any(len(values) < EARLY_STEPS + RECENT_STEPS for values in series.values()):
+    if not correctness or any(len(values) < first + last for values in series.values()):
         return []
-    early = {name: _mean(values[:EARLY_STEPS]) for name, values in series.items()}
-    now = {name: _mean(values[-RECENT_STEPS:]) for name, values in series.items()}
+    early = {name: _mean(values[:first]) for name, values in series.items()}
+    now = {name: _mean(values[-last:]) for name, values in series.items()}
     length_early, length_now = early["completions/mean_length"], now["completions/mean_length"]
-    correct_rose = any(now[name] - early[name] >= REWARD_RISE for name in names[2:])
-    if now["reward"] - early["reward"] < REWARD_RISE or not length_now >= LENGTH_GROWTH * length_early or correct_rose:
+    correct_rose = any(now[name] - early[name] >= rise for name in names[2:])
+    grew = length_now >= thresholds.length_growth * length_early
+    if now["reward"] - early["reward"] < rise or not grew or correct_rose:
         return []
     return [Diagnosis(Finding(
         "reward_rising_with_length", "warning",
@@ -239,11 +219,14 @@ def length_rewarded(history: list[dict]) -> list[Diagnosis]:
     ), length_now / max(length_early, 1e-12))]
 
 
-def diagnose_step(history: list[dict], *, beta: float, max_completion_length: int) -> list[Diagnosis]:
-    """Every live rule over ``history`` (the step's row last)."""
-    return [*zero_signal(history), *truncation(history, max_completion_length=max_completion_length),
-            *entropy_collapse(history), *kl_climbing(history, beta=beta), *clip_ratio_climbing(history),
-            *importance_ratio_drift(history), *length_rewarded(history)]
+def diagnose_step(history: list[dict], *, beta: float, max_completion_length: int,
+                  thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """Every live rule over ``history`` (the step's row last), under ``thresholds``."""
+    return [*zero_signal(history, thresholds),
+            *truncation(history, max_completion_length=max_completion_length, thresholds=thresholds),
+            *entropy_collapse(history, thresholds), *kl_climbing(history, beta=beta, thresholds=thresholds),
+            *clip_ratio_climbing(history, thresholds), *importance_ratio_drift(history, thresholds),
+            *length_rewarded(history, thresholds)]
 
 
 class LiveWatch:
@@ -256,21 +239,23 @@ class LiveWatch:
         """The rate limit as it stood after ``step`` was read: the raises at or before it (an undo to ``step``)."""
         return LiveWatch([entry for entry in self.raises if entry[1] <= step])
 
-    def due(self, diagnosis: Diagnosis, step: int) -> bool:
-        """Whether ``diagnosis`` at ``step`` is raised; if so, it is recorded as raised."""
+    def due(self, diagnosis: Diagnosis, step: int, thresholds: Thresholds = DEFAULTS) -> bool:
+        """Whether ``diagnosis`` at ``step`` is raised (``worsened_by``, ``repeat_after_steps``); if so, it
+        is recorded as raised."""
         finding = diagnosis.finding
         last = next((entry for entry in reversed(self.raises) if entry[0] == finding.code), None)
         if last is not None:
             _, last_step, rank, measure = last
-            if not (finding.rank > rank or diagnosis.measure >= WORSENED_BY * measure
-                    or step - last_step >= REPEAT_AFTER_STEPS):
+            if not (finding.rank > rank or diagnosis.measure >= thresholds.worsened_by * measure
+                    or step - last_step >= thresholds.repeat_after_steps):
                 return False
         self.raises.append((finding.code, step, finding.rank, diagnosis.measure))
         return True
 
-    def new_findings(self, history: list[dict], *, beta: float, max_completion_length: int) -> list[Finding]:
-        """The findings the rules raise over ``history`` that the rate limit lets through."""
+    def new_findings(self, history: list[dict], *, beta: float, max_completion_length: int,
+                     thresholds: Thresholds = DEFAULTS) -> list[Finding]:
+        """The findings the rules raise over ``history`` under ``thresholds`` that the rate limit lets through."""
         step = history[-1]["step"]
-        return [diagnosis.finding for diagnosis in diagnose_step(history, beta=beta,
-                                                                 max_completion_length=max_completion_length)
-                if self.due(diagnosis, step)]
+        diagnoses = diagnose_step(history, beta=beta, max_completion_length=max_completion_length,
+                                  thresholds=thresholds)
+        return [diagnosis.finding for diagnosis in diagnoses if self.due(diagnosis, step, thresholds)]

@@ -24,6 +24,7 @@ import torch
 
 from grpo_lab.doctor import memory, rules, tokens
 from grpo_lab.doctor.findings import Finding, Findings
+from grpo_lab.doctor.thresholds import DEFAULTS, Thresholds, resolve
 from grpo_lab.rollout.batch import eos_token_ids
 from grpo_lab.rollout.prompts import is_conversational
 from grpo_lab.state import engine_counters, load_engine_counters, rng_state, set_rng_state
@@ -95,12 +96,15 @@ def run_probe(engine) -> Probe:
 
 
 def diagnose(engine) -> Findings:
-    """Run the probe on ``engine`` and every rule over it."""
+    """Run the probe on ``engine`` and every rule over it, under the thresholds of its config's
+    ``doctor_thresholds``."""
+    thresholds = resolve(engine.config.doctor_thresholds)
     probe = run_probe(engine)
-    return Findings(batch_findings(engine, probe) + token_findings(engine, probe) + resource_findings(engine, probe))
+    return Findings(batch_findings(engine, probe, thresholds) + token_findings(engine, probe, thresholds)
+                    + resource_findings(engine, probe, thresholds))
 
 
-def batch_findings(engine, probe: Probe) -> list[Finding]:
+def batch_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """Lengths, rewards, zero-signal groups, the loss and the micro-batches."""
     config, advantages = engine.config, probe.advantages
     scores = advantages.scores
@@ -110,21 +114,21 @@ def batch_findings(engine, probe: Probe) -> list[Finding]:
     return [
         *rules.truncation(rollout.completion_lengths_B, rollout.is_truncated_B, rollout.completion_texts,
                           max_completion_length=config.max_completion_length,
-                          mask_truncated_completions=config.mask_truncated_completions),
+                          mask_truncated_completions=config.mask_truncated_completions, thresholds=thresholds),
         *rules.rewards(scores.rewards_BF, rollout.group_index_B, scores.reward_names, rollout.prompts,
                        declared_max=declared),
         *rules.zero_signal_groups(advantages.rewards_B, advantages.advantages_B, rollout.group_index_B,
-                                  rollout.prompts, pass_threshold=config.eval_pass_threshold),
+                                  rollout.prompts, pass_threshold=config.eval_pass_threshold, thresholds=thresholds),
         *rules.loss_by_construction(probe.loss.loss, probe.grad_norm, beta=config.beta,
                                     steps_per_batch=engine.steps_per_batch, loss_type=config.loss_type,
                                     corrects_sampling=engine.corrects_sampling(), entropy_bonus=entropy_bonus),
         *rules.zero_advantage_micro_batches(advantages.advantages_B,
                                             micro_batch_size=config.per_device_train_batch_size,
-                                            skip_backward=config.skip_zero_advantage_backward),
+                                            skip_backward=config.skip_zero_advantage_backward, thresholds=thresholds),
     ]
 
 
-def token_findings(engine, probe: Probe) -> list[Finding]:
+def token_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """The chat template's generation prompt, EOS, pad and stop strings."""
     tokenizer, config = engine.tokenizer, engine.config
     rollout = probe.advantages.scores.rollout
@@ -150,7 +154,8 @@ def token_findings(engine, probe: Probe) -> list[Finding]:
         *tokens.pad_is_eos(tokenizer.pad_token_id, eos_ids, rollout.completion_ids_BT, generated_BT,
                            custom_rollout=engine.custom_rollout is not None),
         *tokens.stop_strings([stops] if isinstance(stops, str) else list(stops), rollout.completion_texts,
-                             stopped_early=stopped_early, truncated_share=float(truncated_B.float().mean())),
+                             stopped_early=stopped_early, truncated_share=float(truncated_B.float().mean()),
+                             thresholds=thresholds),
     ]
 
 
@@ -166,7 +171,7 @@ def stopping_ids(engine) -> set[int]:
     return eos_token_ids(engine.tokenizer, engine.unwrapped_model) | set(kwargs.get("stop_token_ids") or [])
 
 
-def resource_findings(engine, probe: Probe) -> list[Finding]:
+def resource_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """The memory forecast and, with vLLM, the trainer/vLLM log-prob gap."""
     rollout = probe.advantages.scores.rollout
     counted = engine._prompt_tokens if engine._prompt_tokens_source is engine.train_dataset else None
@@ -176,7 +181,7 @@ def resource_findings(engine, probe: Probe) -> list[Finding]:
         probe.memory, probe_length=probe_length, worst_length=longest_prompt + engine.config.max_completion_length,
         optimizer_bytes=memory.optimizer_state_bytes(engine.optimizer, engine.model),
     )
-    return findings + rules.sampling_gap(*_logprob_gap(probe))
+    return findings + rules.sampling_gap(*_logprob_gap(probe), thresholds=thresholds)
 
 
 def _logprob_gap(probe: Probe) -> tuple[float | None, float | None]:

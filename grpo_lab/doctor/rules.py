@@ -1,7 +1,8 @@
 """The doctor's rules over the probe batch's numbers: completion lengths, rewards, advantages, the
 loss and the vLLM log-prob gap. Each rule is a pure function of tensors and settings that returns
 a list of :class:`~grpo_lab.doctor.findings.Finding` (empty when all is well), so that it can be
-tested on hand-made numbers.
+tested on hand-made numbers; the thresholds it compares with come in as a
+:class:`~grpo_lab.doctor.thresholds.Thresholds` (the defaults when none is given).
 
 Shapes: B completions of the probe batch, F reward functions.
 """
@@ -13,26 +14,8 @@ import math
 import torch
 
 from grpo_lab.doctor.findings import Finding
+from grpo_lab.doctor.thresholds import DEFAULTS, Thresholds
 
-TRUNCATION_WARNING = 0.10
-"""Share of truncated completions (no EOS within max_completion_length) from which truncation is a warning."""
-TRUNCATION_ERROR = 0.50
-"""Share from which it is an error: most rewards then judge unfinished answers."""
-NEARLY_ALL_TRUNCATED = 0.90
-"""Above this share the lengths of the few completions that ended say nothing about the lengths the
-others need, so the suggested limit is twice the current one."""
-LENGTH_PERCENTILE = 95
-"""The percentile of the ended completions' lengths that the suggested max_completion_length covers..."""
-LENGTH_HEADROOM = 1.5
-"""... with this factor of headroom (and at least 25% above the current limit)."""
-ZERO_SIGNAL_WARNING = 0.75
-"""Share of prompt groups whose advantages are all zero from which those groups are a warning (all
-of them: an error, the gradient is zero); below it they are reported as info."""
-ZERO_MICRO_BATCH_WARNING = 0.5
-"""Share of micro-batches whose advantages are all zero from which the wasted compute is a warning."""
-LOGP_GAP_WARNING = 0.05
-"""Mean |log pi_trainer - log pi_vLLM| per token above which the two engines disagree (docs/metrics.md:
-on the shipped model in float32 it stays below 0.01)."""
 EXAMPLES = 3
 """Example prompts or completions a finding's evidence shows."""
 
@@ -50,28 +33,32 @@ def share_text(count: int, total: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- truncation
-def suggested_max_completion_length(ended_lengths: list[int], truncated_share: float, current: int) -> int:
+def suggested_max_completion_length(ended_lengths: list[int], truncated_share: float, current: int,
+                                    thresholds: Thresholds = DEFAULTS) -> int:
     """A max_completion_length for the lengths seen: twice ``current`` when nearly every completion
-    was cut (:data:`NEARLY_ALL_TRUNCATED`), else the :data:`LENGTH_PERCENTILE` percentile of the
-    ended completions' lengths times :data:`LENGTH_HEADROOM`, at least 25% above ``current`` (the
-    cut ones needed more than it); rounded up to a multiple of 8."""
-    if truncated_share >= NEARLY_ALL_TRUNCATED or not ended_lengths:
+    was cut (``nearly_all_truncated``), else the ``length_percentile`` percentile of the ended
+    completions' lengths times ``length_headroom``, at least 25% above ``current`` (the cut ones
+    needed more than it); rounded up to a multiple of 8."""
+    if truncated_share >= thresholds.nearly_all_truncated or not ended_lengths:
         return 2 * current
-    percentile = float(torch.quantile(torch.tensor(ended_lengths, dtype=torch.float64), LENGTH_PERCENTILE / 100))
-    wanted = max(percentile * LENGTH_HEADROOM, current * 1.25)
+    percentile = float(torch.quantile(torch.tensor(ended_lengths, dtype=torch.float64),
+                                      thresholds.length_percentile / 100))
+    wanted = max(percentile * thresholds.length_headroom, current * 1.25)
     return int(math.ceil(wanted / 8) * 8)
 
 
 def truncation(lengths_B: torch.Tensor, is_truncated_B: torch.Tensor, completions: list[str], *,
-               max_completion_length: int, mask_truncated_completions: bool) -> list[Finding]:
-    """Completions that hit ``max_completion_length`` without EOS (``completions/clipped_ratio``)."""
+               max_completion_length: int, mask_truncated_completions: bool,
+               thresholds: Thresholds = DEFAULTS) -> list[Finding]:
+    """Completions that hit ``max_completion_length`` without EOS (``completions/clipped_ratio``): a
+    warning from ``truncation_warning`` of them, an error above ``truncation_error``."""
     truncated_B = is_truncated_B.bool().cpu()
     count, total = int(truncated_B.sum()), len(truncated_B)
     share = count / max(total, 1)
-    if share < TRUNCATION_WARNING:
+    if share < thresholds.truncation_warning:
         return []
     ended = lengths_B.cpu()[~truncated_B].tolist()
-    suggested = suggested_max_completion_length(ended, share, max_completion_length)
+    suggested = suggested_max_completion_length(ended, share, max_completion_length, thresholds)
     evidence = {"truncated": share_text(count, total), "max_completion_length": max_completion_length}
     if ended:
         quantiles = torch.quantile(torch.tensor(ended, dtype=torch.float64), torch.tensor([0.5, 0.9, 1.0],
@@ -84,10 +71,11 @@ def truncation(lengths_B: torch.Tensor, is_truncated_B: torch.Tensor, completion
     dropped = (" and mask_truncated_completions=True leaves them out of the loss, so they teach nothing"
                if mask_truncated_completions else ", which the rewards then judge as they stand")
     how = ("nearly all were cut, so the lengths they need are unknown: twice the limit is a start"
-           if share >= NEARLY_ALL_TRUNCATED or not ended
-           else f"{LENGTH_PERCENTILE}th percentile of the ended lengths with {LENGTH_HEADROOM:g}x headroom")
+           if share >= thresholds.nearly_all_truncated or not ended
+           else f"{thresholds.length_percentile:g}th percentile of the ended lengths with "
+                f"{thresholds.length_headroom:g}x headroom")
     return [Finding(
-        "truncation", "error" if share > TRUNCATION_ERROR else "warning",
+        "truncation", "error" if share > thresholds.truncation_error else "warning",
         f"{share:.0%} of the probe's completions reached max_completion_length={max_completion_length} tokens "
         f"without an EOS token: they are cut off mid-answer{dropped}.",
         evidence,
@@ -202,11 +190,12 @@ _ZERO_KINDS = {
 
 
 def zero_signal_groups(rewards_B: torch.Tensor, advantages_B: torch.Tensor, group_B: torch.Tensor, prompts: list, *,
-                       pass_threshold: float) -> list[Finding]:
+                       pass_threshold: float, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """Prompt groups whose advantages are all zero (``frac_reward_zero_std``), told apart by the total
     reward they tied at: the highest seen on the probe (too easy), the lowest (too hard) or another.
     Where the whole probe has one reward value, it counts as solved when at least ``pass_threshold``
-    (``eval_pass_threshold``) and as failed below it."""
+    (``eval_pass_threshold``) and as failed below it. A warning from ``zero_signal_warning`` of the
+    groups, an error when every group is tied, else info."""
     rewards_B, advantages_B, group_B = rewards_B.float().cpu(), advantages_B.float().cpu(), group_B.cpu()
     scored = rewards_B[~torch.isnan(rewards_B)]
     if len(scored) == 0:
@@ -231,7 +220,7 @@ def zero_signal_groups(rewards_B: torch.Tensor, advantages_B: torch.Tensor, grou
             kinds["groups_tied"].append(int(members[0]))
     zero = sum(len(rows) for rows in kinds.values())
     share = zero / len(groups)
-    severity = "error" if zero == len(groups) else "warning" if share >= ZERO_SIGNAL_WARNING else "info"
+    severity = "error" if zero == len(groups) else "warning" if share >= thresholds.zero_signal_warning else "info"
     gradient = ("Every group is like this: every advantage is 0 and so is the gradient (with beta=0), whatever the "
                 "loss." if zero == len(groups) else
                 f"Those groups add nothing to the gradient; it comes from the remaining {len(groups) - zero} of "
@@ -282,10 +271,11 @@ def loss_by_construction(loss: float, grad_norm: float, *, beta: float, steps_pe
     )]
 
 
-def zero_advantage_micro_batches(advantages_B: torch.Tensor, *, micro_batch_size: int,
-                                 skip_backward: bool) -> list[Finding]:
+def zero_advantage_micro_batches(advantages_B: torch.Tensor, *, micro_batch_size: int, skip_backward: bool,
+                                 thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """Micro-batches (``per_device_train_batch_size`` completions in order) whose advantages are all
-    zero: their passes compute a zero gradient (``backward_skipped_fraction`` where skipping applies)."""
+    zero: their passes compute a zero gradient (``backward_skipped_fraction`` where skipping applies).
+    A warning from ``zero_micro_batch_warning`` of the micro-batches, else info."""
     advantages_B = advantages_B.cpu()
     parts = advantages_B.split(micro_batch_size)
     zero = sum(not bool(part.any()) for part in parts)
@@ -295,7 +285,7 @@ def zero_advantage_micro_batches(advantages_B: torch.Tensor, *, micro_batch_size
     skipped = ("skip_zero_advantage_backward skips their backward pass where it can, not their forward pass"
                if skip_backward else "skip_zero_advantage_backward=False runs their backward pass too")
     return [Finding(
-        "zero_advantage_micro_batches", "warning" if share >= ZERO_MICRO_BATCH_WARNING else "info",
+        "zero_advantage_micro_batches", "warning" if share >= thresholds.zero_micro_batch_warning else "info",
         f"{share_text(zero, len(parts))} micro-batches of the probe hold only completions with advantage 0 (their "
         f"groups tied): their forward passes compute nothing that reaches the gradient ({skipped}).",
         {"micro-batches with all advantages 0": share_text(zero, len(parts)), "micro-batch size": micro_batch_size,
@@ -305,19 +295,21 @@ def zero_advantage_micro_batches(advantages_B: torch.Tensor, *, micro_batch_size
     )]
 
 
-def sampling_gap(mean_gap: float | None, max_gap: float | None) -> list[Finding]:
+def sampling_gap(mean_gap: float | None, max_gap: float | None, *,
+                 thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """The trainer/vLLM log-prob gap (``sampling/sampling_logp_difference/mean`` and ``max``) over
-    :data:`LOGP_GAP_WARNING`; nothing without vLLM (``mean_gap`` None)."""
-    if mean_gap is None or not mean_gap > LOGP_GAP_WARNING:
+    ``logp_gap_warning``; nothing without vLLM (``mean_gap`` None)."""
+    limit = thresholds.logp_gap_warning
+    if mean_gap is None or not mean_gap > limit:
         return []
     return [Finding(
         "vllm_logprob_gap", "warning",
         f"vLLM samples from a different distribution than the trainer computes: the mean per-token |log-prob "
-        f"difference| is {mean_gap:.3g} (above {LOGP_GAP_WARNING:g}). The loss then treats off-policy samples as "
+        f"difference| is {mean_gap:.3g} (above {limit:g}). The loss then treats off-policy samples as "
         "on-policy: stale weights in vLLM, another dtype than training's, or sampling settings vLLM applies and the "
         "trainer does not (top_p, top_k, min_p, repetition_penalty).",
         {"sampling/sampling_logp_difference/mean": mean_gap, "sampling/sampling_logp_difference/max": max_gap,
-         "threshold": LOGP_GAP_WARNING},
+         "threshold": limit},
         "Start the vLLM server with the training precision (--dtype), leave top_p/top_k/min_p at their defaults, and "
         "keep vllm_importance_sampling_correction=True (the default) so that the loss reweights the gap.",
     )]

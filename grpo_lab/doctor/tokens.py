@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from grpo_lab.doctor.findings import Finding
-from grpo_lab.doctor.rules import EXAMPLES, TRUNCATION_WARNING, clipped, share_text
+from grpo_lab.doctor.rules import EXAMPLES, clipped, share_text
+from grpo_lab.doctor.thresholds import DEFAULTS, Thresholds
 
 _MARKER = "GRPO_LAB_DOCTOR_MARKER"
 
@@ -159,16 +160,17 @@ def pad_is_eos(pad_id: int | None, eos_ids: set[int], completion_ids_BT: torch.T
 
 
 def stop_strings(stops: list[str], completion_texts: list[str], *, stopped_early: int,
-                 truncated_share: float) -> list[Finding]:
+                 truncated_share: float, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """Stop strings (``generation_kwargs['stop']`` for vLLM, ``['stop_strings']`` for transformers) that
     no completion of the probe contains and that ended no completion (``stopped_early``: completions
     that end without an EOS before max_completion_length, as a stop string leaves them). A
-    warning where many completions were truncated (the stop string was to end them), else info."""
+    warning where ``truncation_warning`` or more of the completions were truncated (the stop string
+    was to end them), else info."""
     unmatched = [stop for stop in stops if not any(stop in text for text in completion_texts)]
     if not unmatched or stopped_early:
         return []
     return [Finding(
-        "stop_never_matched", "warning" if truncated_share >= TRUNCATION_WARNING else "info",
+        "stop_never_matched", "warning" if truncated_share >= thresholds.truncation_warning else "info",
         f"The stop string(s) {unmatched} ended no completion of the probe: they do not occur in what this model "
         "writes (a stop string must match the generated text exactly, whitespace and case included).",
         {"stop strings": unmatched, "example completions": [clipped(t) for t in completion_texts[:EXAMPLES]]},

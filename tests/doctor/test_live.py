@@ -4,7 +4,6 @@ import pytest
 
 from grpo_lab.doctor import Finding
 from grpo_lab.doctor.live import (
-    REPEAT_AFTER_STEPS,
     Diagnosis,
     LiveWatch,
     clip_ratio_climbing,
@@ -15,6 +14,9 @@ from grpo_lab.doctor.live import (
     truncation,
     zero_signal,
 )
+from grpo_lab.doctor.thresholds import DEFAULTS, resolve
+
+REPEAT_AFTER_STEPS = DEFAULTS.repeat_after_steps
 
 
 def _rows(**series):
@@ -115,3 +117,64 @@ def test_the_rate_limit_raises_again_on_worsening_a_higher_severity_or_after_the
     assert watch.due(diagnosis("error", 1.5), 4)  # worse severity
     assert not watch.due(diagnosis("error", 1.5), 4 + REPEAT_AFTER_STEPS - 1)
     assert watch.due(diagnosis("error", 1.5), 4 + REPEAT_AFTER_STEPS)
+
+
+def test_persistent_steps_and_the_warning_threshold_are_the_ones_given():
+    rows = _rows(**{"completions/clipped_ratio": [0.3, 0.3]})
+    assert truncation(rows, max_completion_length=8) == []  # two steps: short of the default five
+    (diagnosis,) = truncation(rows, max_completion_length=8, thresholds=resolve({"persistent_steps": 2}))
+    finding = diagnosis.finding
+    assert finding.evidence["step"] == 2 and "the last 2 steps" in finding.message
+    assert finding.evidence["completions/clipped_ratio, mean of 2 steps"] == pytest.approx(0.3)
+    assert finding.evidence["threshold"] == DEFAULTS.truncation_warning  # the value in force
+    higher = resolve({"persistent_steps": 2, "truncation_warning": 0.4})
+    assert truncation(rows, max_completion_length=8, thresholds=higher) == []
+    lower = resolve({"persistent_steps": 2, "truncation_warning": 0.2, "truncation_error": 0.25})
+    (diagnosis,) = truncation(rows, max_completion_length=8, thresholds=lower)
+    assert diagnosis.finding.severity == "error" and diagnosis.finding.evidence["threshold"] == 0.2
+
+
+def test_every_live_rule_reads_the_thresholds_it_is_given():
+    assert zero_signal(_rows(frac_reward_zero_std=[1, 1, 1]), resolve({"persistent_steps": 3}))
+    collapsing = _rows(entropy=[1.0, 0.5, 0.4])
+    assert entropy_collapse(collapsing) == []
+    (diagnosis,) = entropy_collapse(collapsing, resolve({"early_steps": 1, "recent_steps": 1,
+                                                         "entropy_collapse_fraction": 0.5}))
+    assert diagnosis.finding.evidence["threshold"] == "0.5 x early"
+    kl = _rows(kl=[0.05, 0.05, 0.05, 0.08, 0.08, 0.08])  # under 0.1, and 1.6 x the steps before
+    assert kl_climbing(kl, beta=0.1) == []
+    (diagnosis,) = kl_climbing(kl, beta=0.1, thresholds=resolve({"kl_warning": 0.07}))
+    assert diagnosis.finding.evidence["threshold"] == 0.07
+    assert kl_climbing(kl, beta=0.1, thresholds=resolve({"kl_warning": 0.07, "climb_factor": 2})) == []
+    clipped = _rows(**{"clip_ratio/region_mean": [0.1, 0.2]})  # too few steps for the default 3 + 3
+    assert clip_ratio_climbing(clipped) == []
+    assert clip_ratio_climbing(clipped, resolve({"recent_steps": 1, "clip_ratio_warning": 0.15}))
+    drift = _rows(**{"sampling/importance_sampling_ratio/mean": [0.9] * 5})
+    assert importance_ratio_drift(drift) == []  # 0.1 from 1: within the default 0.2
+    (diagnosis,) = importance_ratio_drift(drift, resolve({"importance_ratio_drift": 0.05}))
+    assert diagnosis.finding.evidence["threshold"] == 0.05 and "more than 0.05 from 1" in diagnosis.finding.message
+
+
+def test_the_length_rule_reads_the_correctness_names_and_its_factors():
+    rows = _rows(reward=[0.2, 0.2, 0.2, 0.8, 0.8, 0.8], **{
+        "completions/mean_length": [10, 10, 10, 14, 14, 14],
+        "rewards/score/mean": [0.3] * 6, "rewards/format_reward/mean": [0.0, 0.0, 0.0, 0.5, 0.5, 0.5]})
+    assert length_rewarded(rows) == []  # no reward named as correctness, and 1.4 x longer only
+    named = resolve({"correctness_names": ["Score"], "length_growth": 1.4})
+    (diagnosis,) = length_rewarded(rows, named)
+    assert "'score'" in diagnosis.finding.message
+    assert length_rewarded(rows, resolve({"correctness_names": ["score"], "reward_rise": 0.7})) == []
+
+
+def test_the_rate_limit_reads_its_thresholds():
+    thresholds = resolve({"repeat_after_steps": 2, "worsened_by": 3})
+    watch = LiveWatch()
+    diagnosis = Diagnosis(Finding("x", "warning", "m"), 1.0)
+    assert watch.due(diagnosis, 1, thresholds)
+    assert not watch.due(diagnosis._replace(measure=2.9), 2, thresholds)  # under 3 x
+    assert watch.due(diagnosis._replace(measure=3.0), 3, thresholds)
+    assert watch.due(diagnosis._replace(measure=3.0), 5, thresholds)  # two steps on
+    rows = _rows(frac_reward_zero_std=[1, 1])
+    found = LiveWatch().new_findings(rows, beta=0.0, max_completion_length=8,
+                                     thresholds=resolve({"persistent_steps": 2}))
+    assert [finding.code for finding in found] == ["no_signal_steps"]

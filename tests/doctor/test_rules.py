@@ -3,6 +3,7 @@
 import torch
 
 from grpo_lab.doctor import memory, rules, tokens
+from grpo_lab.doctor.thresholds import resolve
 from grpo_lab.models import load_tokenizer
 from grpo_lab.tasks import TINY_MODEL_DIR
 
@@ -116,3 +117,41 @@ def test_eos_pad_and_stop_rules_on_hand_made_tokens():
     (stop,) = tokens.stop_strings(["###"], ["<answer>3</answer>"], stopped_early=0, truncated_share=0.5)
     assert stop.code == "stop_never_matched" and stop.severity == "warning"
     assert tokens.stop_strings(["###"], ["<answer>3"], stopped_early=1, truncated_share=0.5) == []
+
+
+def test_the_probe_rules_read_the_thresholds_they_are_given():
+    lengths_B, cut_B = torch.tensor([4] * 8 + [8] * 2), torch.arange(10) >= 8  # 20% truncated
+    kwargs = dict(max_completion_length=8, mask_truncated_completions=False)
+    assert rules.truncation(lengths_B, cut_B, ["x"] * 10, **kwargs)[0].severity == "warning"
+    assert rules.truncation(lengths_B, cut_B, ["x"] * 10, **kwargs,
+                            thresholds=resolve({"truncation_warning": 0.25})) == []
+    (error,) = rules.truncation(lengths_B, cut_B, ["x"] * 10, **kwargs,
+                                thresholds=resolve({"truncation_warning": 0.1, "truncation_error": 0.15}))
+    assert error.severity == "error"
+    # the suggested limit: twice the limit from nearly_all_truncated, else the percentile with its headroom
+    assert rules.suggested_max_completion_length([4], 0.2, 8, resolve({"nearly_all_truncated": 0.2})) == 16
+    assert rules.suggested_max_completion_length(list(range(1, 21)), 0.2, 16,
+                                                 resolve({"length_percentile": 50, "length_headroom": 3})) == 32
+    advantages_B = torch.tensor([0.0, 0.0, 0.5, -0.5, 0.5, -0.5])  # one micro-batch of three all zero
+    assert rules.zero_advantage_micro_batches(advantages_B, micro_batch_size=2, skip_backward=True)[0].severity \
+        == "info"
+    assert rules.zero_advantage_micro_batches(advantages_B, micro_batch_size=2, skip_backward=True,
+                                              thresholds=resolve({"zero_micro_batch_warning": 0.3}))[0].severity \
+        == "warning"
+    assert rules.sampling_gap(0.03, 0.1) == []
+    (gap,) = rules.sampling_gap(0.03, 0.1, thresholds=resolve({"logp_gap_warning": 0.02}))
+    assert gap.evidence["threshold"] == 0.02 and "(above 0.02)" in gap.message
+    stop = dict(stopped_early=0, truncated_share=0.2)
+    assert tokens.stop_strings(["###"], ["abc"], **stop)[0].severity == "warning"
+    assert tokens.stop_strings(["###"], ["abc"], **stop,
+                               thresholds=resolve({"truncation_warning": 0.3}))[0].severity == "info"
+
+
+def test_zero_signal_groups_read_their_warning_threshold():
+    rewards_B, group_B = torch.tensor([2.0, 2.0, 0.0, 2.0]), torch.tensor([0, 0, 1, 1])
+    advantages_B = torch.tensor([0.0, 0.0, -1.0, 1.0])  # one group of two without signal: 50%
+    found = rules.zero_signal_groups(rewards_B, advantages_B, group_B, ["a"] * 4, pass_threshold=1)
+    assert [f.severity for f in found] == ["info"]
+    found = rules.zero_signal_groups(rewards_B, advantages_B, group_B, ["a"] * 4, pass_threshold=1,
+                                     thresholds=resolve({"zero_signal_warning": 0.5}))
+    assert [f.severity for f in found] == ["warning"]
