@@ -303,3 +303,22 @@ def test_a_threshold_override_changes_the_truncation_finding_of_the_same_probe(m
         session.doctor()
     session.config.doctor_thresholds = None
     assert _only(session.doctor(), "truncation").severity == "warning"
+
+
+def test_a_probe_that_cannot_allocate_its_generation_cache_is_an_error_finding(task, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # a completion limit whose generation cache is larger than any address space: the allocation fails
+    # at once, on any machine, and the first step would fail alike
+    limit = 2 * 10**12
+    model = AutoModelForCausalLM.from_pretrained(task.model, max_position_embeddings=limit + 1000)
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_completion_length": limit})
+    session = GRPOSession(model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                          processing_class=AutoTokenizer.from_pretrained(task.model))
+    before = [p.detach().clone() for p in session.model.parameters()]
+    (finding,) = session.doctor()
+    assert (finding.code, finding.severity) == ("probe_out_of_memory", "error")
+    assert finding.evidence["max_completion_length"] == limit and "allocate" in finding.evidence["error"]
+    assert finding.fix.startswith("Lower max_completion_length")
+    assert session.global_step == 0 and session.next_stage == "generate"
+    assert all(torch.equal(a, b) for a, b in zip(before, session.model.parameters()))

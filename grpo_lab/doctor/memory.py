@@ -138,3 +138,29 @@ def memory_forecast(reading: MemoryReading, *, probe_length: int, worst_length: 
         "max_completion_length, or set gradient_checkpointing=True; with LoRA (peft_config) the optimizer state "
         "shrinks to the adapter's.",
     )]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed: CUDA's ``OutOfMemoryError``, or the CPU
+    allocator's refusal (a ``RuntimeError`` that says it cannot allocate)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def probe_out_of_memory(error: BaseException, *, device: str, max_completion_length: int,
+                        batch_size: int) -> Finding:
+    """The finding for a probe that could not allocate what it needed: the run fails the same way at
+    its first step."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return Finding(
+        "probe_out_of_memory", "error",
+        f"The probe batch itself ran out of memory on {device}: the first step of this run would fail the same "
+        "way. Generation reserves its cache for prompt plus max_completion_length tokens per sequence, so a "
+        "completion limit far above what completions need costs memory even when they end early.",
+        {"error": first_line, "max_completion_length": max_completion_length,
+         "per_device_train_batch_size": batch_size},
+        "Lower max_completion_length to what completions need (a few times their usual length), lower "
+        "per_device_train_batch_size (raising gradient_accumulation_steps to keep the batch), or set "
+        "gradient_checkpointing=True; with LoRA (peft_config) the optimizer state shrinks to the adapter's.",
+    )

@@ -97,9 +97,18 @@ def run_probe(engine) -> Probe:
 
 def diagnose(engine) -> Findings:
     """Run the probe on ``engine`` and every rule over it, under the thresholds of its config's
-    ``doctor_thresholds``."""
+    ``doctor_thresholds``; a probe that runs out of memory is itself the finding (the first step
+    would fail alike)."""
     thresholds = resolve(engine.config.doctor_thresholds)
-    probe = run_probe(engine)
+    try:
+        probe = run_probe(engine)
+    except Exception as error:  # the engine is left as it was (run_probe's context restores it)
+        if not memory.is_out_of_memory(error):
+            raise
+        config = engine.config
+        return Findings([memory.probe_out_of_memory(
+            error, device=str(engine.accelerator.device), max_completion_length=config.max_completion_length,
+            batch_size=config.per_device_train_batch_size)])
     return Findings(batch_findings(engine, probe, thresholds) + token_findings(engine, probe, thresholds)
                     + resource_findings(engine, probe, thresholds))
 
