@@ -178,11 +178,17 @@ class GRPOFields:
         one ratio per completion, the exp of the mean token log-ratio (GSPO).""")
     reward_weights: list[float] | None = setting(None, "live", """One weight per reward function (finite numbers);
         None weights all by 1.""")
-    reward_timeout: float | None = setting(REWARD_TIMEOUT, "live", """grpo_lab only: seconds an ``async def`` reward
-        function's call may take before scoring fails with a ``RewardFunctionError`` naming the function and its
-        samples; None waits forever. Plain (synchronous) reward functions run in the calling thread, where they
-        cannot be interrupted safely, so the limit does not apply to them (give them their own timeouts, e.g. around
-        a verifier or a request).""")
+    reward_timeout: float | None = setting(REWARD_TIMEOUT, "live", """grpo_lab only: seconds one call of an ``async
+        def`` reward function may take before it is cancelled and scoring fails with a ``RewardFunctionError``
+        naming the function, its samples and the first sample that hangs on its own (found by calling it again one
+        sample at a time); None waits forever. Plain (synchronous) functions run in the calling thread, as in TRL,
+        where the limit cannot stop them; it applies to them too only with ``reward_timeout_sync=True``.""")
+    reward_timeout_sync: bool = setting(False, "live", """grpo_lab only: also apply reward_timeout to plain
+        (synchronous) reward functions: each call runs in a worker thread, and a call past the limit fails scoring
+        naming the function and the sample that hangs; the hung thread is left running (Python cannot stop a
+        thread). Off by default because a worker thread changes what some functions can do: thread-bound resources
+        (an sqlite3 connection, an event loop of the main thread) and signal-based timeouts (math-verify's) only
+        work in the calling thread.""")
     multi_objective_aggregation: str = setting("sum_then_normalize", "live", """``"sum_then_normalize"``: weighted
         sum of rewards, then group normalization. ``"normalize_then_sum"``: normalize each reward in its group, sum,
         then normalize over the batch.""")

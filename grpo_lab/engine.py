@@ -270,6 +270,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             self.reward_funcs, self.reward_processing_classes, self.reward_names,
             prompts=rollout.prompts, completions=rollout.completions, completion_ids=completion_ids,
             columns=columns, trainer_state=self.trainer_state(), reward_timeout=self.config.reward_timeout,
+            timeout_sync=self.config.reward_timeout_sync,
         )
         return Scores(rollout, rewards_BF, list(self.reward_names), logs.extras, logs.metrics)
 

@@ -16,24 +16,26 @@ Departures from TRL:
    function that edits them in place changes neither the other functions' inputs nor the rollout.
 3) A call that raises is made once more on the whole batch; a second failure raises, naming the
    function and the first sample that fails on its own.
-4) Each call of an ``async def`` function must finish within ``reward_timeout`` seconds.
+4) Each call of an ``async def`` function must finish within ``reward_timeout`` seconds (None: no limit);
+   a late one is cancelled. With ``reward_timeout_sync=True`` the limit also bounds plain functions, each
+   call run in a daemon worker thread named after the function (the caller waits), which Python cannot
+   stop: a late one is left running in the background, holding none of grpo_lab's locks. The error names
+   the function, its samples and the first sample that hangs on its own. Otherwise plain functions and
+   reward models run in the calling thread, as in TRL.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import math
-import threading
 from dataclasses import dataclass, field
 from numbers import Real
 
 import torch
-from transformers import PreTrainedModel
 
 from grpo_lab import notices
 from grpo_lab.config import REWARD_TIMEOUT
-from grpo_lab.rollout.prompts import is_conversational
+from grpo_lab.rewards.calls import Outcome, call_all, find_failing_sample, make_call
+from grpo_lab.rewards.calls import run_coroutines as run_coroutines  # where grpo_lab.rollout.tools imports it
 
 
 class RewardFunctionError(RuntimeError):
@@ -48,126 +50,13 @@ class RewardLogs:
     metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
-@torch.no_grad()
-def _score_with_model(model, tokenizer, prompts, completions) -> list[float]:
-    texts = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        if is_conversational(prompt):
-            texts.append(tokenizer.apply_chat_template(prompt + completion, tokenize=False))
-        else:
-            texts.append(prompt + completion)
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
-    encoded = {k: v.to(model.device) for k, v in encoded.items()}
-    return model(**encoded).logits[:, 0].float().tolist()
-
-
-def run_coroutines(coroutines):
-    """Await coroutines concurrently, also from inside a running event loop (Jupyter)."""
-
-    async def gather():
-        return await asyncio.gather(*coroutines)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(value=asyncio.run(gather())))
-    thread.start()
-    thread.join()
-    return outcome["value"]
-
-
 def _sample_preview(kwargs: dict, index: int) -> str:
-    prompt = kwargs["prompts"][index]
-    completion = kwargs["completions"][index]
+    prompt, completion = kwargs["prompts"][index], kwargs["completions"][index]
     return f"sample {index}: prompt={str(prompt)[:200]!r}, completion={str(completion)[:200]!r}"
-
-
-def _fresh(value):
-    """A copy of the lists, dicts and tuples in ``value`` (chat messages are lists of dicts), so that a
-    reward function that edits its inputs in place changes nobody else's; strings, numbers and other
-    objects (images) are shared."""
-    if type(value) is list:
-        return [_fresh(v) for v in value]
-    if type(value) is dict:
-        return {k: _fresh(v) for k, v in value.items()}
-    if type(value) is tuple:
-        return tuple(_fresh(v) for v in value)
-    return value
-
-
-@dataclass
-class _Outcome:
-    """How one call of a reward function ended: its value, the exception it raised, or a timeout."""
-
-    value: object = None
-    error: Exception | None = None
-    timed_out: bool = False
-
-
-async def _settle(awaitable, timeout: float | None) -> _Outcome:
-    async def guarded() -> _Outcome:  # the function's own exceptions, TimeoutError included, are its errors
-        try:
-            return _Outcome(value=await awaitable)
-        except Exception as error:
-            return _Outcome(error=error)
-
-    try:
-        return await asyncio.wait_for(guarded(), timeout)
-    except asyncio.TimeoutError:  # a class of its own before Python 3.11
-        return _Outcome(timed_out=True)
-
-
-def _call_all(calls: dict, timeout: float | None) -> dict[int, _Outcome]:
-    """Run ``calls`` (index -> a function of no arguments): plain ones in turn, then the awaitables they
-    return concurrently, each within ``timeout`` seconds."""
-    outcomes: dict[int, _Outcome] = {}
-    pending: dict[int, object] = {}
-    for index, call in calls.items():
-        try:
-            value = call()
-        except Exception as error:
-            outcomes[index] = _Outcome(error=error)
-            continue
-        if inspect.isawaitable(value):
-            pending[index] = value
-        else:
-            outcomes[index] = _Outcome(value=value)
-    if pending:
-        settled = run_coroutines([_settle(awaitable, timeout) for awaitable in pending.values()])
-        outcomes.update(zip(pending, settled, strict=True))
-    return dict(sorted(outcomes.items()))
-
-
-def _caller(func, tokenizer, kwargs: dict, extras: dict):
-    """A call of ``func`` on its own copies of ``kwargs`` (each call gets new ones)."""
-    if isinstance(func, PreTrainedModel):
-        return lambda: _score_with_model(func, tokenizer, _fresh(kwargs["prompts"]), _fresh(kwargs["completions"]))
-    return lambda: func(**_fresh(kwargs), **extras)
-
-
-def _find_failing_sample(func, tokenizer, kwargs: dict, extras: dict, timeout: float | None) -> str:
-    """Re-run ``func`` one sample at a time to show which input makes it raise (or hang)."""
-    for index in range(len(kwargs["completions"])):
-        single = {k: (v[index:index + 1] if isinstance(v, list) else v) for k, v in kwargs.items()}
-        (outcome,) = _call_all({0: _caller(func, tokenizer, single, extras)}, timeout).values()
-        if outcome.error is not None or outcome.timed_out:
-            return _sample_preview(kwargs, index)
-    return "no single sample reproduces the error on its own"
 
 
 _KEPT = ("in a session a training batch's completions are kept: set session.reward_funcs again and call "
          "session.score().")
-
-
-def _timeout_error(name: str, kwargs: dict, timeout: float) -> RewardFunctionError:
-    last = len(kwargs["completions"]) - 1
-    return RewardFunctionError(
-        f"Reward function {name!r} did not finish within reward_timeout={timeout:g} s scoring samples 0-{last} "
-        f"(first: {_sample_preview(kwargs, 0)}). Fix the function (e.g. a request without a timeout of its own, "
-        f"or blocking code inside async def), or raise reward_timeout (None waits without limit); {_KEPT}"
-    )
 
 
 def _validate(name: str, values, kwargs: dict) -> list[float]:
@@ -206,9 +95,10 @@ class _Scoring:
     """One call of ``score_completions``: the functions, the inputs they share, and what each logged
     (``logs_F``, one ``RewardLogs`` per function)."""
 
-    def __init__(self, funcs, processing_classes, names, kwargs: dict, trainer_state, timeout: float | None):
+    def __init__(self, funcs, processing_classes, names, kwargs: dict, trainer_state, timeout: float | None,
+                 threaded: bool):
         self.funcs, self.processing_classes, self.names = funcs, processing_classes, names
-        self.kwargs, self.trainer_state, self.timeout = kwargs, trainer_state, timeout
+        self.kwargs, self.trainer_state, self.timeout, self.threaded = kwargs, trainer_state, timeout, threaded
         self.logs_F = [RewardLogs() for _ in funcs]
 
     def extras(self, logs: RewardLogs) -> dict:
@@ -223,28 +113,64 @@ class _Scoring:
 
         return dict(trainer_state=self.trainer_state, log_extra=log_extra, log_metric=log_metric)
 
-    def attempt(self, indices) -> dict[int, _Outcome]:
-        """Call the functions at ``indices``, each on its own copies of the inputs."""
+    def attempt(self, indices) -> dict[int, Outcome]:
+        """Call the functions at ``indices``, each on its own copies of the inputs. Each call logs into a
+        new ``RewardLogs``, read only once every call has finished in time: a failed call's logs are
+        dropped with it, and what an abandoned one writes later reaches nothing that is read."""
         for index in indices:
-            self.logs_F[index] = RewardLogs()  # a failed call's logs are dropped with it
-        calls = {
-            i: _caller(self.funcs[i], self.processing_classes[i], self.kwargs, self.extras(self.logs_F[i]))
-            for i in indices
-        }
-        return _call_all(calls, self.timeout)
+            self.logs_F[index] = RewardLogs()
+        return call_all({i: self.call(i, self.kwargs, self.logs_F[i]) for i in indices}, self.timeout)
 
-    def retry(self, failed: dict[int, Exception]) -> dict[int, _Outcome]:
+    def call(self, index: int, kwargs: dict, logs: RewardLogs):
+        """A call of function ``index`` on ``kwargs`` that logs into ``logs`` (``calls.make_call``)."""
+        return make_call(self.funcs[index], self.processing_classes[index], kwargs, self.extras(logs),
+                         name=self.names[index], timeout=self.timeout, threaded=self.threaded)
+
+    def search(self, index: int, budget: float | None = None) -> tuple[int, Outcome | None]:
+        """Function ``index`` called again one sample at a time (``calls.find_failing_sample``); what
+        those calls log is dropped."""
+        logs = RewardLogs()
+        return find_failing_sample(lambda single: self.call(index, single, logs), self.kwargs, self.timeout, budget)
+
+    def timeout_error(self, index: int, first: Outcome) -> RewardFunctionError:
+        """The error for function ``index``'s call ``first``, which did not finish in time, after calling it
+        again one sample at a time (no new try once the tries took ``reward_timeout``) to find the sample."""
+        kwargs, timeout, name, count = self.kwargs, self.timeout, self.names[index], len(self.kwargs["completions"])
+        at, found = self.search(index, budget=timeout)
+        sample, finished = _sample_preview(kwargs, min(at, count - 1)), f" (samples 0-{at - 1} finished)" if at else ""
+        if found is not None and found.timed_out:
+            search = f"it did not finish within {timeout:g} s on {sample}{finished}"
+        elif found is not None:
+            search = f"it raised {type(found.error).__name__}: {found.error} on {sample}{finished}"
+        elif at == count:
+            search = f"each of the {count} samples finished on its own"
+        else:
+            search = f"samples 0-{at - 1} each finished on their own, and the search stopped after {timeout:g} s"
+        left = (f"Python cannot stop a thread: the calls that hung are left running in the background (daemon "
+                f"threads named 'reward {name}', holding none of grpo_lab's locks; what they log is dropped); "
+                "restart the process if it must not keep them. ")
+        left = left if first.left_running or (found is not None and found.left_running) else ""
+        return RewardFunctionError(
+            f"Reward function {name!r} did not finish within reward_timeout={timeout:g} s scoring samples "
+            f"0-{count - 1} (first: {_sample_preview(kwargs, 0)}). Called again one sample at a time"
+            f"{' (the first call still running)' if first.left_running else ''}, {search}. {left}Fix the function "
+            f"(e.g. a request without a timeout of its own, an endless loop, or blocking code inside async def), or "
+            f"raise reward_timeout (None waits without limit); {_KEPT}"
+        )
+
+    def retry(self, failed: dict[int, Exception]) -> dict[int, Outcome]:
         """Call the ``failed`` functions (index -> the first call's error) once more; a second failure
         raises, naming the first sample that fails on its own, a success is warned about."""
         outcomes = {}
         for index, outcome in self.attempt(failed).items():
             name, first = self.names[index], failed[index]
             if outcome.timed_out:
-                raise _timeout_error(name, self.kwargs, self.timeout)
+                raise self.timeout_error(index, outcome)
             if outcome.error is not None:
                 error = outcome.error
-                sample = _find_failing_sample(self.funcs[index], self.processing_classes[index], self.kwargs,
-                                              self.extras(RewardLogs()), self.timeout)
+                position, found = self.search(index)
+                sample = ("no single sample reproduces the error on its own" if found is None
+                          else _sample_preview(self.kwargs, position))
                 raise RewardFunctionError(
                     f"Reward function {name!r} raised {type(error).__name__}: {error}. It raised twice on the whole "
                     f"batch (first {type(first).__name__}: {first}). Offending input: {sample}. Fix the function; "
@@ -270,21 +196,22 @@ def score_completions(
     columns: dict[str, list],
     trainer_state=None,
     reward_timeout: float | None = REWARD_TIMEOUT,
+    timeout_sync: bool = False,
 ) -> tuple[torch.Tensor, RewardLogs]:
     """Rewards of shape (B, F), NaN where a function returned None, and what the functions logged.
 
     Each call gets its own copies of the inputs. A call that raises is made once more, on the whole
     batch (a transient failure, such as a dropped connection, costs one call); a second failure
     raises ``RewardFunctionError`` naming the function and the first sample that fails on its own.
-    ``reward_timeout`` (seconds, None for no limit) bounds each call of an ``async def`` function;
-    plain functions run in this thread, where they cannot be interrupted, and are not bounded.
+    ``reward_timeout`` (seconds, None for no limit) bounds each call of an ``async def`` function, and
+    with ``timeout_sync`` each call of a plain function too, run in a worker thread (module docstring).
     """
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    scoring = _Scoring(funcs, processing_classes, names, kwargs, trainer_state, reward_timeout)
+    scoring = _Scoring(funcs, processing_classes, names, kwargs, trainer_state, reward_timeout, timeout_sync)
     outcomes = scoring.attempt(range(len(funcs)))
     for index, outcome in outcomes.items():
         if outcome.timed_out:
-            raise _timeout_error(names[index], kwargs, reward_timeout)
+            raise scoring.timeout_error(index, outcome)
     failed = {i: outcome.error for i, outcome in outcomes.items() if outcome.error is not None}
     if failed:
         outcomes.update(scoring.retry(failed))
