@@ -101,10 +101,12 @@ def code_reward(timeout: float = 5.0, memory_mb: int = 512, tests_column: str = 
 
     The sandbox (``grpo_lab.rewards.code_sandbox``, whose docstring lists what it does and does not
     stop): isolated interpreter in a fresh temporary folder removed afterwards, no inherited
-    environment variables, resource limits, fork/subprocess/socket/write-outside-the-folder guards,
-    a network namespace where ``unshare`` allows it (``network_namespace=False`` never uses one),
-    the process group killed at the end. It is not a container: for untrusted models, train inside
-    one. Needs a POSIX system.
+    environment variables, resource limits, Python-level guards against forks, subprocesses,
+    sockets, writes outside the folder and reads of other processes' ``/proc/<pid>/`` files (the
+    trainer's startup environment), network and PID namespaces where ``unshare`` allows them
+    (``network_namespace=False`` uses none), the process group killed at the end. Reads of any
+    other file this user can read are not restricted. It is not a container: for untrusted models,
+    train inside one. Needs a POSIX system.
 
     Logs: the column ``tests_passed`` ("3/4", "timeout", "no result", "no tests") and the metrics
     ``code_sandbox/timeouts`` and ``code_sandbox/no_result`` (counts per call).

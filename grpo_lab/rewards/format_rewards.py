@@ -1,8 +1,9 @@
 """Format rewards: does the completion lay out its reasoning and answer in the expected tags?
 
-Both read plain and conversational completions (``extraction.completion_text``) and look across
-newlines: a reasoning block almost always spans several lines, and a pattern whose ``.`` stops at
-a newline would score every such completion 0."""
+Both read plain and conversational completions (``extraction.completion_text``: the last
+assistant message of a conversational one) and look across newlines: a reasoning block almost
+always spans several lines, and a pattern whose ``.`` stops at a newline would score every such
+completion 0."""
 
 from __future__ import annotations
 
@@ -29,8 +30,14 @@ def think_format_reward(completions: list, **kwargs) -> list[float]:
     occurs nowhere after the first one (anything, newlines included, may sit between the tags and
     after ``</think>``); otherwise r = 0.
 
-    Source: TRL 1.16 ``trl.rewards.think_format_reward`` (same values; it also takes plain-text
-    completions, where TRL's takes only conversational ones).
+    The text is ``extraction.completion_text``: a plain string, or the content of the last assistant
+    message of a conversational completion.
+
+    Source: TRL 1.16 ``trl.rewards.think_format_reward``: the same values for a completion of one
+    message. TRL reads the first message (``completion[0]["content"]``), so they differ for a
+    completion of several messages whose last assistant message is not the first (after a tool
+    call, this function checks the final reply, TRL the tool call's text). Unlike TRL's, it also
+    takes plain-text completions.
     """
     return [1.0 if _think_formatted(completion_text(c)) else 0.0 for c in completions]
 

@@ -103,8 +103,10 @@ def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_va
     ``math_verify/*`` metrics it logs too. Requires the ``math`` extra (math-verify).
 
     Source: Appendix C.1 of "Demystifying Long Chain-of-Thought Reasoning in LLMs" (Yeo et al.
-    2025, arXiv:2502.03373); TRL 1.16 ``trl.rewards.get_cosine_scaled_reward`` (same values and
-    defaults, lengths past ``max_len`` held at the long end).
+    2025, arXiv:2502.03373); TRL 1.16 ``trl.rewards.get_cosine_scaled_reward`` (same defaults, and
+    the same values for one-message completions; lengths past ``max_len`` held at the long end).
+    Correctness is :func:`~grpo_lab.rewards.accuracy_reward`'s, which reads the last assistant
+    message of a completion of several messages where TRL reads the first.
     """
     return CosineScaledReward(max_len, min_value_wrong, max_value_wrong, min_value_correct, max_value_correct)
 

@@ -125,8 +125,15 @@ def accuracy_reward(completions: list, solution: list[str], log_extra: Callable[
     when ``log_metric`` is passed (it is, by a trainer); ``log_extra`` receives the columns
     ``solution``, ``gold_parsed`` and ``answer_parsed``. Never raises for odd text.
 
-    Source: TRL 1.16 ``trl.rewards.accuracy_reward`` (same values; it also takes plain-text
-    completions). Requires the ``math`` extra: ``pip install 'grpo_lab[math]'``.
+    The completion's text is ``extraction.completion_text``: a plain string, or the content of the
+    last assistant message of a conversational completion.
+
+    Source: TRL 1.16 ``trl.rewards.accuracy_reward``: the same values and logged columns where TRL
+    reads the same text, which is always the case for a completion of one message. TRL reads the
+    first message (``completion[0]["content"]``), so they differ for a completion of several
+    messages whose last assistant message is not the first (a tool call, its result, then the
+    answer: TRL scores the tool call's text, this function the answer). Unlike TRL's, it also takes
+    plain-text completions. Requires the ``math`` extra: ``pip install 'grpo_lab[math]'``.
     """
     checker = _Checker()
     rewards = [checker.score(completion_text(c), sol) for c, sol in zip(completions, solution, strict=True)]
@@ -146,8 +153,11 @@ def reasoning_accuracy_reward(completions: list, solution: list[str], reasoning_
     reasoning and gets 0.0 (not None: unfinished reasoning is penalised), whatever its solution;
     an unparseable solution otherwise gives None. Logs as ``accuracy_reward``.
 
-    Source: TRL 1.16 ``trl.rewards.reasoning_accuracy_reward`` (same values; it also takes
-    plain-text completions). Requires the ``math`` extra: ``pip install 'grpo_lab[math]'``.
+    Source: TRL 1.16 ``trl.rewards.reasoning_accuracy_reward``: the same values and logged columns
+    for a completion of one message; for one of several messages it reads the last assistant
+    message where TRL reads the first (``completion[0]["content"]``), as ``accuracy_reward`` does.
+    Unlike TRL's, it also takes plain-text completions. Requires the ``math`` extra:
+    ``pip install 'grpo_lab[math]'``.
     """
     delimiters = ["</think>"] if reasoning_delimiters is None else reasoning_delimiters
     checker = _Checker()

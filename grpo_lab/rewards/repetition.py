@@ -45,8 +45,14 @@ def get_repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0
     ``max_penalty`` (must be <= 0) for one that repeats itself throughout. On token ids, so it is
     the tokenizer's notion of repetition and works in any language.
 
+    ``completion_ids`` holds one sequence of token ids per completion: lists of ints (as trainers
+    pass them), arrays or tensors, whose values are counted (``.tolist()``).
+
     Source: Appendix C.2 of "Demystifying Long Chain-of-Thought Reasoning in LLMs" (Yeo et al. 2025,
-    arXiv:2502.03373); TRL 1.16 ``trl.rewards.get_repetition_penalty_reward`` (same values, same
-    keyword ``completion_ids``; an ``ngram_size`` below 1 is refused here when the function is made).
+    arXiv:2502.03373); TRL 1.16 ``trl.rewards.get_repetition_penalty_reward``, same keyword
+    ``completion_ids``: the same values for lists of ints (what GRPOTrainer passes) and NumPy
+    arrays. For tensors (one per completion, or a 2-D tensor) they differ: TRL's builds n-grams of
+    0-d tensors, which compare by identity, so it finds no repeat and gives 0.0 whatever the text.
+    An ``ngram_size`` below 1 is refused here when the function is made.
     """
     return RepetitionPenalty(ngram_size, max_penalty)

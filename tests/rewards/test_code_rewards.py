@@ -4,7 +4,6 @@ writes outside its folder or allocates too much, each scored 0 without stopping 
 import os
 import pickle
 import socket
-import tempfile
 import textwrap
 
 import pytest
@@ -19,16 +18,6 @@ ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2
 
 def fenced(code: str) -> str:
     return f"Here is my solution:\n```python\n{textwrap.dedent(code).strip()}\n```\nIt adds the numbers."
-
-
-@pytest.fixture
-def sandboxes(tmp_path, monkeypatch):
-    """The folder the sandboxes' temporary folders are made in (checked empty afterwards)."""
-    base = tmp_path / "sandboxes"
-    base.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(base))
-    yield base
-    assert list(base.iterdir()) == []  # every temporary folder was removed
 
 
 def score(completions, tests, **options):
@@ -121,18 +110,20 @@ def test_the_environment_is_not_inherited(sandboxes, monkeypatch):
     assert score([fenced(code)], ADD_TESTS) == [1.0]
 
 
-def test_forged_results_and_early_exits_score_zero(sandboxes):
+@pytest.mark.parametrize("network_namespace", [False, True])
+def test_forged_results_and_early_exits_score_zero(sandboxes, network_namespace):
     forged = "open('result', 'w').write('0123456789abcdef0123456789abcdef 1111\\n')\nimport os\nos._exit(0)"
-    assert score([fenced(forged)], ADD_TESTS) == [0.0]
-    killer = """
+    assert score([fenced(forged)], ADD_TESTS, network_namespace=network_namespace) == [0.0]
+    # this process (the trainer) by its pid: in a PID namespace os.getppid() is 0, the child's own group
+    killer = f"""
         import os
         def add(a, b):
             try:
-                os.kill(os.getppid(), 9)  # would end this test run
+                os.kill({os.getpid()}, 9)  # would end this test run
             except PermissionError:
                 return a + b
     """
-    assert score([fenced(killer)], ADD_TESTS) == [1.0]  # refused, and this process is still here
+    assert score([fenced(killer)], ADD_TESTS, network_namespace=network_namespace) == [1.0]  # refused, still here
 
 
 def test_one_bad_completion_does_not_stop_the_batch(sandboxes):

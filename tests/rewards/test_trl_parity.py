@@ -1,5 +1,7 @@
 """The library's TRL-named reward functions give TRL 1.16's values (and log TRL's columns) on the
-same completions."""
+same one-message completions and token-id lists, and differ where their docstrings say: a completion
+of several messages (TRL reads the first, these the last assistant message) and token ids given as
+tensors (TRL's repetition penalty then finds no repeats)."""
 
 import importlib.util
 import random
@@ -94,3 +96,45 @@ def test_repetition_penalty_matches_trl(ngram_size, max_penalty):
     theirs = trl_rewards.get_repetition_penalty_reward(ngram_size, max_penalty)
     assert mine.__name__ == theirs.__name__
     assert mine(completion_ids=completion_ids) == theirs(completion_ids=completion_ids)
+
+
+# A completion of several messages: a tool call, its result and the final reply (TRL's tool-calling
+# completions), and two replies in a row. TRL reads completion[0]["content"]; grpo_lab the last
+# assistant message, which holds the answer.
+TOOL_CALL = [{"role": "assistant", "content": "I need the calculator.",
+              "tool_calls": [{"type": "function", "function": {"name": "divide", "arguments": {"a": 1, "b": 2}}}]},
+             {"role": "tool", "name": "divide", "content": "0.5"},
+             {"role": "assistant", "content": r"<think>The tool says 0.5.</think> The answer is \boxed{\frac{1}{2}}"}]
+TWO_REPLIES = [{"role": "assistant", "content": "Let me check."},
+               {"role": "assistant", "content": r"<think>Checked.</think> So \boxed{\frac{1}{2}}"}]
+
+
+@needs_math_verify
+@pytest.mark.parametrize("completion", [TWO_REPLIES, TOOL_CALL])
+def test_math_rewards_read_the_last_reply_where_trl_reads_the_first_message(completion):
+    solution = [r"\frac{1}{2}"]
+    for name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        mine, theirs = getattr(ours, name), getattr(trl_rewards, name)
+        assert mine([completion], solution) == [1.0]  # the final reply's answer
+        assert theirs([completion], solution) == [0.0]  # the first message: no answer, no </think>
+        assert mine([completion], solution) == theirs([completion[-1:]], solution)
+        assert mine([completion[:1]], solution) == theirs([completion], solution)
+
+
+@pytest.mark.parametrize("completion", [TWO_REPLIES, TOOL_CALL])
+def test_think_format_reward_reads_the_last_reply_where_trl_reads_the_first_message(completion):
+    assert ours.think_format_reward([completion]) == [1.0]
+    assert trl_rewards.think_format_reward([completion]) == [0.0]
+    assert ours.think_format_reward([completion[:1]]) == trl_rewards.think_format_reward([completion])
+
+
+def test_repetition_penalty_counts_tensor_token_ids_where_trl_finds_no_repeats():
+    torch, numpy = pytest.importorskip("torch"), pytest.importorskip("numpy")
+    rows = [[5, 5, 5, 5, 5], [1, 2, 3, 1, 2], [1, 2, 3, 4, 5]]
+    mine, theirs = ours.get_repetition_penalty_reward(2), trl_rewards.get_repetition_penalty_reward(2)
+    assert mine(completion_ids=rows) == theirs(completion_ids=rows) == [-0.75, -0.25, 0.0]
+    arrays = [numpy.array(row) for row in rows]
+    assert mine(completion_ids=arrays) == theirs(completion_ids=arrays) == [-0.75, -0.25, 0.0]
+    for tensors in ([torch.tensor(row) for row in rows], torch.tensor(rows)):
+        assert mine(completion_ids=tensors) == [-0.75, -0.25, 0.0]
+        assert theirs(completion_ids=tensors) == [0.0, 0.0, 0.0]  # n-grams of 0-d tensors never compare equal
