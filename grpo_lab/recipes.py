@@ -7,7 +7,8 @@ A recipe holds ``GRPOConfig`` fields plus five optional keys:
     model: path/or/hub-id          # default: the tiny model shipped with grpo_lab
     reward_funcs:                  # "module:function"; default: the embedded task's rewards
       - grpo_lab.tasks.addition:correctness_reward   # modules beside the recipe or in the working
-                                                     # directory import too (my_rewards:fn)
+                                                     # directory import too (my_rewards:fn); an
+                                                     # installed package of the same name wins
     train_dataset: default_task    # "default_task", a directory written by Dataset.save_to_disk,
                                    # or a mapping (below)
     eval_dataset: default_task     # default: the embedded task's, where train_dataset is too; else none
@@ -27,7 +28,9 @@ A dataset given as a mapping:
                                    # relative path is looked up beside the recipe, then in the working
                                    # directory
       name: main                   # hub only: the dataset's configuration
-      split: train                 # hub, or a saved DatasetDict (default: train)
+      split: train                 # hub, or a saved DatasetDict: which split (default: train; required
+                                   # for eval_dataset). A local file or a saved single Dataset has no
+                                   # splits: name and split are refused there
       map: gsm8k_data:to_grpo_row  # optional "module:function", called on each row (a dict); the rows
                                    # it returns (a prompt, and the columns reward functions read)
                                    # replace the original columns
@@ -49,13 +52,14 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
 
 
 def import_object(reference: str, search: tuple[Path, ...] = ()):
-    """``"package.module:attribute"`` -> the attribute; the directories ``search`` join the front of
-    ``sys.path`` for the rest of the process, as a script's own folder does (a console script's
-    ``sys.path`` holds neither the recipe's folder nor the working directory)."""
+    """``"package.module:attribute"`` -> the attribute; the directories ``search`` join the end of
+    ``sys.path`` for the rest of the process (a console script's ``sys.path`` holds neither the
+    recipe's folder nor the working directory), so that a module there imports while an installed
+    package of the same name (a stray ``peft.py`` beside the recipe) still comes first."""
     module, _, attribute = reference.partition(":")
     if not attribute:
         raise ValueError(f"{reference!r} is not of the form 'package.module:function'.")
-    sys.path[:0] = [str(directory) for directory in search if str(directory) not in sys.path]
+    sys.path.extend(dict.fromkeys(str(directory) for directory in search if str(directory) not in sys.path))
     try:
         imported = importlib.import_module(module)
     except ModuleNotFoundError as error:
@@ -73,7 +77,7 @@ def _dataset(reference, task, split: str, where: str, search: tuple[Path, ...]):
     if reference in (None, "default_task"):
         return getattr(task, f"{split}_dataset")
     if isinstance(reference, dict):
-        return _mapped_dataset(reference, f"{where}: {split}_dataset", search)
+        return _mapped_dataset(reference, f"{where}: {split}_dataset", search, evaluation=split == "eval")
     if not isinstance(reference, str):
         raise ValueError(f"{where}: {split}_dataset must be 'default_task', a directory written by save_to_disk, or "
                          f"a mapping with {', '.join(DATASET_KEYS)}; got {reference!r}.")
@@ -82,15 +86,19 @@ def _dataset(reference, task, split: str, where: str, search: tuple[Path, ...]):
     return load_from_disk(str(reference))
 
 
-def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...]):
-    """A dataset given as a mapping of ``DATASET_KEYS``: loaded, then mapped row by row."""
-    from datasets import load_dataset, load_from_disk
+def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...], *, evaluation: bool = False):
+    """A dataset given as a mapping of ``DATASET_KEYS``: loaded, then mapped row by row. ``name`` and
+    ``split`` are refused where they do not apply, and an eval set from splits must name its split."""
+    from datasets import load_dataset
 
     unknown = sorted(set(spec) - set(DATASET_KEYS))
     if unknown or not isinstance(spec.get("path"), str):
         problem = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'path' (a string)"
         raise ValueError(f"{where} has {problem}; its keys are {', '.join(DATASET_KEYS)} (path required), e.g. "
                          "{path: data/train.jsonl, map: my_data:to_row}.")
+    for key in ("name", "split"):
+        if key in spec and not isinstance(spec[key], str):
+            raise ValueError(f"{where}: {key} must be a string, got {spec[key]!r}.")
     path = next((folder / spec["path"] for folder in search if (folder / spec["path"]).exists()), None)
     if path is not None and path.is_file():
         if path.suffix not in FILE_BUILDERS or {"name", "split"} & set(spec):
@@ -98,10 +106,11 @@ def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...]):
                              f"{'/'.join(FILE_BUILDERS)} file without 'name' or 'split'.")
         dataset = load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
     elif path is not None:
-        dataset = load_from_disk(str(path))
-        if isinstance(dataset, dict):  # a DatasetDict saved whole: one of its splits
-            dataset = dataset[spec.get("split", "train")]
+        dataset = _saved_dataset(path, spec, where, evaluation)
     else:
+        if evaluation and "split" not in spec:
+            raise ValueError(f"{where}: a Hub dataset needs 'split' here (e.g. split: test): without it the train "
+                             f"split of {spec['path']!r} would be loaded, evaluating on the training data.")
         try:
             dataset = load_dataset(spec["path"], spec.get("name"), split=spec.get("split", "train"))
         except Exception as error:
@@ -115,6 +124,30 @@ def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...]):
                          "give 'map: module:function' returning a dict with a prompt (and the columns your reward "
                          "functions read) for each row.")
     return dataset
+
+
+def _saved_dataset(path: Path, spec: dict, where: str, evaluation: bool):
+    """A folder written by ``save_to_disk``: a Dataset, or a DatasetDict's split ``spec["split"]``."""
+    from datasets import load_from_disk
+
+    if "name" in spec:
+        raise ValueError(f"{where}: 'name' (a Hub dataset's configuration) does not apply to {path}, a folder written "
+                         "by save_to_disk: remove 'name'.")
+    dataset = load_from_disk(str(path))
+    if not isinstance(dataset, dict):
+        if "split" in spec:
+            raise ValueError(f"{where}: {path} holds a single Dataset, with no splits: remove 'split' (or save the "
+                             "DatasetDict whole to choose one of its splits).")
+        return dataset
+    splits = ", ".join(dataset)
+    if evaluation and "split" not in spec:
+        raise ValueError(f"{where}: {path} holds the splits {splits}: give 'split' (e.g. split: test); without it "
+                         "the train split would be loaded, evaluating on the training data.")
+    split = spec.get("split", "train")
+    if split not in dataset:
+        raise ValueError(f"{where}: split {split!r} is not in {path}, which holds the splits {splits}: "
+                         "give one of them as 'split'.")
+    return dataset[split]
 
 
 def _peft_config(spec, where: str):

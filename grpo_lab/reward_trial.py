@@ -4,10 +4,14 @@ Each batch of completions is scored by the same runner as training
 (:func:`grpo_lab.rewards.score_completions`: TRL's keyword arguments, retries, checks), and its
 group-relative advantages are computed by the engine's own
 :func:`grpo_lab.ops.compute_advantages` with the session's ``num_generations``, ``scale_rewards``
-and ``multi_objective_aggregation``. A prompt group has a learning signal when some completion of
-it has a non-zero advantage (its rewards vary within the group); the trial counts those groups under
-each new function alone, under the new functions' weighted total (what ``use_rewards(funcs,
-weights)`` would train on), and under the current rewards.
+and ``multi_objective_aggregation``. A prompt group has a learning signal when the values its
+advantages normalize vary within it (:func:`groups_with_signal_N`, the engine's test for a group
+without spread, ``frac_reward_zero_std``): a function's own rewards; for a weighted total, the total
+(``sum_then_normalize``) or, under ``normalize_then_sum`` (GDPO), the sums of the per-function
+normalized rewards. Not "some advantage is not 0": GDPO centres the sums over the whole batch, so a
+group whose rewards are all equal gets a common advantage of about 1e-8 rather than 0. The trial
+counts those groups under each new function alone, under the new functions' weighted total (what
+``use_rewards(funcs, weights)`` would train on), and under the current rewards.
 
 The comparison with the current total reward, over the completions where both are numbers:
 Pearson's correlation, Spearman's (Pearson's of the ranks, ties given their mean rank), and the
@@ -28,7 +32,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from grpo_lab.ops import compute_advantages
+from grpo_lab.ops import compute_advantages, nanstd
+from grpo_lab.ops.advantages import _tied
 from grpo_lab.rewards import score_completions
 
 HISTOGRAM_BINS = 20
@@ -81,7 +86,7 @@ class RewardSummary:
     """The share of completions the function returned None for (left out of every other figure)."""
     histogram: Histogram
     groups_with_signal: int
-    """Prompt groups in which its advantages are not all 0 (the rewards vary within the group)."""
+    """Prompt groups in which its rewards vary (see the module docstring)."""
     groups_gained: int | None
     """Groups with a signal under it and none under the current rewards (None: no current rewards)."""
     groups_lost: int | None
@@ -139,9 +144,22 @@ def batch_advantages(rewards_BF: torch.Tensor, weights_F: torch.Tensor | None, s
     )
 
 
-def groups_with_signal_N(advantages_B: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """(N,) whether each prompt group's advantages are not all 0."""
-    return (advantages_B.view(-1, num_generations) != 0).any(dim=1)
+def groups_with_signal_N(values_B: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(N,) whether each prompt group's non-NaN ``values_B`` vary: as the engine tells a group without
+    spread (``is_std_zero_B``), not all equal and a standard deviation not close to 0."""
+    grouped_NG = values_B.view(-1, num_generations)
+    std_N = nanstd(grouped_NG, dim=1)
+    return ~(_tied(grouped_NG, dim=1) | torch.isclose(std_N, torch.zeros_like(std_N)))
+
+
+def signal_values_B(rewards_B: torch.Tensor, advantages_B: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """The values whose spread within a group is its learning signal, for a weighted total reward
+    ``rewards_B`` and its advantages: the total itself (``sum_then_normalize``); under
+    ``normalize_then_sum`` the advantages of the completions with a reward, an increasing function of
+    the sums of normalized rewards (NaN where no function scored the completion)."""
+    if aggregation == "normalize_then_sum":
+        return advantages_B.masked_fill(torch.isnan(rewards_B), float("nan"))
+    return rewards_B
 
 
 def _state_at(trainer_state, step: int):
@@ -151,16 +169,18 @@ def _state_at(trainer_state, step: int):
     return state
 
 
-def score_batches(batches: list[TrialBatch], funcs, processing_classes, names, *, trainer_state,
-                  reward_timeout) -> tuple[list[torch.Tensor], dict[str, list], dict[str, list[float]]]:
+def score_batches(batches: list[TrialBatch], funcs, processing_classes, names, *, trainer_state, reward_timeout,
+                  timeout_sync: bool = False) -> tuple[list[torch.Tensor], dict[str, list], dict[str, list[float]]]:
     """Each batch's (B, F) rewards from the training runner, and what the functions logged: extra
-    columns over every completion (None where a batch's call did not log one) and metrics."""
+    columns over every completion (None where a batch's call did not log one) and metrics.
+    ``timeout_sync``: ``GRPOConfig.reward_timeout_sync``."""
     rewards, extras, metrics, done = [], {}, {}, 0
     for batch in batches:
         rewards_BF, logs = score_completions(
             funcs, processing_classes, names, prompts=batch.prompts, completions=batch.completions,
             completion_ids=batch.completion_ids, columns=batch.columns,
             trainer_state=_state_at(trainer_state, batch.step), reward_timeout=reward_timeout,
+            timeout_sync=timeout_sync,
         )
         rewards.append(rewards_BF)
         for name in set(extras) | set(logs.extras):
@@ -172,29 +192,31 @@ def score_batches(batches: list[TrialBatch], funcs, processing_classes, names, *
 
 
 def run_trial(batches: list[TrialBatch], funcs, processing_classes, names: list[str], weights: list[float] | None,
-              *, settings: AdvantageSettings, trainer_state, reward_timeout, on: str, k: int) -> RewardTrial:
+              *, settings: AdvantageSettings, trainer_state, reward_timeout, on: str, k: int,
+              timeout_sync: bool = False) -> RewardTrial:
     """Score ``batches`` with ``funcs`` and compare with their current rewards (module docstring)."""
-    rewards, extras, metrics = score_batches(batches, funcs, processing_classes, names,
-                                             trainer_state=trainer_state, reward_timeout=reward_timeout)
+    rewards, extras, metrics = score_batches(batches, funcs, processing_classes, names, trainer_state=trainer_state,
+                                             reward_timeout=reward_timeout, timeout_sync=timeout_sync)
     weights_F = None if weights is None else torch.tensor(weights, dtype=torch.float32)
     total = "total" if "total" not in names else "total (weighted sum)"
     shown = [*names, total] if len(names) > 1 else list(names)
     values = {name: [] for name in shown}
     signal = {name: [] for name in shown}
-    G = settings.num_generations
+    G, aggregation = settings.num_generations, settings.multi_objective_aggregation
     for rewards_BF in rewards:
         for f, name in enumerate(names):
             values[name].append(rewards_BF[:, f])
-            signal[name].append(groups_with_signal_N(batch_advantages(rewards_BF[:, f:f + 1], None, settings)
-                                                     .advantages_B, G))
+            signal[name].append(groups_with_signal_N(rewards_BF[:, f].float(), G))
         if len(names) > 1:
             stats = batch_advantages(rewards_BF, weights_F, settings)
             values[total].append(stats.rewards_B)
-            signal[total].append(groups_with_signal_N(stats.advantages_B, G))
+            signal[total].append(groups_with_signal_N(signal_values_B(stats.rewards_B, stats.advantages_B,
+                                                                      aggregation), G))
     scored = all(batch.current_B is not None for batch in batches)
     current = np.concatenate([b.current_B.double().numpy() for b in batches]) if scored else None
-    current_signal = (torch.cat([groups_with_signal_N(b.current_advantages_B, G) for b in batches]).numpy()
-                      if scored else None)
+    current_signal = (torch.cat([
+        groups_with_signal_N(signal_values_B(b.current_B, b.current_advantages_B, aggregation), G) for b in batches
+    ]).numpy() if scored else None)
     frame = _completions_frame(batches, settings.num_generations, current)
     summaries, examples = [], {}
     for name in shown:
@@ -243,7 +265,7 @@ class RewardTrial:
     summaries: list[RewardSummary]
     groups: int
     current_groups_with_signal: int | None
-    """Groups whose current advantages are not all 0 (None: the batch is not scored yet)."""
+    """Groups in which the current rewards vary (None: the batch is not scored yet)."""
     completions: pd.DataFrame = field(repr=False)
     """One row per completion: step, group, prompt, completion, current_reward, new/<name>..."""
     disagreements: dict[str, pd.DataFrame] = field(repr=False)

@@ -18,6 +18,15 @@ does not always give back the sampled token ids):
   ints takes 8 to 36);
 - ``columns``: the dataset's columns (``answer``...), None for a column the entry shows already.
 
+A list of ``prompts`` or of a column whose values are equal within each prompt group (the group's
+completions are consecutive, as the ``group`` column runs) is kept once per group, as
+``{"per_group": [one value per group]}``, and given back one per completion (the group's completions
+receive the one object): the completions of a prompt share its prompt and dataset row, and a
+checkpoint stores each copy of a repeated object (``plain_values`` rebuilds them), so
+``num_generations`` copies would take ``num_generations`` times the room. A list that differs
+within a group (an environment's ``reset()`` may vary the prompt) is kept whole. Equal means the
+same object, or values of one type that compare equal.
+
 ``session.completions_log`` leaves that key out. The entries travel with ``save``/``load``, undo
 and fork as the log does (a value a checkpoint cannot store, an image, is kept as its text).
 Batches logged without it, by a grpo_lab that did not keep it, are left out with a warning.
@@ -63,14 +72,58 @@ def log_entry(advantages: Advantages, step: int) -> dict:
     conversational = any(is_conversational(prompt) for prompt in rollout.prompts)
     prompts = list(rollout.prompts) if conversational else None
     own_completions = rollout.completions != wrap_completions(rollout.prompts, rollout.completion_texts)
+    runs = group_runs(columns["group"])
     inputs = {
-        "prompts": prompts,
+        "prompts": None if prompts is None else once_per_group(prompts, runs),
         "completions": list(rollout.completions) if own_completions else None,
         "completion_ids": [np.asarray(ids, dtype=np.int32).tobytes() for ids in completion_id_lists(rollout)],
-        "columns": {name: None if columns.get(name) == list(values) else list(values)
+        "columns": {name: None if columns.get(name) == list(values) else once_per_group(list(values), runs)
                     for name, values in rollout.columns.items()},
     }
     return {"step": [step] * len(columns["group"]), **columns, REWARD_INPUTS: inputs}
+
+
+def group_runs(groups: list) -> list[int]:
+    """The lengths of the runs of equal consecutive values of a ``group`` column: its prompt groups."""
+    runs: list[int] = []
+    for position, group in enumerate(groups):
+        if position and group == groups[position - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
+def _equal(a, b) -> bool:
+    """The same object, or values of one type that compare equal (an array's elementwise ``==`` is not)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b) is True
+    except Exception:  # noqa: BLE001  # e.g. "the truth value of an array is ambiguous"
+        return False
+
+
+def once_per_group(values: list, runs: list[int]):
+    """``values`` (one per completion) as ``{"per_group": [...]}`` where each run of ``runs`` holds one
+    value (see the module docstring); else the list as it is."""
+    firsts, start = [], 0
+    for run in runs:
+        first = values[start]
+        if not all(_equal(first, value) for value in values[start + 1:start + run]):
+            return values
+        firsts.append(first)
+        start += run
+    return {"per_group": firsts}
+
+
+def per_completion(stored, runs: list[int]) -> list:
+    """What :func:`once_per_group` kept, one value per completion again."""
+    if not isinstance(stored, dict):
+        return stored
+    return [value for value, run in zip(stored["per_group"], runs, strict=True) for _ in range(run)]
 
 
 def shown_columns(entry: dict) -> dict:
@@ -79,14 +132,15 @@ def shown_columns(entry: dict) -> dict:
 
 
 def _logged_batch(entry: dict) -> TrialBatch:
-    inputs = entry[REWARD_INPUTS]
-    prompts = list(entry["prompt"]) if inputs["prompts"] is None else inputs["prompts"]
+    inputs, runs = entry[REWARD_INPUTS], group_runs(entry["group"])
+    prompts = list(entry["prompt"]) if inputs["prompts"] is None else per_completion(inputs["prompts"], runs)
     texts = list(entry["completion"])
     return TrialBatch(
         step=int(entry["step"][0]), prompts=prompts,
         completions=wrap_completions(prompts, texts) if inputs["completions"] is None else inputs["completions"],
         completion_ids=[np.frombuffer(ids, dtype=np.int32).tolist() for ids in inputs["completion_ids"]],
-        columns={name: list(entry[name]) if values is None else values for name, values in inputs["columns"].items()},
+        columns={name: list(entry[name]) if values is None else per_completion(values, runs)
+                 for name, values in inputs["columns"].items()},
         prompt_texts=list(entry["prompt"]), completion_texts=texts,
         current_B=torch.tensor(entry["reward"], dtype=torch.float32),
         current_advantages_B=torch.tensor(entry["advantage"], dtype=torch.float32),
@@ -141,7 +195,8 @@ class SessionRewards:
         random = rng_state()
         try:
             return run_trial(batches, funcs, classes, names, weights, settings=settings, k=k, on=on,
-                             trainer_state=engine.trainer_state(), reward_timeout=config.reward_timeout)
+                             trainer_state=engine.trainer_state(), reward_timeout=config.reward_timeout,
+                             timeout_sync=config.reward_timeout_sync)
         finally:
             set_rng_state(random)  # a reward function that draws leaves the session's stream where it was
 
@@ -194,8 +249,11 @@ class SessionRewards:
         scored again (its scores are dropped: the next stage is score()); a half-used batch keeps
         its rewards. Refused, with nothing changed, where a function cannot be called as training
         calls it or the weights do not match. An environment's ``get_reward`` stays, last. ``undo()``
-        puts back the config and its record but not the functions, which no saved state holds: call
-        ``use_rewards`` again with the old ones."""
+        to before this call puts back the config (``reward_weights`` included) and its record but not
+        the functions, which no saved state holds: it warns, naming the functions of the step it
+        returned to and the two fixes (``use_rewards`` with them again, or ``reward_weights`` set for
+        the functions kept; with a different number of functions the next ``advantages()`` refuses
+        the weights until then)."""
         listed = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         weights = _checked_weights(weights, listed)
         old_names = [reward_func_name(func) for func in user_reward_funcs(self.engine)]
@@ -204,6 +262,39 @@ class SessionRewards:
         self.config.reward_weights = weights
         self._applied_config["reward_weights"] = None if weights is None else list(weights)
         self._record_change("reward_funcs", old_names, [reward_func_name(f) for f in user_reward_funcs(self.engine)])
+        self._keep_swap_record()
         self._record_change("reward_weights", old_weights, weights)
         if self.scores is not None and self.batch_step == 0:
             self.scores = self.advantages_result = self.loss_result = None
+
+    def _keep_swap_record(self) -> None:
+        """Keep the ``reward_funcs`` record ``use_rewards`` just made (if the names changed), so that
+        an ``undo()`` to before it, which puts the config back but not the functions, is told apart."""
+        swaps = getattr(self, "_reward_swaps", None)
+        if swaps is None:
+            swaps = self._reward_swaps = []
+            self.on(self._after_undo)
+        swaps[:] = [swap for swap in swaps if swap in self.config_changes]  # a record replaced before any stage
+        last = self.config_changes[-1] if self.config_changes else None
+        if last is not None and last["field"] == "reward_funcs" and last not in swaps:
+            swaps.append(dict(last))
+
+    def _after_undo(self, event: str, step) -> None:
+        """After ``undo()``: warn where it went back to before a ``use_rewards`` (see there)."""
+        if event != "undo":
+            return
+        undone = [swap for swap in self._reward_swaps if swap not in self.config_changes]
+        if not undone:
+            return
+        self._reward_swaps[:] = [swap for swap in self._reward_swaps if swap not in undone]
+        names, weights, back = ([reward_func_name(f) for f in user_reward_funcs(self.engine)],
+                                self.config.reward_weights, undone[0]["old"])
+        refused = (f" The next advantages() refuses them: {len(weights)} weights for {len(names)} functions."
+                   if weights is not None and len(weights) != len(names) else "")
+        notices.warn(
+            f"undo() returned to step {step}, before use_rewards() at step {undone[0]['step']}: the config is back "
+            f"(reward_weights = {weights!r}, set for {', '.join(back)}) but not the reward functions, which no "
+            f"saved state holds: they are still {', '.join(names)}.{refused} To train on the functions of step "
+            f"{step} again, call session.use_rewards([{', '.join(back)}], weights={weights!r}); to keep the "
+            f"current ones, set session.config.reward_weights to one weight per function ({len(names)}), or None."
+        )

@@ -78,6 +78,40 @@ def test_train_imports_rewards_beside_the_recipe_and_a_failing_reward_shows_its_
     assert usage.stderr.splitlines()[-1].startswith(f"grpo-lab train: error: {tmp_path / 'out'} is not a complete")
 
 
+SHADOW_CHECK = """
+import sys
+from pathlib import Path
+
+from grpo_lab.recipes import build_trainer, import_object
+
+recipe = Path(sys.argv[1])
+import_object("my_rewards:fails_from_second_call", (recipe.parent, Path.cwd()))  # as the recipe's reward_funcs
+import peft  # first imported now: the installed package, not the peft.py beside the recipe
+
+trainer = build_trainer(recipe, ["--output_dir", sys.argv[2]])
+config = trainer.session.engine.unwrapped_model.peft_config["default"]
+print(type(config).__module__, config.r, peft.__file__)
+"""
+
+
+def test_a_module_beside_the_recipe_does_not_shadow_an_installed_package(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "my_rewards.py").write_text(REWARDS)
+    (recipes / "peft.py").write_text('raise ImportError("the peft.py beside the recipe was imported")\n')
+    (recipes / "r.yaml").write_text("reward_funcs:\n  - my_rewards:fails_from_second_call\npeft:\n  r: 4\n"
+                                    "max_steps: 1\nreport_to: none\n")
+    done = subprocess.run([sys.executable, "-c", SHADOW_CHECK, str(recipes / "r.yaml"), str(tmp_path / "out")],
+                          cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    module, rank, location = done.stdout.split()[-3:]
+    assert module == "peft.tuners.lora.config" and rank == "4" and "site-packages" in location
+
+
 def test_export_into_a_folder_that_cannot_be_written_is_one_line_naming_it_and_the_fix(tmp_path):
     import os
     import subprocess

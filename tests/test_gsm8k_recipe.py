@@ -104,3 +104,55 @@ def test_a_bad_dataset_or_peft_spec_is_refused_before_the_model_loads(tmp_path, 
     with pytest.raises(ValueError, match="peft: .*rank.*LoraConfig's fields"):
         build_trainer(_recipe(tmp_path, train_dataset={"path": "sample.jsonl", "map": "gsm8k_data:to_grpo_row"},
                               peft={"rank": 8}), ["--output_dir", str(tmp_path / "out")])
+
+
+def _saved(tmp_path):
+    """A single Dataset and a DatasetDict saved with save_to_disk beside the recipe, rows already mapped."""
+    from datasets import Dataset, DatasetDict
+
+    def rows(label):
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": f"{label} {i}"}], "solution": str(i)}
+                                  for i in range(3)])
+
+    rows("single").save_to_disk(str(tmp_path / "single"))
+    DatasetDict({"train": rows("train"), "test": rows("test")}).save_to_disk(str(tmp_path / "splits"))
+
+
+def test_name_and_split_are_refused_where_they_do_not_apply(tmp_path, monkeypatch):
+    monkeypatch.chdir(EXAMPLE)
+    _saved(tmp_path)
+    cases = [
+        ({"path": "single", "split": "test"}, r".*single holds a single Dataset, with no splits: remove 'split'"),
+        ({"path": "single", "name": "main"}, r"'name' \(a Hub dataset's configuration\) does not apply to .*single, "
+                                             r"a folder written by save_to_disk: remove 'name'"),
+        ({"path": "splits", "name": "main", "split": "test"}, r"'name' .* does not apply to .*splits"),
+        ({"path": "splits", "split": "validation"}, r"split 'validation' is not in .*splits, which holds the splits "
+                                                    r"train, test: give one of them as 'split'"),
+        ({"path": "sample.jsonl", "map": "gsm8k_data:to_grpo_row", "split": 3}, r"split must be a string, got 3"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=f"train_dataset: {message}"):
+            build_trainer(_recipe(tmp_path, train_dataset=spec), ["--output_dir", str(tmp_path / "out")])
+
+
+def test_an_eval_dataset_mapping_must_name_its_split(tmp_path, monkeypatch):
+    from grpo_lab.recipes import _dataset
+
+    monkeypatch.chdir(EXAMPLE)
+    _saved(tmp_path)
+    train = {"path": "sample.jsonl", "map": "gsm8k_data:to_grpo_row"}
+    cases = [  # without a split each would load the train split: evaluating on the training data
+        ({"path": "openai/gsm8k", "name": "main", "map": "gsm8k_data:to_grpo_row"},
+         r"eval_dataset: a Hub dataset needs 'split' here \(e.g. split: test\): without it the train split of "
+         r"'openai/gsm8k' would be loaded, evaluating on the training data"),
+        ({"path": "splits"}, r"eval_dataset: .*splits holds the splits train, test: give 'split' \(e.g. split: test\)"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build_trainer(_recipe(tmp_path, train_dataset=train, eval_dataset=spec),
+                          ["--output_dir", str(tmp_path / "out")])
+    search = (tmp_path, EXAMPLE)
+    chosen = _dataset({"path": "splits", "split": "test"}, None, "eval", "recipe.yaml", search)
+    assert chosen["prompt"][0][0]["content"] == "test 0"
+    assert _dataset({"path": "splits"}, None, "train", "recipe.yaml", search)["prompt"][0][0]["content"] == "train 0"
+    assert _dataset({"path": "single"}, None, "eval", "recipe.yaml", search)["prompt"][0][0]["content"] == "single 0"

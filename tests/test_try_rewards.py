@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_lab.reward_trial import AdvantageSettings, batch_advantages, correlations, disagreements, groups_with_signal_N
+from grpo_lab.reward_trial import (
+    AdvantageSettings,
+    batch_advantages,
+    correlations,
+    disagreements,
+    groups_with_signal_N,
+    signal_values_B,
+)
 from grpo_lab.rewards import RewardFunctionError
+from grpo_lab.session_rewards import REWARD_INPUTS, group_runs, once_per_group, per_completion, shown_columns
 from grpo_lab.stages import StageOrderError
 from grpo_lab.tasks.addition import correctness_reward, format_reward
 
@@ -62,11 +70,46 @@ def test_correlations_by_hand():
 
 
 def test_groups_with_signal_by_hand():
+    rewards_B = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0])  # group 0 tied, group 1 varies
+    assert groups_with_signal_N(rewards_B, 4).tolist() == [False, True]
+    nan = float("nan")  # None rewards are left out: one number left is no spread, nor is none
+    values_B = torch.tensor([1.0, nan, 1.0, 1.0, nan, 2.0, nan, nan, nan, nan, nan, nan])
+    assert groups_with_signal_N(values_B, 4).tolist() == [False, False, False]
+
+
+def half_tied(completions, **kwargs):
+    """Equal rewards in the first prompt group, rewards that vary in the second (8 completions, 4 a group)."""
+    return [0.5] * 4 + [0.0, 0.1, 0.2, 0.9]
+
+
+def test_a_group_of_equal_rewards_has_no_signal_under_gdpo_by_hand():
+    # GDPO normalizes each function within its group, then centres the sums over the whole batch: a group
+    # whose rewards are all equal gets the same small advantage (not 0) on each of its completions
     settings = AdvantageSettings(num_generations=4, scale_rewards="group",
-                                 multi_objective_aggregation="sum_then_normalize")
-    rewards_BF = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]]).T  # group 0 tied, group 1 varies
-    signal_N = groups_with_signal_N(batch_advantages(rewards_BF, None, settings).advantages_B, 4)
-    assert signal_N.tolist() == [False, True]
+                                 multi_objective_aggregation="normalize_then_sum")
+    rewards_BF = torch.tensor([[1.0] * 4 + [0.0, 0.3, 0.7, 1.0] + [0.1, 0.2, 0.9, 0.4]]).T
+    stats = batch_advantages(rewards_BF, None, settings)
+    assert (stats.advantages_B[:4] != 0).all() and stats.advantages_B[:4].abs().max() < 1e-6
+    assert groups_with_signal_N(rewards_BF[:, 0], 4).tolist() == [False, True, True]
+    values_B = signal_values_B(stats.rewards_B, stats.advantages_B, "normalize_then_sum")
+    assert groups_with_signal_N(values_B, 4).tolist() == [False, True, True]
+    # two functions whose group-normalized rewards cancel: the total has no signal under GDPO
+    rewards_BF = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 1.0]]).T
+    stats = batch_advantages(rewards_BF, None, settings)
+    values_B = signal_values_B(stats.rewards_B, stats.advantages_B, "normalize_then_sum")
+    assert groups_with_signal_N(values_B, 4).tolist() == [False, True]
+
+
+def test_under_gdpo_a_group_of_equal_rewards_counts_as_no_signal(make_session):
+    session = make_session(multi_objective_aggregation="normalize_then_sum")
+    session.use_rewards([half_tied])  # the current rewards: tied in group 0, varying in group 1
+    session.generate(), session.score()
+    assert (session.advantages().advantages_B[:4] != 0).all()  # the batch-wide centring's rounding
+    trial = session.try_rewards([half_tied, constant_reward])
+    table = trial.to_pandas()
+    assert trial.current_groups_with_signal == 1
+    assert table["groups_with_signal"].tolist() == [1, 0, 1]  # half_tied, constant_reward, total
+    assert table["groups_gained"].tolist() == [0, 0, 0] and table["groups_lost"].tolist() == [0, 1, 0]
 
 
 # ---------------------------------------------------------------- on a real session
@@ -145,6 +188,67 @@ def test_history_scores_every_logged_batch_with_the_inputs_training_gave(make_se
     assert _same(seen, in_training)
 
 
+def test_the_log_keeps_what_a_prompt_group_shares_once(make_session, tmp_path):
+    runs = group_runs([0, 0, 1, 1, 1, 2])
+    assert runs == [2, 3, 1]
+    assert once_per_group(["a", "a", "b", "b", "b", "c"], runs) == {"per_group": ["a", "b", "c"]}
+    assert per_completion({"per_group": ["a", "b", "c"]}, runs) == ["a", "a", "b", "b", "b", "c"]
+    varies = ["a", "a", "b", "b", "x", "c"]  # e.g. an environment's reset() that changes one prompt
+    assert once_per_group(varies, runs) is varies and per_completion(varies, runs) is varies
+    assert once_per_group([1, 1.0], [2]) == [1, 1.0]  # equal values of two types: each kept as it was
+    arrays = [np.arange(3), np.arange(3)]  # == is elementwise: kept whole
+    assert once_per_group(arrays, [2]) is arrays and once_per_group([arrays[0]] * 2, [2]) == {"per_group": [arrays[0]]}
+    seen = []
+
+    def recorder(prompts, answer, **kwargs):
+        seen.append((prompts, answer))
+        return correctness_reward(kwargs["completions"], answer)
+
+    session = make_session(reward_funcs=[recorder, format_reward])
+    session.run(2, progress=False)
+    (prompts, answer), inputs = seen[0], session._completion_log[0][REWARD_INPUTS]
+    assert inputs["prompts"] == {"per_group": [prompts[0], prompts[4]]} and isinstance(prompts[0], list)
+    assert inputs["columns"]["answer"] == {"per_group": [answer[0], answer[4]]}
+    in_training = list(seen)
+    seen.clear()
+    session.try_rewards(recorder, on="history")  # given back one per completion
+    assert _same(seen, in_training)
+
+
+def test_history_leaves_out_a_batch_logged_without_the_inputs_with_a_warning(make_session):
+    session = make_session()
+    session.run(2, progress=False)
+    session._completion_log[0] = shown_columns(session._completion_log[0])  # as an earlier release logged it
+    with pytest.warns(UserWarning, match=r"1 logged batch\(es\) were logged without the reward functions' inputs "
+                                         r"\(by an earlier grpo_lab\) and are left out"):
+        trial = session.try_rewards(correctness_reward, on="history")
+    assert trial.completions["step"].tolist() == [2] * 8
+    session._completion_log[1] = shown_columns(session._completion_log[1])
+    with pytest.raises(StageOrderError, match="none that kept the reward functions' inputs.*earlier grpo_lab"):
+        session.try_rewards(correctness_reward, on="history")
+
+
+def test_undo_to_before_use_rewards_says_the_functions_stay_and_how_to_fix_it(make_session, recwarn):
+    session = make_session(reward_weights=[1.0, 1.0])
+    session.run(1, progress=False)
+    session.use_rewards([correctness_reward])
+    session.step()
+    session.step()
+    assert session.undo() == 2  # to after the swap: nothing to say
+    assert not [w for w in recwarn if "use_rewards" in str(w.message)]
+    with pytest.warns(UserWarning, match=(
+            r"undo\(\) returned to step 1, before use_rewards\(\) at step 2: the config is back \(reward_weights = "
+            r"\[1.0, 1.0\], set for correctness_reward, format_reward\) but not the reward functions.*still "
+            r"correctness_reward\. The next advantages\(\) refuses them: 2 weights for 1 functions\. To train on "
+            r"the functions of step 1 again, call session.use_rewards\(\[correctness_reward, format_reward\], "
+            r"weights=\[1.0, 1.0\]\); to keep the current ones, set session.config.reward_weights")):
+        assert session.undo() == 1
+    with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1 reward functions"):
+        session.step()
+    session.use_rewards([correctness_reward, format_reward], weights=[1.0, 1.0])  # the fix the warning names
+    assert session.step()["step"] == 2
+
+
 def test_try_rewards_changes_nothing_in_the_session(make_session):
     def draws(completions, **kwargs):  # moves every random generator it can reach
         return [random.random() + float(torch.rand(())) + float(np.random.rand()) for _ in completions]
@@ -206,6 +310,25 @@ def test_bad_input_is_refused_with_the_fix(make_session):
     with pytest.raises(RewardFunctionError, match="'broken' raised KeyError.*no such column"):
         session.try_rewards([format_reward, broken])
     assert session.next_stage == "advantages" and session.step()["step"] == 1  # the session goes on
+
+
+def test_a_tried_function_that_hangs_is_stopped_by_the_sessions_timeout(make_session):
+    import threading
+
+    release = threading.Event()
+
+    def stuck(completions, **kwargs):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    session = make_session(reward_timeout=0.5, reward_timeout_sync=True)
+    session.generate(), session.score()
+    try:
+        with pytest.raises(RewardFunctionError, match="'stuck' did not finish within reward_timeout=0.5"):
+            session.try_rewards(stuck)
+    finally:
+        release.set()
+    assert session.next_stage == "advantages"
 
 
 def test_the_result_displays_as_tables_and_histograms(make_session):
