@@ -322,3 +322,17 @@ def test_a_probe_that_cannot_allocate_its_generation_cache_is_an_error_finding(t
     assert finding.fix.startswith("Lower max_completion_length")
     assert session.global_step == 0 and session.next_stage == "generate"
     assert all(torch.equal(a, b) for a, b in zip(before, session.model.parameters()))
+
+
+def test_groups_tied_between_the_lowest_and_highest_reward_are_named_apart(make_session):
+    def first_prompt_varies(prompts, completions, **kwargs):
+        """0 and 1 in turn for the first prompt's completions; 0.5 for every completion of the others."""
+        first = prompts[0]
+        return [float(i % 2) if prompt == first else 0.5 for i, prompt in enumerate(prompts)]
+
+    findings = make_session(reward_funcs=[first_prompt_varies]).doctor()
+    tied = _only(findings, "groups_tied")
+    assert tied.evidence["groups"].startswith("1 of 2")
+    assert "between the lowest and highest" in tied.message
+    assert "partial credit" in tied.fix and "num_generations" in tied.fix
+    assert "groups_too_easy" not in findings.codes and "groups_too_hard" not in findings.codes
