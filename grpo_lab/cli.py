@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -56,7 +57,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_path)
     figures = {"model": model_path, **task.evaluate(model, tokenizer, k=args.k, seed=args.seed)}
     if args.json:
-        print(json.dumps(_rounded(figures)))
+        print(json.dumps(_rounded(figures)), file=args.out)
     else:
         _print_table(f"held-out evaluation on the {task.name} task", figures)
     return 0
@@ -102,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "history": str(output_dir / "history.csv"),
     }
     if args.json:
-        print(json.dumps(_rounded(result)))
+        print(json.dumps(_rounded(result)), file=args.out)
     else:
         _print_table("after GRPO", after)
         print(f"greedy accuracy {before['greedy_accuracy']:.1%} -> {after['greedy_accuracy']:.1%} in "
@@ -136,13 +137,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.save_model()
     trainer.close()  # frees the model and ends the process group of an accelerate launch
     if args.json:
-        print(json.dumps(last))
+        print(json.dumps(last), file=args.out)
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Build the run a recipe or a training script describes, run ``session.doctor()`` on it instead
-    of training, and print the findings; exit status 1 where one is an error."""
+    of training, and print the findings; exit status 1 where one is an error, 2 where the recipe or
+    the script cannot run up to the probe."""
     from pathlib import Path
 
     target = Path(args.target)
@@ -153,7 +155,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     findings = _script_findings(target, args.overrides) if target.suffix == ".py" else _recipe_findings(
         target, args.overrides)
     if args.json:
-        print(json.dumps({"summary": findings.summary(), "findings": [f.to_dict() for f in findings]}, default=str))
+        print(json.dumps({"summary": findings.summary(), "findings": [f.to_dict() for f in findings]}, default=str),
+              file=args.out)
     else:
         print(repr(findings))
     return 1 if any(finding.severity == "error" for finding in findings) else 0
@@ -173,6 +176,7 @@ def _script_findings(script, overrides: list[str]):
     """Run ``script`` (its own arguments: ``overrides``) up to its ``GRPOTrainer.train()``, which runs
     the probe instead of training."""
     import runpy
+    import traceback
 
     from grpo_lab.trainer_doctor import ProbeDone, probe_only
 
@@ -183,6 +187,13 @@ def _script_findings(script, overrides: list[str]):
             runpy.run_path(str(script), run_name="__main__")
     except ProbeDone as done:
         return done.findings
+    except SystemExit as exit_:
+        raise ValueError(f"{script} exited (status {exit_.code}) before calling GRPOTrainer.train(); nothing was "
+                         "probed.") from None
+    except Exception:
+        traceback.print_exc()
+        raise ValueError(f"{script} raised before its GRPOTrainer.train() (traceback above); nothing was "
+                         "probed. Fix the script (it runs as `python SCRIPT ARGS` would), then probe again.") from None
     finally:
         sys.argv, sys.path[:] = argv, path
     raise ValueError(f"{script} ended without calling grpo_lab's GRPOTrainer.train(): the doctor probes the run "
@@ -291,11 +302,21 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     _quiet_libraries()
+    from grpo_lab.trainer_doctor import DoctorStop
+
+    args.out = sys.stdout
+    # --json: stdout holds the one JSON object; what libraries print on the way (a DeepSpeed notice on a
+    # CPU, a script's own output) goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
     try:
-        return args.handler(args)
+        with quiet:
+            return args.handler(args)
     except (FileNotFoundError, ImportError, ValueError, TypeError, NotImplementedError) as error:
         print(f"grpo-lab {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except DoctorStop as stop:
+        print(f"grpo-lab {args.command}: {stop}".replace("set doctor='warn'", "pass --doctor warn"), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ class SessionExperiments:
             kept = len(self._snapshots) - 1 + moved
             raise ValueError(
                 f"undo({n}) goes back further than the {kept} step(s) this session can return to "
-                f"(undo_steps = {self.undo_steps()}; snapshots at steps "
+                f"(undo_steps = {self.config.undo_steps!r}, so {self.undo_steps()}; snapshots at steps "
                 f"{[s.step for s in self._snapshots]}). Raise session.config.undo_steps to keep more, from now on."
             )
         snapshot = self._snapshots[index]

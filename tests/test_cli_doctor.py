@@ -1,6 +1,9 @@
 """``grpo-lab doctor``: the probe of a recipe's run or of a training script's, without training."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from grpo_lab.cli import main
@@ -48,3 +51,33 @@ def test_a_script_that_never_trains_and_a_wrong_target_are_named(tmp_path, capsy
     assert "neither a recipe (.yaml) nor a training script (.py)" in capsys.readouterr().err
     assert main(["doctor", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: no such file" in capsys.readouterr().err
+
+
+def test_a_script_that_fails_or_exits_before_train_is_status_2_not_a_finding(tmp_path, capsys):
+    raising = tmp_path / "raising.py"
+    raising.write_text("import json\njson.loads('{not json')\n")
+    assert main(["doctor", str(raising)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "JSONDecodeError" in err and "raised before its GRPOTrainer.train()" in err
+    exiting = tmp_path / "exiting.py"
+    exiting.write_text("import sys\nsys.exit(3)\n")
+    assert main(["doctor", str(exiting)]) == 2
+    assert "exited (status 3) before calling GRPOTrainer.train()" in capsys.readouterr().err
+
+
+def test_json_output_is_the_one_object_on_stdout_in_a_fresh_process(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo_lab.cli", "doctor", str(ROOT / "examples" / "recipe.yaml"), "--output_dir",
+         str(tmp_path / "run"), "--json"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["summary"]  # the whole of stdout parses: library notices went to stderr
+
+
+def test_train_with_doctor_stop_ends_with_the_findings_and_the_cli_fix(tmp_path, capsys):
+    status = main(["train", str(ROOT / "examples" / "recipe.yaml"), "--max_completion_length", "3", "--doctor", "stop",
+                   "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 1 and "grpo-lab train: doctor='stop'" in err and "[error] truncation:" in err
+    assert "pass --doctor warn" in err and not list((tmp_path / "run").glob("checkpoint-*"))

@@ -118,8 +118,9 @@ def accuracy_reward(completions: list, solution: list[str], log_extra: Callable[
     None where the solution itself cannot be parsed (the sample is skipped).
 
     Formula: r = 1 if verify(parse(solution), parse(answer)) else 0, where the answer is the first
-    LaTeX answer of the completion, a ``\\boxed{}`` one first, and only an anchored one (boxed, in
-    ``$...$``, or after "the answer is"), so a number in the middle of the reasoning does not count.
+    LaTeX answer of the completion, a ``\\boxed{}`` one first, and only one math-verify finds anchored
+    (TRL's extraction settings), so a bare ``$27$`` or a number in the middle of the reasoning does
+    not count, as in TRL.
     An answer math-verify cannot find or parse scores 0. Both are counted, per call, in the metrics
     ``math_verify/parse_failures`` (solutions plus answers) and ``math_verify/unparseable_solutions``
     when ``log_metric`` is passed (it is, by a trainer); ``log_extra`` receives the columns
