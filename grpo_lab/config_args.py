@@ -113,7 +113,8 @@ def parse_value(config_class, name: str, raw: str):
     except (ValueError, json.JSONDecodeError):
         annotation = str(_annotations(config_class)[name])
         shown = "" if annotation == kind else f" ({annotation})"
-        raise ValueError(f"--{name}: cannot read {raw!r} as {kind}{shown}.") from None
+        hint = " Give it as JSON, e.g. '{\"name\": 1}'." if kind == "dict" else ""
+        raise ValueError(f"--{name}: cannot read {raw!r} as {kind}{shown}.{hint}") from None
     if name == "scale_rewards" and text.lower() in ("true", "false"):
         return text.lower() == "true"
     return text

@@ -42,7 +42,6 @@ def test_the_mapping_turns_gsm8k_rows_into_prompts_and_solutions(monkeypatch):
 
 
 def test_the_rewards_score_a_right_and_a_wrong_answer(monkeypatch):
-    pytest.importorskip("math_verify")
     from grpo_lab.rewards.format_rewards import think_format_reward
     from grpo_lab.rewards.math_rewards import accuracy_reward
 
@@ -53,7 +52,6 @@ def test_the_rewards_score_a_right_and_a_wrong_answer(monkeypatch):
 
 
 def test_the_recipe_trains_the_shipped_model_on_the_stand_in_data(tmp_path, monkeypatch, task):
-    pytest.importorskip("math_verify")
     monkeypatch.chdir(EXAMPLE)  # as `grpo-lab train recipe.yaml` run from examples/gsm8k: the mapping imports
     recipe = _recipe(
         tmp_path, model=task.model,

@@ -394,3 +394,15 @@ def test_history_gives_back_a_rollout_functions_extra_columns(task, tmp_path):
     seen.clear()
     trial = session.try_rewards(recorder, on="history")
     assert _same(seen, in_training) and trial.to_pandas().loc["recorder", "pearson"] == pytest.approx(1.0)
+
+
+def test_a_library_reward_whose_column_the_dataset_lacks_is_told_to_rename_the_column(make_session):
+    from grpo_lab.rewards import accuracy_reward
+
+    session = make_session()
+    session.generate()
+    for call in (lambda: session.try_rewards(accuracy_reward), lambda: session.use_rewards([accuracy_reward])):
+        with pytest.raises(TypeError, match=r"reads the dataset column\(s\) solution.*rename_column\('answer', "
+                                            r"'solution'\)"):
+            call()
+    assert session.engine.reward_names == ["correctness_reward", "format_reward"]  # the swap was refused whole

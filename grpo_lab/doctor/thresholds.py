@@ -130,8 +130,8 @@ def _check_together(thresholds) -> None:
     if thresholds.truncation_warning > thresholds.truncation_error:
         raise ValueError(
             f"doctor_thresholds: truncation_warning ({thresholds.truncation_warning:g}) is above truncation_error "
-            f"({thresholds.truncation_error:g}): a truncated share between them would raise nothing. Keep "
-            "truncation_warning <= truncation_error."
+            f"({thresholds.truncation_error:g}): a truncated share between them would be an error without first "
+            "being a warning. Keep truncation_warning <= truncation_error."
         )
 
 

@@ -7,6 +7,8 @@ completion 0."""
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Sequence
 
 from grpo_lab.rewards.extraction import completion_text
@@ -53,6 +55,12 @@ class TagCountReward:
         tags = (tags,) if isinstance(tags, str) else tuple(tags)
         if not tags or not all(isinstance(t, str) and t for t in tags):
             raise ValueError(f"tags must be a non-empty sequence of non-empty tag names, got {tags!r}")
+        if not all(re.fullmatch(r"[\w.-]+", t) for t in tags):
+            raise ValueError(
+                f"tag_count_reward(tags) builds a reward function from tag names such as 'think', got {tags!r}: "
+                "to score completions, build it first, e.g. reward_funcs=[tag_count_reward()] or "
+                "tag_count_reward()(completions)."
+            )
         self.tags = tags
 
     def __call__(self, completions: list, **kwargs) -> list[float]:

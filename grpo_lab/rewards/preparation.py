@@ -22,6 +22,13 @@ CALL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "l
 """Keyword arguments every reward function call receives, besides the dataset's other columns."""
 
 
+def _ready_made(func) -> bool:
+    """Whether ``func`` is one of grpo_lab's or TRL's own reward functions (or made by one of their
+    factories), whose signature a user does not edit."""
+    module = getattr(func, "__module__", None) or type(func).__module__ or ""
+    return module.startswith(("grpo_lab.rewards.", "trl.rewards"))
+
+
 def check_reward_signature(func, name: str, columns: list[str]) -> None:
     """Raise a TypeError now, naming the fix, if ``func`` cannot take the keyword arguments every call
     passes (``CALL_KEYWORDS`` and the dataset ``columns``), instead of failing after generation."""
@@ -42,6 +49,13 @@ def check_reward_signature(func, name: str, columns: list[str]) -> None:
     ]
     if not unexpected and not missing:
         return
+    if missing and not unexpected and _ready_made(func):
+        # the function is right as it is: the data set lacks the column it reads
+        raise TypeError(
+            f"Reward function {name!r} reads the dataset column(s) {', '.join(missing)}, which this dataset does not "
+            f"have (its columns: {', '.join(columns) or 'none'}). Add or rename the column, e.g. "
+            f"dataset = dataset.rename_column({(columns[-1] if columns else 'answer')!r}, {missing[0]!r})."
+        )
     problems = []
     if unexpected:
         problems.append(f"does not accept {', '.join(unexpected)}")

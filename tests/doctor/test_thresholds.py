@@ -116,3 +116,12 @@ def test_the_config_field_round_trips_and_is_documented(tmp_path):
 def test_every_threshold_is_listed_once_with_a_known_kind():
     assert len(BY_NAME) == len(TABLE) and all(threshold.kind in KINDS for threshold in TABLE)
     assert all(threshold.name == threshold.name.lower() and threshold.meaning for threshold in TABLE)
+
+
+def test_thresholds_on_the_command_line_are_asked_for_as_json():
+    from grpo_lab import GRPOConfig
+
+    with pytest.raises(ValueError, match=r"--doctor_thresholds: cannot read .* Give it as JSON"):
+        GRPOConfig.from_args(["--doctor_thresholds", "truncation_warning=0.5"])
+    assert GRPOConfig.from_args(["--doctor_thresholds", '{"truncation_warning": 0.2}']).doctor_thresholds == {
+        "truncation_warning": 0.2}

@@ -54,3 +54,8 @@ def test_tag_count_reward_pickles():
     reward = pickle.loads(pickle.dumps(tag_count_reward()))
     assert reward.__name__ == "tag_count_reward"
     assert reward(["<think>a</think>"]) == [0.5]
+
+
+def test_tag_count_reward_called_on_completions_says_to_build_it_first():
+    with pytest.raises(ValueError, match=r"builds a reward function.*reward_funcs=\[tag_count_reward\(\)\]"):
+        tag_count_reward(["<think>a</think>"])

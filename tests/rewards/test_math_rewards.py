@@ -1,7 +1,6 @@
 """accuracy_reward, reasoning_accuracy_reward and the cosine scaled reward (math-verify), and the
 math extra's absence."""
 
-import importlib.util
 import math
 import sys
 import threading
@@ -15,9 +14,6 @@ from grpo_lab.rewards import (
     score_completions,
 )
 
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                                       reason="math-verify is not installed (pip install 'grpo_lab[math]')")
-
 HALF = r"\frac{1}{2}"
 
 
@@ -25,7 +21,6 @@ def as_messages(texts):
     return [[{"role": "assistant", "content": text}] for text in texts]
 
 
-@needs_math_verify
 def test_equivalent_forms_of_an_answer_agree():
     texts = [
         r"The answer is \boxed{\frac{1}{2}}.",
@@ -37,7 +32,6 @@ def test_equivalent_forms_of_an_answer_agree():
     assert accuracy_reward(as_messages(texts), [HALF] * 4) == [1.0, 1.0, 0.0, 0.0]
 
 
-@needs_math_verify
 def test_an_unparseable_solution_skips_the_sample_and_is_counted():
     metrics, extras = {}, {}
     rewards = accuracy_reward([r"\boxed{2}", r"\boxed{2}", "no answer"], ["2", "not a number at all", "2"],
@@ -50,7 +44,6 @@ def test_an_unparseable_solution_skips_the_sample_and_is_counted():
     assert extras["solution"] == ["2", "not a number at all", "2"]
 
 
-@needs_math_verify
 def test_reasoning_accuracy_reward_reads_the_answer_after_the_think_block():
     texts = [
         "<think>\nMaybe \\boxed{3}?\nNo: 1 / 2.\n</think>\nThe answer is \\boxed{\\frac{1}{2}}",
@@ -65,7 +58,6 @@ def test_reasoning_accuracy_reward_reads_the_answer_after_the_think_block():
                                      reasoning_delimiters=["</reasoning>"]) == [1.0]
 
 
-@needs_math_verify
 def test_works_outside_the_main_thread():
     outcome = {}
 
@@ -81,7 +73,6 @@ def test_works_outside_the_main_thread():
     assert outcome == {"rewards": [1.0, 0.0]}
 
 
-@needs_math_verify
 def test_cosine_scaled_reward_at_the_ends_and_the_middle():
     reward = get_cosine_scaled_reward(max_len=100)
     correct, wrong = r"\boxed{\frac{1}{2}}", r"\boxed{7}"
@@ -98,7 +89,6 @@ def test_cosine_scaled_reward_at_the_ends_and_the_middle():
     assert reward(completions=[correct], solution=["no"], completion_ids=[[1]]) == [None]
 
 
-@needs_math_verify
 def test_log_metric_through_the_reward_runner():
     completions = as_messages([r"\boxed{\frac{1}{2}}", "no answer", r"\boxed{2}"])
     rewards_BF, logs = score_completions(

@@ -3,17 +3,13 @@ same one-message completions and token-id lists, and differ where their docstrin
 of several messages (TRL reads the first, these the last assistant message) and token ids given as
 tensors (TRL's repetition penalty then finds no repeats)."""
 
-import importlib.util
 import random
 
 import pytest
 
 import grpo_lab.rewards as ours
 
-trl_rewards = pytest.importorskip("trl.rewards")
-
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                                       reason="math-verify is not installed (pip install 'grpo_lab[math]')")
+import trl.rewards as trl_rewards
 
 TEXTS = [
     r"The answer is \boxed{\frac{1}{2}}.",
@@ -43,14 +39,12 @@ def logged(func, *args, **kwargs):
     return values, extras
 
 
-@needs_math_verify
 def test_accuracy_reward_matches_trl():
     assert logged(ours.accuracy_reward, COMPLETIONS, SOLUTIONS) == logged(trl_rewards.accuracy_reward, COMPLETIONS,
                                                                           SOLUTIONS)
     assert ours.accuracy_reward(TEXTS, SOLUTIONS) == trl_rewards.accuracy_reward(COMPLETIONS, SOLUTIONS)
 
 
-@needs_math_verify
 @pytest.mark.parametrize("delimiters", [None, ["</think>"], ["</answer>", "</think>"]])
 def test_reasoning_accuracy_reward_matches_trl(delimiters):
     mine = logged(ours.reasoning_accuracy_reward, COMPLETIONS, SOLUTIONS, reasoning_delimiters=delimiters)
@@ -58,7 +52,6 @@ def test_reasoning_accuracy_reward_matches_trl(delimiters):
     assert mine == theirs
 
 
-@needs_math_verify
 @pytest.mark.parametrize("options", [{}, dict(min_value_wrong=-2.0, max_value_wrong=0.0, min_value_correct=0.25,
                                               max_value_correct=3.0)])
 def test_cosine_scaled_reward_matches_trl(options):
@@ -109,7 +102,6 @@ TWO_REPLIES = [{"role": "assistant", "content": "Let me check."},
                {"role": "assistant", "content": r"<think>Checked.</think> So \boxed{\frac{1}{2}}"}]
 
 
-@needs_math_verify
 @pytest.mark.parametrize("completion", [TWO_REPLIES, TOOL_CALL])
 def test_math_rewards_read_the_last_reply_where_trl_reads_the_first_message(completion):
     solution = [r"\frac{1}{2}"]
@@ -129,7 +121,8 @@ def test_think_format_reward_reads_the_last_reply_where_trl_reads_the_first_mess
 
 
 def test_repetition_penalty_counts_tensor_token_ids_where_trl_finds_no_repeats():
-    torch, numpy = pytest.importorskip("torch"), pytest.importorskip("numpy")
+    import numpy
+    import torch
     rows = [[5, 5, 5, 5, 5], [1, 2, 3, 1, 2], [1, 2, 3, 4, 5]]
     mine, theirs = ours.get_repetition_penalty_reward(2), trl_rewards.get_repetition_penalty_reward(2)
     assert mine(completion_ids=rows) == theirs(completion_ids=rows) == [-0.75, -0.25, 0.0]
