@@ -107,3 +107,18 @@ def test_the_configs_thresholds_apply_to_the_live_rules_from_the_next_step(make_
     assert _codes(session.live_findings)[2:] == [("no_signal_steps", "error", 3),
                                                  ("truncation_in_training", "error", 3)]
     assert session.live_findings[3].evidence["threshold"] == 0.5
+
+
+def test_a_learning_rate_warming_up_over_reused_batches_climbs_the_clip_ratio(make_session):
+    # four optimizer steps per generation batch, a tight clipping range and a learning rate rising each
+    # step: the later steps move the policy further past the range (a high temperature keeps the
+    # policy from collapsing onto single tokens, where nothing would be clipped)
+    session = make_session(learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=10, num_iterations=4,
+                           epsilon=0.02, temperature=2.0, per_device_train_batch_size=16, max_steps=10)
+    session.run(10, progress=False)
+    raised = [f for f in session.live_findings if f.code == "clip_ratio_climbing"]
+    assert raised, _codes(session.live_findings)
+    evidence = raised[0].evidence
+    now, before = evidence["clip_ratio/region_mean now"], evidence["clip_ratio/region_mean before"]
+    assert now >= 0.2 and now >= 1.5 * before and raised[0].severity == "warning"
+    assert "Lower learning_rate" in raised[0].fix
