@@ -20,24 +20,8 @@ from grpo_lab.rewards import RewardFunctionError
 from grpo_lab.session_rewards import REWARD_INPUTS, group_runs, once_per_group, per_completion, shown_columns
 from grpo_lab.stages import StageOrderError
 from grpo_lab.tasks.addition import correctness_reward, format_reward
-
-
-def _history(session):
-    return session.history.drop(columns=["step_time"]).reset_index(drop=True)
-
-
-def _weights(session):
-    return {name: tensor.detach().clone() for name, tensor in session.model.state_dict().items()}
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+from tests.test_session_experiments import _history, _weights
+from tests.test_session_experiments import _same_tensors as _same
 
 
 def constant_reward(completions, **kwargs):
