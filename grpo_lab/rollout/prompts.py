@@ -13,6 +13,8 @@ refused: the policy is a text model.
 
 from __future__ import annotations
 
+import json
+import weakref
 from typing import Any
 
 
@@ -166,11 +168,44 @@ PROMPT_CHECK_ROWS = 50_000
 (about a second per 15,000 chat prompts); larger ones are checked a generation batch at a time."""
 
 
+_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each dataset's prompt token counts, by what decides them (see :func:`_counting_key`): a session built
+again on the same dataset object (a fork, a notebook cell run twice) does not render every prompt again.
+A ``datasets.Dataset`` object's rows never change (its transforms make new objects; the counts read
+its raw rows, ``with_format(None)``), so only the tokenizer side needs a key."""
+
+
+def _counting_key(tokenizer, chat_template_kwargs: dict | None):
+    """What decides a prompt's token count besides the prompt: the tokenizer's rules and vocabulary,
+    its special tokens and chat template, and the template's arguments; None for a tokenizer
+    without a serialisable backend (a slow tokenizer), whose counts are not kept."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        options = json.dumps(chat_template_kwargs or {}, sort_keys=True)
+    except TypeError:  # a template argument that is not JSON (an object): count afresh
+        return None
+    template = json.dumps(tokenizer.chat_template, sort_keys=True)
+    special = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    return type(tokenizer).__name__, hash(backend.to_str()), template, special, options
+
+
 def dataset_prompt_tokens(dataset, tokenizer, chat_template_kwargs: dict | None = None,
                           name: str = "train_dataset") -> list[int]:
-    """:func:`prompt_token_counts` of every prompt of ``dataset`` (a ``datasets.Dataset`` called ``name``)."""
-    prompts = dataset.with_format(None)["prompt"]
-    return prompt_token_counts(list(prompts), tokenizer, chat_template_kwargs, dataset=name)
+    """:func:`prompt_token_counts` of every prompt of ``dataset`` (a ``datasets.Dataset`` called ``name``),
+    kept for the next session built on the same dataset object with the same tokenizer (``_counted``)."""
+    import datasets
+
+    key = _counting_key(tokenizer, chat_template_kwargs) if isinstance(dataset, datasets.Dataset) else None
+    kept = None if key is None else _counted.setdefault(dataset, {})
+    if kept is not None and key in kept:
+        return list(kept[key])
+    counts = prompt_token_counts(list(dataset.with_format(None)["prompt"]), tokenizer, chat_template_kwargs,
+                                 dataset=name)
+    if kept is not None:
+        kept[key] = counts
+    return list(counts)
 
 
 def check_prompt_room(tokens: list[int], rows, *, context: int | None, max_new_tokens: int | None,
