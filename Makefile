@@ -35,13 +35,26 @@ setup-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/grpo-lab demo
 
-test: lint test-main test-vllm
+# The vLLM environment (minutes of downloads and unpacking) is built while the main suite runs; its
+# suite runs after the main one, which keeps both cores busy. A failed build prints its log; a failed main
+# suite stops the build (its own process group) and the run.
+test: lint
+	@setsid $(MAKE) --no-print-directory setup-vllm >$(VLLM_VENV).log 2>&1 & building=$$!; \
+	trap 'kill -- -'$$building' 2>/dev/null; exit 130' INT TERM; \
+	$(MAKE) --no-print-directory test-main; main=$$?; \
+	if [ $$main -ne 0 ]; then kill -- -$$building 2>/dev/null; wait $$building; exit $$main; fi; \
+	wait $$building; built=$$?; \
+	if [ $$built -ne 0 ]; then cat $(VLLM_VENV).log; echo "building $(VLLM_VENV) failed"; exit $$built; fi; \
+	$(MAKE) --no-print-directory test-vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# One worker per core (pytest-xdist; each worker runs torch on one thread, see tests/conftest.py).
+TEST_WORKERS ?= auto
+
 test-main: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_PYTEST_ARGS)

@@ -9,8 +9,18 @@ import tempfile
 
 import pytest
 
+from tests.suite_timing import (  # noqa: F401  (hooks: where the suite's time goes)
+    pytest_addoption, pytest_configure, pytest_runtest_logreport, pytest_runtest_makereport, pytest_runtest_setup,
+    pytest_terminal_summary,
+)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core per worker (`pytest -n 2` on two cores): torch's threads of two workers on the same cores
+    # spin against each other, which made a parallel run slower than a serial one. Processes a test starts
+    # inherit it; a test whose numbers depend on the thread count sets its own (test_golden.py).
+    os.environ["OMP_NUM_THREADS"] = "1"
 TRACKIO_DIR = tempfile.mkdtemp(prefix="grpo_lab_tests_trackio_")
 os.environ["TRACKIO_DIR"] = TRACKIO_DIR  # trackio reads it once, when imported: not the user's own store
 COMET_DIR = tempfile.mkdtemp(prefix="grpo_lab_tests_comet_")
@@ -30,6 +40,25 @@ def launch_two(*options: str) -> list[str]:
         port = probe.getsockname()[1]
     return [sys.executable, "-m", "accelerate.commands.launch", *options, "--num_processes", "2", "--num_machines", "1",
             "--main_process_port", str(port)]
+
+
+def launch_plan(config: str, plan: list[dict], folder, *options: str) -> str:
+    """Run ``plan`` (runs as ``tests/sharded_on_cpu.py`` describes them) in one 2-process launch with the
+    shipped accelerate ``config`` (a file name under examples/accelerate_configs) and ``options``; the plan
+    is written to ``folder``. Returns the launch's stderr."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plan_file = Path(folder) / "plan.json"
+    plan_file.write_text(json.dumps(plan, default=str))
+    command = [*launch_two("--config_file", str(root / "examples" / "accelerate_configs" / config), *options),
+               str(root / "tests" / "sharded_on_cpu.py"), str(plan_file)]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          timeout=900)  # a collective missed hangs; DeepSpeed's first run compiles an op
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
 
 
 def without_root_write_override():

@@ -1,31 +1,20 @@
 """Training and checkpoints under DeepSpeed ZeRO-2 and ZeRO-3: two CPU processes, accelerate's DeepSpeed
-path with the shipped configs (see deepspeed_on_cpu.py for how it runs without GPUs), DeepSpeed's own
-engine and partitioning over gloo."""
+path with the shipped configs (see sharded_on_cpu.py for how it runs without GPUs), DeepSpeed's own
+engine and partitioning over gloo. The runs of each config are one launch (the ``zero2_runs`` and ``zero3_runs``
+fixtures), in the order the tests read them."""
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import launch_two
+from tests.conftest import launch_plan
 
 pytest.importorskip("deepspeed")  # a dev dependency: its CPU accelerator runs these
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _launch(stage: int, *args):
-    config = ROOT / "examples" / "accelerate_configs" / f"deepspeed_zero{stage}.yaml"
-    command = [*launch_two("--config_file", str(config), "--mixed_precision", "no"),  # fp32 on CPU
-               str(ROOT / "tests" / "deepspeed_on_cpu.py"), *map(str, args)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                          timeout=600)  # a collective missed hangs; DeepSpeed's first run compiles an op
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stderr
+pytestmark = pytest.mark.xdist_group("deepspeed")  # one worker holds the module's launches
 
 
 def _result(out: Path) -> dict:
@@ -42,26 +31,60 @@ def _weights(directory: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    """The same run as plain data parallel (accelerate's own choice for a DeepSpeed launch on CPU)."""
-    out = tmp_path_factory.mktemp("ddp")
-    log = _launch(2, "train", out, "--ddp")
-    assert "asked for DeepSpeed, which shards the model over GPUs" in log
-    assert _result(out)["distributed_type"] == "DistributedType.MULTI_CPU"
-    return out
+def zero2_runs(tmp_path_factory):
+    """The ZeRO-2 runs, in one launch with the shipped ZeRO-2 config: fp32 and bf16, each trained and
+    resumed from its checkpoint-2, and the same run as plain data parallel (accelerate's own choice for
+    a DeepSpeed launch on CPU). Returns the folder holding a folder per run."""
+    folder = tmp_path_factory.mktemp("zero2")
+    plan = [{"mode": "train", "out": folder / "fp32" / "whole"},
+            {"mode": "train", "out": folder / "fp32" / "resumed", "resume": folder / "fp32" / "whole" / "checkpoint-2"},
+            {"mode": "train", "out": folder / "bf16" / "whole", "bf16": True},
+            {"mode": "train", "out": folder / "bf16" / "resumed", "bf16": True,
+             "resume": folder / "bf16" / "whole" / "checkpoint-2"},
+            {"mode": "train", "out": folder / "ddp", "ddp": True}]
+    log = launch_plan("deepspeed_zero2.yaml", plan, folder, "--mixed_precision", "no")  # fp32 on CPU
+    assert "asked for DeepSpeed, which shards the model over GPUs" in log  # said by the plain data parallel run
+    assert _result(folder / "ddp")["distributed_type"] == "DistributedType.MULTI_CPU"
+    return folder
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(task, tmp_path_factory):
+    """The ZeRO-3 runs, in one launch with the shipped ZeRO-3 config: fp32, and a bf16 LoRA adapter, each
+    trained and resumed from its checkpoint-2, and a one-process save opened under ZeRO-3. Returns the
+    folder, and the one-process session's optimizer state and parameter names."""
+    from grpo_lab import GRPOSession
+    from tests.conftest import SMALL
+
+    folder = tmp_path_factory.mktemp("zero3")
+    session = GRPOSession(task.model, task.reward_funcs, train_dataset=task.train_dataset,
+                          args=task.config(**{**SMALL, "output_dir": str(folder / "out"), "max_steps": 4}))
+    session.step()
+    session.step()
+    session.save(folder / "notebook")
+    plan = [{"mode": "train", "out": folder / "fp32" / "whole"},
+            {"mode": "train", "out": folder / "fp32" / "resumed", "resume": folder / "fp32" / "whole" / "checkpoint-2"},
+            {"mode": "train", "out": folder / "lora" / "whole", "lora": True, "bf16": True},
+            {"mode": "train", "out": folder / "lora" / "resumed", "lora": True, "bf16": True,
+             "resume": folder / "lora" / "whole" / "checkpoint-2"},
+            {"mode": "optimizer", "checkpoint": folder / "notebook", "out": folder / "gathered.pt"}]
+    launch_plan("deepspeed_zero3.yaml", plan, folder, "--mixed_precision", "no")
+    return {"folder": folder, "positional": session.engine.optimizer.state_dict(),
+            "names": [n for n, _ in session.model.named_parameters()]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, precision", [(2, "fp32"), (3, "fp32"), (2, "bf16")],
                          ids=["zero2", "zero3", "zero2-bf16"])
 def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resumed_run_finishes_bitwise(
-        task, tmp_path, request, stage, precision):
-    flags = ["--bf16"] if precision == "bf16" else []  # DeepSpeed's mixed precision: 16-bit weights, fp32 master copy
-    _launch(stage, "train", tmp_path / "whole", *flags)
-    whole = _result(tmp_path / "whole")
+        task, request, stage, precision):
+    bf16 = precision == "bf16"  # DeepSpeed's mixed precision: 16-bit weights, fp32 master copy
+    runs = request.getfixturevalue("zero2_runs" if stage == 2 else "zero3_runs")
+    runs_dir = (runs if stage == 2 else runs["folder"]) / precision
+    whole = _result(runs_dir / "whole")
     assert (whole["distributed_type"], whole["zero_stage"], whole["engine"]) == (
         "DistributedType.DEEPSPEED", stage, "DeepSpeedEngine")
-    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    checkpoint = runs_dir / "whole" / "checkpoint-2"
     from grpo_lab.checkpoint import SAVE_ENTRIES, load_state
 
     assert {p.name for p in checkpoint.iterdir()} <= SAVE_ENTRIES  # grpo_lab's files alone, none of DeepSpeed's
@@ -73,11 +96,11 @@ def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resume
     saved = _weights(checkpoint / "model")
     assert {name: t.shape for name, t in saved.items()} == {
         name: t.shape for name, t in original.items() if name != "lm_head.weight"}
-    assert {t.dtype for t in saved.values()} == {torch.bfloat16 if flags else torch.float32}
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16 if bf16 else torch.float32}
     # the optimizer state gathered from the partitions by parameter name, read without unpickling code
     state = load_state(checkpoint)
     masters = state["optimizer"].get("zero_master_weights")
-    if flags:  # the fp32 weights the optimizer steps, which the saved ones are rounded from
+    if bf16:  # the fp32 weights the optimizer steps, which the saved ones are rounded from
         assert masters.keys() == saved.keys() and all(t.dtype == torch.float32 for t in masters.values())
         assert all(torch.equal(masters[name].to(torch.bfloat16), saved[name]) for name in saved)
     else:
@@ -94,22 +117,21 @@ def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resume
     assert not torch.equal(reference["model.layers.0.mlp.up_proj.weight"].float(),
                            original["model.layers.0.mlp.up_proj.weight"])
 
-    # steps 3 and 4 from checkpoint-2: AdamW's moments (and fp32 master weights) as saved, or the final
-    # weights would differ
-    _launch(stage, "train", tmp_path / "resumed", "--resume", checkpoint, *flags)
-    assert _row(tmp_path / "resumed") == _row(tmp_path / "whole")
-    final, final_resumed = _weights(tmp_path / "whole" / "final"), _weights(tmp_path / "resumed" / "final")
+    # steps 3 and 4 from checkpoint-2 (a new trainer, run after the whole one): AdamW's moments (and fp32
+    # master weights) as saved, or the final weights would differ
+    assert _row(runs_dir / "resumed") == _row(runs_dir / "whole")
+    final, final_resumed = _weights(runs_dir / "whole" / "final"), _weights(runs_dir / "resumed" / "final")
     assert final.keys() == final_resumed.keys() == saved.keys()
     assert all(torch.equal(final[name], final_resumed[name]) for name in final)
 
-    if not flags:  # ZeRO trains as plain data parallel does, up to rounding (its norm and reductions sum partitions)
-        ddp_run = request.getfixturevalue("ddp_run")
-        assert _row(tmp_path / "whole") == pytest.approx(_row(ddp_run), rel=1e-4, abs=1e-6)
+    if not bf16:  # ZeRO trains as plain data parallel does, up to rounding (its norm and reductions sum partitions)
+        ddp_run = request.getfixturevalue("zero2_runs") / "ddp"
+        assert _row(runs_dir / "whole") == pytest.approx(_row(ddp_run), rel=1e-4, abs=1e-6)
         final_ddp = _weights(ddp_run / "final")
         assert all(torch.allclose(final[name], final_ddp[name], rtol=0, atol=1e-5) for name in final)
 
     # save_model() wrote full weights that a plain model loads
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "final").state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(runs_dir / "whole" / "final").state_dict()
     assert all(torch.equal(plain[name].to(final[name].dtype), final[name]) for name in final)
     assert torch.equal(plain["lm_head.weight"].to(final["model.embed_tokens.weight"].dtype),
                        final["model.embed_tokens.weight"])
@@ -127,9 +149,9 @@ def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resume
 
 
 @pytest.mark.slow
-def test_a_zero_3_bf16_lora_run_checkpoints_the_adapter_alone_and_a_resumed_run_finishes_bitwise(tmp_path):
-    _launch(3, "train", tmp_path / "whole", "--lora", "--bf16")
-    saved = _weights(tmp_path / "whole" / "checkpoint-2" / "model")
+def test_a_zero_3_bf16_lora_run_checkpoints_the_adapter_alone_and_a_resumed_run_finishes_bitwise(zero3_runs):
+    runs_dir = zero3_runs["folder"] / "lora"
+    saved = _weights(runs_dir / "whole" / "checkpoint-2" / "model")
     assert len(saved) == 16 and all(  # rank 8 on the 128-wide query and value projections of 4 layers
         t.shape == ((8, 128) if ".lora_A." in name else (128, 8)) for name, t in saved.items())
     assert all(t.abs().sum() > 0 for name, t in saved.items() if ".lora_B." in name)  # trained from zeros
@@ -137,25 +159,16 @@ def test_a_zero_3_bf16_lora_run_checkpoints_the_adapter_alone_and_a_resumed_run_
     from grpo_lab.checkpoint import load_state
 
     assert {t.dtype for t in saved.values()} == {torch.float32}
-    assert "zero_master_weights" not in load_state(tmp_path / "whole" / "checkpoint-2")["optimizer"]
-    _launch(3, "train", tmp_path / "resumed", "--lora", "--bf16", "--resume", tmp_path / "whole" / "checkpoint-2")
-    assert _row(tmp_path / "resumed") == _row(tmp_path / "whole")
-    final, final_resumed = _weights(tmp_path / "whole" / "final"), _weights(tmp_path / "resumed" / "final")
+    assert "zero_master_weights" not in load_state(runs_dir / "whole" / "checkpoint-2")["optimizer"]
+    assert _row(runs_dir / "resumed") == _row(runs_dir / "whole")
+    final, final_resumed = _weights(runs_dir / "whole" / "final"), _weights(runs_dir / "resumed" / "final")
     assert final.keys() == saved.keys() and all(torch.equal(final[n], final_resumed[n]) for n in final)
 
 
 @pytest.mark.slow
-def test_a_one_process_checkpoint_opens_under_zero_3_with_its_optimizer_state_cut_into_partitions(make_session,
-                                                                                                   tmp_path):
-    session = make_session(per_device_train_batch_size=8, max_steps=4)
-    session.step()
-    session.step()
-    session.save(tmp_path / "notebook")
-    positional = session.engine.optimizer.state_dict()
-    names = [n for n, _ in session.model.named_parameters()]
-
-    _launch(3, "optimizer", tmp_path / "notebook", tmp_path / "gathered.pt")
-    gathered = torch.load(tmp_path / "gathered.pt", weights_only=True)
+def test_a_one_process_checkpoint_opens_under_zero_3_with_its_optimizer_state_cut_into_partitions(zero3_runs):
+    positional, names = zero3_runs["positional"], zero3_runs["names"]
+    gathered = torch.load(zero3_runs["folder"] / "gathered.pt", weights_only=True)
     assert len(gathered["state"]) == len(positional["state"]) > 0
     for index, moments in positional["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.golden import runs
 
@@ -16,8 +17,11 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("name", runs.NAMES)
-def test_golden_run_reproduces_its_record(name, tmp_path):
+def test_golden_run_reproduces_its_record(name, tmp_path, request):
     recorded = json.loads((runs.HERE / f"{name}.json").read_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recorded["machine"]["threads"])  # as recorded, also in a one-core test worker
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
     if recorded["machine"] != runs.machine():
         pytest.skip(f"recorded on {recorded['machine']}, this machine is {runs.machine()}: floating-point results "
                     "differ between these; record again with `python -m tests.golden.runs record` to compare here")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
-from tests.conftest import SMALL, run_exported_step
+from tests.conftest import SMALL, launch_plan, run_exported_step
 
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
@@ -273,11 +273,7 @@ def test_save_load_and_export_keep_the_tools(task, tmp_path, tool_model):
 def test_under_fsdp_a_process_without_a_next_turn_joins_the_others_generation(tool_model, tmp_path):
     """Process 1's tool results leave no room for an answer, process 0's do: process 1 still takes part
     in the generation call that samples process 0's next turns (FSDP gathers weights collectively)."""
-    from tests.test_fsdp import ROOT, _fsdp_command
-
-    done = subprocess.run(_fsdp_command("tools", tool_model, tmp_path), cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)  # a missed collective hangs
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch_plan("fsdp.yaml", [{"mode": "tools", "model": tool_model, "out": tmp_path}], tmp_path)
     answered_here, dropped_here = (json.loads((tmp_path / f"tools-{rank}.json").read_text()) for rank in (0, 1))
     assert ([calls for calls, _ in answered_here["steps"]] == [[1] * 8] * 2
             == [calls for calls, _ in dropped_here["steps"]])

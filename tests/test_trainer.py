@@ -52,7 +52,9 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys
     torch.testing.assert_close(reloaded.state_dict()["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
 
 
-def test_log_unique_prompts_shows_each_prompt_of_a_step_once_with_its_first_completion(task, tmp_path, capsys):
+def test_log_unique_prompts_shows_each_prompt_of_a_step_once_with_its_first_completion(task, tmp_path, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # a table as wide as its cells, whatever terminal runs the tests
     trainer = _trainer(task, tmp_path, max_steps=2, log_completions=True, log_unique_prompts=True)
     trainer.train()
     printed = [line.split("│")[1:3] for line in capsys.readouterr().out.splitlines() if line.startswith("│")]

@@ -313,7 +313,7 @@ FSDP_ON_CPU = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 import grpo_lab.dist
-from tests.fsdp_on_cpu import fsdp_accelerator  # accelerate's FSDP path on CPU processes
+from tests.sharded_on_cpu import fsdp_accelerator  # accelerate's FSDP path on CPU processes
 
 grpo_lab.dist.make_accelerator = fsdp_accelerator
 """

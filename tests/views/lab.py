@@ -7,6 +7,7 @@ needed). All Jupyter, IPython and browser state lives in a temporary directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -53,9 +54,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Lab:
+    """A running JupyterLab server: its base URL, token and the folder it serves."""
+
+    base: str
+    token: str
+    root: Path
+
+    def folder(self, name: str) -> Path:
+        """A new folder under the served one (a test's own, for its notebooks and their outputs)."""
+        folder = self.root / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
+        folder.mkdir()
+        return folder
+
+    def shut_down_kernels(self) -> None:
+        """End every kernel the server runs (the notebooks of a test that is over)."""
+        for kernel in self._api("GET", "/api/kernels"):
+            self._api("DELETE", f"/api/kernels/{kernel['id']}")
+
+    def _api(self, method: str, path: str):
+        request = urllib.request.Request(f"{self.base}{path}", method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            body = answer.read()
+        return json.loads(body) if body else None
+
+
 @contextlib.contextmanager
 def jupyter_lab(root_dir: Path, timeout: float = 90, save_widget_state: bool = False):
-    """Start JupyterLab serving ``root_dir``; yield (base URL, token); stop it and its kernels.
+    """Start JupyterLab serving ``root_dir``; yield a :class:`Lab`; stop it and its kernels.
     ``save_widget_state``: a notebook saves its widgets' state with it (JupyterLab's "Save Widget
     State Automatically"), so that a reopened notebook draws them without a kernel."""
     port, token = _free_port(), secrets.token_hex(16)
@@ -93,7 +121,7 @@ def jupyter_lab(root_dir: Path, timeout: float = 90, save_widget_state: bool = F
                 if time.time() > deadline:
                     raise TimeoutError("jupyter lab did not start") from None
                 time.sleep(0.3)
-        yield base, token
+        yield Lab(base, token, Path(root_dir))
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -106,21 +134,32 @@ def jupyter_lab(root_dir: Path, timeout: float = 90, save_widget_state: bool = F
 
 
 @contextlib.contextmanager
-def browser_page(width: int = 1400, height: int = 1000):
+def chromium():
+    """Headless Chromium (the system one) under Playwright; yields the browser."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
-        page = browser.new_page(viewport={"width": width, "height": height})
         try:
-            yield page
+            yield browser
         finally:
             browser.close()
 
 
-def open_notebook(page, base: str, token: str, name: str, timeout_ms: int = 120_000) -> None:
-    """Open a notebook and wait until its kernel is connected and idle."""
-    page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
+@contextlib.contextmanager
+def new_page(browser, width: int = 1400, height: int = 1000):
+    """A page in a context of its own (no storage shared with another test's pages)."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+def open_notebook(page, server: Lab, notebook: Path, timeout_ms: int = 120_000) -> None:
+    """Open ``notebook`` (a path under the served folder) and wait until its kernel is connected and idle."""
+    name = notebook.relative_to(server.root).as_posix()
+    page.goto(f"{server.base}/lab/tree/{name}?reset&token={server.token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout_ms)
     page.wait_for_function(
         "() => /Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText || '')", timeout=timeout_ms

@@ -18,7 +18,8 @@ from tests.views import lab
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = lab.missing_browser()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON)),
+              pytest.mark.xdist_group("browser")]  # one worker runs them all, on one server and browser
 
 SETUP = """\
 from grpo_lab import GRPOSession
@@ -60,6 +61,27 @@ FACTS = """(i) => {
 }"""
 
 
+@pytest.fixture(scope="module")
+def jupyter(tmp_path_factory):
+    """One JupyterLab server for the module's tests (JupyterLab's default settings); each test opens its
+    notebooks in a folder of its own, each notebook in a kernel of its own."""
+    with lab.jupyter_lab(tmp_path_factory.mktemp("lab")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    with lab.chromium() as browser:
+        yield browser
+
+
+@pytest.fixture
+def workdir(jupyter, request) -> Path:
+    """This test's folder on the server; its kernels are shut down when it ends."""
+    yield jupyter.folder(request.node.name)
+    jupyter.shut_down_kernels()
+
+
 def save(page, path: Path, timeout: float = 30) -> None:
     """Save the notebook (Ctrl+S) and wait until the file on disk is rewritten."""
     before = path.stat().st_mtime_ns
@@ -92,13 +114,13 @@ def controls_text(page, dashboard: int = 0) -> str:
     return page.locator(".grpo-dashboard").nth(dashboard).locator(".grpo-controls").inner_text()
 
 
-def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_runs(tmp_path):
-    lab.write_notebook(tmp_path / "steps.ipynb", [
+def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_runs(jupyter, chromium, workdir):
+    lab.write_notebook(workdir / "steps.ipynb", [
         SETUP, "session.show()", "session.step()", "session.run(3)", "session.show()", "session.run(3)",
         "print('global step', session.global_step)", "session.evaluate(task.eval_dataset)['eval_reward']",
     ])
-    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
-        lab.open_notebook(page, base, token, "steps.ipynb")
+    with lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, jupyter, workdir / "steps.ipynb")
         for index in range(4):  # build, show(), step(), run(3): one cell at a time in a new kernel
             lab.run_cell(page, index)
         shown = wait_reward_points(page, 4)
@@ -136,58 +158,68 @@ def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_r
         assert lab.widget_problems(page) == []
 
 
-def test_a_reload_mid_run_is_live_again_within_two_updates_from_run_n_and_from_a_cell_arun(tmp_path):
-    lab.write_notebook(tmp_path / "reload.ipynb", [SETUP, "session.show()", "await session.arun(60)"])
-    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
-        lab.open_notebook(page, base, token, "reload.ipynb")
+def test_a_reload_mid_run_is_live_again_within_two_updates_from_run_n_and_from_a_cell_arun(jupyter, chromium,
+                                                                                             workdir):
+    # Runs far longer than a reload can take on a loaded machine, ended by the dashboard's Stop.
+    setup = SETUP.replace("max_steps=100", "max_steps=2000")
+    lab.write_notebook(workdir / "reload.ipynb", [setup, "session.show()", "await session.arun(1000)"])
+    with lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, jupyter, workdir / "reload.ipynb")
         lab.run_cell(page, 0)
         lab.run_cell(page, 1)
         page.keyboard.press("Control+s")
 
         # Run N from the dashboard trains on a thread, so the kernel answers a reloaded page at once.
         dashboard = page.locator(".grpo-dashboard").first
-        dashboard.locator(".grpo-controls input[type=number]").fill("20")
+        dashboard.locator(".grpo-controls input[type=number]").fill("1000")
         dashboard.locator(".grpo-controls input[type=number]").press("Enter")
         dashboard.get_by_role("button", name="Run N", exact=True).click()
         page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
                                ".length >= 3", timeout=60_000)
         page.reload()
         lab.wait_for_notebook(page)
-        assert_caught_up_within_two_updates(page, last_step=20)
-        page.wait_for_function("() => /ran 20 step/.test(document.querySelector('.grpo-controls').innerText)",
-                               timeout=120_000)
-        wait_reward_points(page, 20)
+        assert_caught_up_within_two_updates(page, last_step=1000)
+        first = stop_from_the_dashboard(page)
+        assert re.search(rf"stopped after {first} step", controls_text(page)), controls_text(page)
 
-        # await session.arun(60) in a cell trains on a worker thread while the cell awaits: the kernel
+        # await session.arun(1000) in a cell trains on a worker thread while the cell awaits: the kernel
         # answers the reloaded page at once, and the dashboard's Stop ends the cell's run between stages.
         lab.run_cell(page, 2, wait=False)
-        page.wait_for_function("() => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
-                               ".length >= 22", timeout=60_000)
+        page.wait_for_function("(n) => document.querySelectorAll('.grpo-curves-plot g.subplot.xy path.point')"
+                               ".length >= n", arg=first + 2, timeout=60_000)
         page.keyboard.press("Control+s")
         page.reload()
         lab.wait_for_notebook(page)
-        assert_caught_up_within_two_updates(page, last_step=80)
-        stop = page.locator(".grpo-dashboard").first.get_by_role("button", name="Stop", exact=True)
-        assert stop.is_enabled()
-        stop.click()
-        # the reloaded page did not send the cell, so its prompt does not show the end: the controls do
-        page.wait_for_function("() => { const c = document.querySelector('.grpo-controls'); return !/running/"
-                               ".test(c.innerText) && [...c.querySelectorAll('button')].some(b => b.textContent.trim()"
-                               " === 'Step' && !b.disabled); }", timeout=120_000)
-        stopped = wait_step_from_status(page)
-        assert 22 <= stopped < 80
-        time.sleep(2)
-        assert wait_step_from_status(page) == stopped  # ended, not paused
-        assert wait_reward_points(page, stopped)["outside"] == []
+        assert_caught_up_within_two_updates(page, last_step=first + 1000)
+        stopped = stop_from_the_dashboard(page)
+        assert first + 2 <= stopped < first + 1000
         assert lab.widget_problems(page) == []
 
 
-def test_a_reload_during_a_cell_run_with_saved_widget_state_then_a_kernel_restart(tmp_path):
+def stop_from_the_dashboard(page) -> int:
+    """Press the first dashboard's Stop while a run is going on; wait until the run has ended and the
+    curves hold each of its steps; return the step it ended at."""
+    stop = page.locator(".grpo-dashboard").first.get_by_role("button", name="Stop", exact=True)
+    assert stop.is_enabled()
+    stop.click()
+    # a reloaded page did not send a running cell, so its prompt does not show the end: the controls do
+    page.wait_for_function("() => { const c = document.querySelector('.grpo-controls'); return !/running/"
+                           ".test(c.innerText) && [...c.querySelectorAll('button')].some(b => b.textContent.trim()"
+                           " === 'Step' && !b.disabled); }", timeout=120_000)
+    stopped = wait_step_from_status(page)
+    time.sleep(2)
+    assert wait_step_from_status(page) == stopped  # ended, not paused
+    assert wait_reward_points(page, stopped)["outside"] == []
+    return stopped
+
+
+def test_a_reload_during_a_cell_run_with_saved_widget_state_then_a_kernel_restart(chromium, tmp_path):
     shots = Path(os.environ.get("GRPO_LAB_SCREENSHOTS", tmp_path / "shots"))
     shots.mkdir(parents=True, exist_ok=True)
     lab.write_notebook(tmp_path / "reload.ipynb", [SETUP, "session.show()", "session.run(3)", "session.run(6)"])
-    with lab.jupyter_lab(tmp_path, save_widget_state=True) as (base, token), lab.browser_page(height=2400) as page:
-        lab.open_notebook(page, base, token, "reload.ipynb")
+    # a server of its own: JupyterLab's "Save Widget State Automatically" is not its default
+    with lab.jupyter_lab(tmp_path, save_widget_state=True) as server, lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, server, tmp_path / "reload.ipynb")
         for index in range(3):
             lab.run_cell(page, index)
         wait_reward_points(page, 3)
@@ -259,12 +291,12 @@ def wait_step_from_status(page, timeout: float = 60) -> int:
     raise AssertionError("the dashboard's controls did not appear")
 
 
-def test_quickstart_dashboard_renders_updates_live_and_steps(tmp_path):
-    shots = Path(os.environ.get("GRPO_LAB_SCREENSHOTS", tmp_path / "shots"))
+def test_quickstart_dashboard_renders_updates_live_and_steps(jupyter, chromium, workdir):
+    shots = Path(os.environ.get("GRPO_LAB_SCREENSHOTS", workdir / "shots"))
     shots.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", tmp_path / "quickstart.ipynb")
-    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2800) as page:
-        lab.open_notebook(page, base, token, "quickstart.ipynb")
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", workdir / "quickstart.ipynb")
+    with lab.new_page(chromium, height=2800) as page:
+        lab.open_notebook(page, jupyter, workdir / "quickstart.ipynb")
         lab.run_all(page)
         seen, pictured, deadline = [], False, time.time() + 600
         while not lab.all_cells_done(page):
@@ -336,13 +368,13 @@ def wait_compared_points(page, wanted: dict[str, int], timeout: float = 60) -> d
     raise AssertionError(f"expected the reward panel to draw {wanted} points, the page shows {seen}")
 
 
-def test_compare_draws_a_session_and_its_fork_on_shared_axes_and_follows_one_as_it_trains(tmp_path):
-    lab.write_notebook(tmp_path / "compare.ipynb", [
+def test_compare_draws_a_session_and_its_fork_on_shared_axes_and_follows_one_as_it_trains(jupyter, chromium, workdir):
+    lab.write_notebook(workdir / "compare.ipynb", [
         COMPARE_SETUP, "a.step()\na.step()", "b = a.fork(learning_rate=5e-4)", "a.run(2)\nb.run(3)",
         "view = grpo_lab.compare(a, b)\nview", "print('names', view.names)", "a.step()",
     ])
-    with lab.jupyter_lab(tmp_path) as (base, token), lab.browser_page(height=2400) as page:
-        lab.open_notebook(page, base, token, "compare.ipynb")
+    with lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, jupyter, workdir / "compare.ipynb")
         for index in range(6):
             lab.run_cell(page, index)
         names = re.search(r"names \['(.+)', '(.+)'\]", lab.cell(page, 5).locator(".jp-OutputArea").inner_text())
