@@ -50,11 +50,12 @@ test: lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# One worker per core (pytest-xdist; each worker runs torch on one thread, see tests/conftest.py).
+# One worker per core (pytest-xdist; each worker runs torch on one thread, see tests/conftest.py). A test
+# file goes to one worker, so that its module fixtures (one launch for several tests) are made once.
 TEST_WORKERS ?= auto
 
 test-main: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_PYTEST_ARGS)

@@ -180,8 +180,12 @@ def batch(task):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``vllm`` run in the vLLM environment (``make test-vllm``); elsewhere they are
-    deselected (reported as such), not skipped: vLLM cannot be installed beside this transformers."""
+    """Files with ``slow`` tests first, so that parallel workers (``make test``: a file to a worker) do
+    not end on one long file while the other waits. Tests marked ``vllm`` run in the vLLM environment
+    (``make test-vllm``); elsewhere they are deselected (reported as such), not skipped: vLLM cannot be
+    installed beside this transformers."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file keeps its order
     if importlib.util.find_spec("vllm") is not None:
         return
     deselected = [item for item in items if item.get_closest_marker("vllm")]

@@ -14,7 +14,6 @@ from tests.conftest import launch_plan
 
 pytest.importorskip("deepspeed")  # a dev dependency: its CPU accelerator runs these
 
-pytestmark = pytest.mark.xdist_group("deepspeed")  # one worker holds the module's launches
 
 
 def _result(out: Path) -> dict:

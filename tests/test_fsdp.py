@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from tests.conftest import launch_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("fsdp")  # one worker holds the module's launch
 
 
 @pytest.fixture(scope="module")

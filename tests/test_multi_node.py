@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import launch_two
+from tests.golden import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "accelerate_configs" / "multi_node_ddp.yaml"
@@ -55,15 +56,25 @@ def _two_machines(tmp_path: Path, *args: str) -> None:
         assert machine.returncode == 0, f"machine {rank}:\n{output[-4000:]}"
 
 
-@pytest.mark.slow
-def test_two_machines_on_loopback_train_checkpoint_resume_and_track_one_machine(tmp_path):
-    (tmp_path / "run.py").write_text(SCRIPT)
+def _one_machine_two_processes(tmp_path: Path) -> dict:
+    """The same run on one machine, two processes: the golden run ``trainer_2proc`` (this script without its
+    checkpoints, which leave a run as it was) as recorded, where it was recorded on a machine like this one
+    (test_golden.py checks that it reproduces); else run here."""
+    recorded = json.loads((runs.HERE / "trainer_2proc.json").read_text())
+    if recorded["machine"] == runs.machine():
+        return recorded
     one_machine = launch_two("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no")
     done = subprocess.run([*one_machine, "run.py", str(tmp_path / "one"), str(tmp_path / "one.json")], cwd=tmp_path,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    reference = json.loads((tmp_path / "one.json").read_text())
+    return json.loads((tmp_path / "one.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_machines_on_loopback_train_checkpoint_resume_and_track_one_machine(tmp_path):
+    (tmp_path / "run.py").write_text(SCRIPT)
+    reference = _one_machine_two_processes(tmp_path)
 
     _two_machines(tmp_path, str(tmp_path / "run"), str(tmp_path / "two.json"))
     two = json.loads((tmp_path / "two.json").read_text())

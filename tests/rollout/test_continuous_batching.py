@@ -5,10 +5,15 @@ import torch
 
 from grpo_lab import GRPOConfig
 
+# A cache of a fixed size: by default the engine takes half the host's free memory, which makes a test's
+# cost depend on what else the machine runs (minutes where a parallel test run leaves gigabytes free).
+SMALL_CACHE = {"num_blocks": 16, "max_batch_tokens": 512}
+
 
 @pytest.mark.slow  # the engine takes seconds to start on a CPU
 def test_a_session_generates_with_continuous_batching_and_trains(make_session):
-    session = make_session(use_transformers_continuous_batching=True)
+    session = make_session(use_transformers_continuous_batching=True,
+                           transformers_continuous_batching_config=SMALL_CACHE)
     rollout = session.generate()
     lengths = rollout.completion_mask_BT.sum(1)
     assert rollout.completion_mask_BT.shape[1] <= session.config.max_completion_length
@@ -27,7 +32,8 @@ def test_a_session_generates_with_continuous_batching_and_trains(make_session):
 def test_continuous_batching_applies_the_sampling_settings_as_generate_does(make_session):
     # top_k=1 leaves one token to draw: both engines then pick each step's most likely token, where
     # temperature 3 alone would draw noise from the shipped model
-    engine, loop = (make_session(top_k=1, temperature=3.0, use_transformers_continuous_batching=cb).generate()
+    engine, loop = (make_session(top_k=1, temperature=3.0, use_transformers_continuous_batching=cb,
+                                 transformers_continuous_batching_config=SMALL_CACHE if cb else None).generate()
                     for cb in (True, False))
     assert engine.completion_texts == loop.completion_texts
     assert torch.equal(engine.completion_ids_BT, loop.completion_ids_BT)
