@@ -185,9 +185,6 @@ def _yaml_safe(value):
 
 
 # ---------------------------------------------------------------------- the command line
-_FIELD_METADATA = ("change", "builds", "trainer_argument")
-"""grpo_lab's keys in a field's metadata, which HfArgumentParser would hand argparse."""
-
 @functools.cache
 def _parser(config_class):
     from transformers import HfArgumentParser
@@ -197,7 +194,6 @@ def _parser(config_class):
         only when given; errors raise ``ValueError`` instead of exiting."""
 
         def add_argument(self, *names, **kwargs):
-            kwargs = {key: value for key, value in kwargs.items() if key not in _FIELD_METADATA}
             if "help" in kwargs:
                 kwargs["help"] = kwargs["help"].replace("%", "%%")
             name = kwargs.get("dest", names[0].removeprefix("--"))

@@ -102,8 +102,8 @@ def _check_choices(config) -> None:
     _one_of("optim", config.optim, OPTIMIZERS, extra="; for any other optimizer, pass it to optimizers=")
     _one_of("vllm_importance_sampling_mode", config.vllm_importance_sampling_mode, VLLM_IS_MODES)
     _one_of("doctor", config.doctor, DOCTOR_MODES)
-    if config.report_to is None:
-        _set(config, "report_to", "none")
+    if config.report_to is None or (not isinstance(config.report_to, str) and len(config.report_to) == 1):
+        _set(config, "report_to", config.report_to[0] if config.report_to else "none")  # --report_to NAME: a list
     reporters = [config.report_to] if isinstance(config.report_to, str) else list(config.report_to)
     for reporter in reporters:
         _one_of("report_to", reporter, REPORTERS)

@@ -2,9 +2,10 @@
 and documentation.
 
 Each field is declared with :func:`setting` (may change in a live session, and how) or :func:`built`
-(read once, when a session is built). Both put the field's ``help`` and its ``change`` rule in its
-metadata, where ``--help``, ``GRPOConfig.field_help``, transformers' ``HfArgumentParser`` and
-:mod:`grpo_lab.live_config` read them. The table is a base class so that the config's behaviour
+(read once, when a session is built). Both put the field's ``help`` in its metadata, where ``--help``,
+``GRPOConfig.field_help`` and transformers' ``HfArgumentParser`` read it, and record its ``change`` rule
+in :mod:`grpo_lab.field_rules`, where :mod:`grpo_lab.live_config` reads it (argparse refuses any other
+metadata key that ``HfArgumentParser`` would hand it). The table is a base class so that the config's behaviour
 (checks, derived values, serialisation) reads apart from it in :mod:`grpo_lab.config`.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_lab.config_trainer_args import trainer_argument_fields
+from grpo_lab.field_rules import FieldRule, ruled
 
 REWARD_TIMEOUT = 600.0
 """Default of ``GRPOConfig.reward_timeout``, in seconds."""
@@ -24,15 +26,15 @@ def setting(default, change: str, help: str) -> Any:
     """A field that may change in a live session; ``change`` names how an edit applies, one of
     :data:`grpo_lab.live_config.CHANGE_KINDS` other than ``"build"`` (``"live"``: from the next stage
     that reads it). ``help``: its documentation; line breaks are layout only."""
-    return dataclasses.field(default=default, metadata={"change": change, "help": " ".join(help.split())})
+    return ruled(dataclasses.field(default=default, metadata={"help": " ".join(help.split())}), FieldRule(change))
 
 
 def built(default, part: str, help: str) -> Any:
     """A field read once, when a session is built (``change="build"``): an edit is refused. ``part``
     names what it builds, one of :data:`grpo_lab.live_config.BUILT_PARTS`, which says whether a saved
     run may be loaded with a new value."""
-    metadata = {"change": "build", "builds": part, "help": " ".join(help.split())}
-    return dataclasses.field(default=default, metadata=metadata)
+    return ruled(dataclasses.field(default=default, metadata={"help": " ".join(help.split())}),
+                 FieldRule("build", part))
 
 
 @dataclass(repr=False)

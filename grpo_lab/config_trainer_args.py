@@ -27,6 +27,7 @@ import typing
 from pathlib import Path
 
 from grpo_lab import notices
+from grpo_lab.field_rules import FieldRule, rule_of, ruled
 
 ACCELERATE = ("processes, sharding and their back ends are set by accelerate: give them to `accelerate launch` "
               "(--config_file, --multi_gpu, --use_fsdp, ...), as README's \"many processes\" explains")
@@ -139,13 +140,12 @@ def trainer_argument_fields(declared: set[str]) -> list[tuple[str, object, datac
     for name, (annotation, default, help_text) in table.items():
         if name in declared:
             continue
-        metadata = {"change": "live", "help": f"{help_text} [grpo_lab: {_rule_text(name)}]".strip(),
-                    "trainer_argument": True}
+        metadata = {"help": f"{help_text} [grpo_lab: {_rule_text(name)}]".strip()}
         if isinstance(default, (list, dict)):
             made = dataclasses.field(default_factory=lambda value=default: copy.deepcopy(value), metadata=metadata)
         else:
             made = dataclasses.field(default=default, metadata=metadata)
-        fields.append((name, annotation, made))
+        fields.append((name, annotation, ruled(made, FieldRule("live", trainer_argument=True))))
     return fields
 
 
@@ -254,13 +254,24 @@ def _rule_text(name: str) -> str:
     return f"accepted; no effect here ({INERT.get(name, GENERIC_REASON)})"
 
 
+_SPELLINGS = {
+    "include_num_input_tokens_seen": lambda value: ("all" if value else "no") if isinstance(value, bool) else value,
+    "debug": lambda value: " ".join(getattr(option, "value", option) for option in value or ())
+    if value is None or isinstance(value, list) else value,
+}
+"""transformers' other spellings of a value, read as its ``TrainingArguments.__post_init__`` reads them.
+``HfArgumentParser`` gives these fields another type than their default's: a command line that names
+neither gives ``include_num_input_tokens_seen=False`` (transformers' ``"no"``) and ``debug=None``
+(its ``""``)."""
+
+
 def check_trainer_arguments(config, defaults: dict) -> None:
     """Apply the rules to ``config``'s ``TrainingArguments`` fields (see the module's docstring)."""
-    added = [field.name for field in dataclasses.fields(config) if field.metadata.get("trainer_argument")]
+    added = [field.name for field in dataclasses.fields(config) if rule_of(field).trainer_argument]
     for name in added:
         value = getattr(config, name)
-        plain = value.value if isinstance(value, enum.Enum) else value
-        if isinstance(value, enum.Enum):  # transformers' IntervalStrategy and the like, as YAML stores them
+        plain = value.value if isinstance(value, enum.Enum) else _SPELLINGS.get(name, lambda given: given)(value)
+        if plain is not value:  # transformers' IntervalStrategy and the like, as YAML stores them
             object.__setattr__(config, name, plain)
         if plain == defaults[name] or name in WITHOUT_EFFECT_IN_TRL:
             continue
