@@ -45,8 +45,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
     """Model, optimizer, data and reward functions, with one method per GRPO stage."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, peft_config=None, optimizers=(None, None),
-                 rollout_func=None, tools=None, environment_factory=None):
+                 processing_class=None, reward_processing_classes=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         self.config = config = build.checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func,
                                                     environment_factory)
         self.accelerator = build.start_accelerator(config)
@@ -55,7 +55,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
         self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
-        policy = build.load_policy(model, config, self.tokenizer)
+        policy = build.load_policy(model, config, self.tokenizer, quantization_config)
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
         self._context, self._prompt_tokens, self._prompt_tokens_source = build.check_prompts(
             policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,

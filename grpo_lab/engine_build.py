@@ -28,6 +28,7 @@ from grpo_lab.models import (
     load_tokenizer,
     prepare_tokenizer,
     router_aux_loss_weight,
+    with_quantization,
 )
 from grpo_lab.rewards import prepare_reward_funcs
 from grpo_lab.rewards.preparation import check_column_names, check_reward_weights
@@ -172,10 +173,11 @@ def tokenizer_for(model, processing_class, config: GRPOConfig):
     return prepare_tokenizer(processing_class), name
 
 
-def load_policy(model, config: GRPOConfig, tokenizer):
-    """The model to train (loaded where ``model`` is a path), refused where the tokenizer has ids it
-    has no embeddings for."""
-    policy = load_causal_lm(model, config.model_kwargs())
+def load_policy(model, config: GRPOConfig, tokenizer, quantization_config=None):
+    """The model to train (loaded where ``model`` is a path, ``quantization_config`` merged in as TRL
+    does), refused where the tokenizer has ids it has no embeddings for."""
+    kwargs = with_quantization(model, config.model_kwargs(), quantization_config)
+    policy = load_causal_lm(model, kwargs)
     embeddings = policy.get_input_embeddings()
     if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
         raise ValueError(

@@ -36,7 +36,8 @@ from grpo_lab.trainer_results import TrainerResults
 
 
 class GRPOTrainer(TrainerEvaluation, TrainerResults):
-    """Train with GRPO from a script; same arguments as :class:`grpo_lab.GRPOSession`."""
+    """Train with GRPO from a script. The arguments are TRL 1.16's ``GRPOTrainer``'s, in its order, and
+    :class:`grpo_lab.GRPOSession`'s."""
 
     def __init__(
         self,
@@ -47,11 +48,12 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         eval_dataset=None,
         processing_class=None,
         reward_processing_classes=None,
-        peft_config=None,
-        optimizers=(None, None),
-        rollout_func=None,
-        tools=None,
         callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
         environment_factory=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
@@ -60,8 +62,9 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             check_writable(Path(args.output_dir), "write the run's output to")
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            reward_processing_classes=reward_processing_classes, optimizers=optimizers, rollout_func=rollout_func,
-            tools=tools, environment_factory=environment_factory,
+            reward_processing_classes=reward_processing_classes, optimizers=optimizers,
+            quantization_config=quantization_config, rollout_func=rollout_func, tools=tools,
+            environment_factory=environment_factory,
         )
         self.session = GRPOSession(model, args=args, processing_class=processing_class, peft_config=peft_config,
                                    **self._resume_kwargs)

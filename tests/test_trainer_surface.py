@@ -233,3 +233,59 @@ def test_events_inside_a_step_and_epoch_events_come_as_transformers_sends_them(t
         ("epoch_begin", 0), *step(1, True), *step(2, False), ("epoch_end", 2),
         ("epoch_begin", 2), *step(3, False), ("epoch_end", 3),
     ]
+
+
+def test_the_trainer_and_the_session_take_trls_arguments_in_trls_order():
+    import inspect
+
+    import trl
+
+    from grpo_lab import GRPOSession
+
+    theirs = [(name, p.kind, p.default) for name, p in inspect.signature(trl.GRPOTrainer).parameters.items()]
+    for ours in (GRPOTrainer, GRPOSession):
+        assert [(name, p.kind, p.default) for name, p in inspect.signature(ours).parameters.items()] == theirs
+    # a positional call binds the same names: TRL's order after reward_processing_classes included
+    values = [f"value {i}" for i in range(len(theirs))]
+    assert (inspect.signature(GRPOTrainer).bind(*values).arguments
+            == inspect.signature(trl.GRPOTrainer).bind(*values).arguments)
+    assert inspect.signature(GRPOTrainer).bind(*values).arguments["quantization_config"] == "value 9"
+
+
+def test_a_session_refuses_callbacks_and_names_where_they_go(task):
+    from grpo_lab import GRPOSession
+
+    with pytest.raises(TypeError, match="pass callbacks= to GRPOTrainer, or follow .* session.on"):
+        GRPOSession(task.model, task.reward_funcs, callbacks=[TrainerCallback()], train_dataset=task.train_dataset)
+
+
+def _four_bit():
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="float32")
+
+
+def test_quantization_config_loads_the_policy_quantized_as_trls_argument(task, tmp_path, caplog):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "model_init_kwargs": {"device_map": "cpu"}})
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(task.model, task.reward_funcs, config, task.train_dataset, None, None, None, None,
+                          (None, None), _four_bit(), lora)  # positionally, in TRL's order
+    assert any(type(module).__name__ == "Linear4bit" for module in trainer.model.modules())
+    assert config.model_init_kwargs == {"device_map": "cpu"}  # merged into a copy, as TRL does
+
+    both = task.config(**{**SMALL, "output_dir": str(tmp_path),
+                          "model_init_kwargs": {"quantization_config": _four_bit()}})
+    with pytest.raises(ValueError, match="`quantization_config` both as a trainer argument and in "
+                                         "`args.model_init_kwargs`"):
+        GRPOTrainer(task.model, task.reward_funcs, args=both, train_dataset=task.train_dataset,
+                    quantization_config=_four_bit())
+
+    loaded = AutoModelForCausalLM.from_pretrained(task.model)
+    with caplog.at_level("WARNING", logger="grpo_lab"):
+        trainer = GRPOTrainer(loaded, task.reward_funcs, args=task.config(**{**SMALL, "output_dir": str(tmp_path)}),
+                              train_dataset=task.train_dataset, quantization_config=_four_bit())
+    assert "your model is already instantiated. The `quantization_config` will be ignored." in caplog.text
+    assert not any(type(module).__name__ == "Linear4bit" for module in trainer.model.modules())
