@@ -260,8 +260,8 @@ class GRPOFields:
         use_transformers_continuous_batching: True sets that (with a warning).""")
 
     # ------------------------------------------------------------------ training (TrainingArguments)
-    output_dir: str = setting("outputs/grpo", "live", """Where checkpoints, metrics.jsonl and the final model go.
-        (TRL: "trainer_output".)""")
+    output_dir: str = setting("trainer_output", "live", """Where checkpoints, metrics.jsonl and the final model go
+        (TRL's default; a trainer or session built without ``args`` writes to ``<model name>-GRPO``, as TRL's).""")
     learning_rate: float = setting(1e-6, "learning_rate", """Peak learning rate of AdamW (TRL's GRPO default, meant
         for billion-parameter models).""")
     per_device_train_batch_size: int = built(8, "batch_layout", """Completions per process in one micro-batch

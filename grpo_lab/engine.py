@@ -47,8 +47,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        self.config = config = build.checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func,
-                                                    environment_factory)
+        self.config = config = build.checked_config(model, args, train_dataset, eval_dataset, reward_funcs,
+                                                    rollout_func, environment_factory)
         self.accelerator = build.start_accelerator(config)
         self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)

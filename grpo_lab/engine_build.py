@@ -110,16 +110,18 @@ def eval_set_label(name: str | None) -> str:
     return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
 
 
-def checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func=None,
+def checked_config(model, args, train_dataset, eval_dataset, reward_funcs, rollout_func=None,
                    environment_factory=None) -> GRPOConfig:
-    """The run's config (``args``, or the defaults), once the datasets, the environment setup and the
-    reward weights are checked (an environment may supply the prompts, or all of train_dataset)."""
+    """The run's config (``args``, or the defaults with TRL's ``output_dir``, ``<model name>-GRPO``), once
+    the datasets, the environment setup and the reward weights are checked (an environment may supply
+    the prompts, or all of train_dataset)."""
     if args is not None and not isinstance(args, GRPOConfig):
         raise TypeError(
             f"args must be a grpo_lab GRPOConfig (got {type(args).__name__}). Build one with "
             "GRPOConfig(**settings), or GRPOConfig.from_dict(...) / from_yaml(...)."
         )
-    config = args if args is not None else GRPOConfig()
+    name = str(model) if isinstance(model, (str, os.PathLike)) else getattr(model.config, "_name_or_path", "")
+    config = args if args is not None else GRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-GRPO")
     if environment_factory is not None:
         check_environment_setup(environment_factory, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                 rollout_func=rollout_func, max_steps=config.max_steps)

@@ -51,7 +51,7 @@ def test_log_history_rows_are_trls_window_means_and_train_returns_a_train_output
     assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"} <= set(closing)
     assert isinstance(out, TrainOutput) and out.global_step == 5
     assert out.training_loss == pytest.approx(train_loss, rel=1e-12, abs=1e-15)
-    assert out.metrics == {k: v for k, v in closing.items() if k not in ("step", "total_flos")}
+    assert out.metrics == {k: v for k, v in closing.items() if k != "step"}  # total_flos included, as TRL's
     assert (trainer.state.global_step, trainer.state.max_steps) == (5, 5)
     assert trainer.state.is_world_process_zero
 
@@ -148,7 +148,8 @@ def test_log_history_has_trls_keys_on_the_same_run(task, tmp_path):
     settings = {k: v for k, v in {**DEMO_CONFIG, **SMALL, "max_steps": 3, "logging_steps": 2}.items()
                 if k != "warmup_ratio"}
     theirs = TRLTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset, args=TRLConfig(
-        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, **settings))
+        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, save_strategy="no", **settings))
+    # (with disable_tqdm, transformers' PrinterCallback pops total_flos from the metrics it prints and returns)
     trl_out = theirs.train()
     ours = _trainer(task, tmp_path / "ours", max_steps=3, logging_steps=2)
     out = ours.train()
@@ -289,3 +290,12 @@ def test_quantization_config_loads_the_policy_quantized_as_trls_argument(task, t
                               train_dataset=task.train_dataset, quantization_config=_four_bit())
     assert "your model is already instantiated. The `quantization_config` will be ignored." in caplog.text
     assert not any(type(module).__name__ == "Linear4bit" for module in trainer.model.modules())
+
+
+def test_output_dir_defaults_are_trls(task, tmp_path, monkeypatch):
+    from grpo_lab import GRPOConfig
+
+    assert GRPOConfig().output_dir == "trainer_output"
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset)  # no args: TRL's name
+    assert trainer.args.output_dir == "tiny_model-GRPO" and trainer.output_dir.name == "tiny_model-GRPO"
