@@ -27,12 +27,14 @@ from grpo_lab import dist, ops, zero
 from grpo_lab import engine_build as build
 from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config import GRPOConfig
+from grpo_lab.config_trainer_args import record_stream_dispatch
 from grpo_lab.engine_evaluation import EvaluationStage
 from grpo_lab.engine_generation import GenerationStage
 from grpo_lab.engine_loss import LossStage
 from grpo_lab.engine_settings import LiveSettings
 from grpo_lab.metrics import generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.models import routes_to_experts
+from grpo_lab.optimizer import optimizer_for
 from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score_tokens
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rewards.preparation import weights_tensor
@@ -49,6 +51,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         self.config = config = build.checked_config(model, args, train_dataset, eval_dataset, reward_funcs,
                                                     rollout_func, environment_factory)
+        record_stream_dispatch(config, train_dataset, eval_dataset)
         self.accelerator = build.start_accelerator(config)
         self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)
@@ -67,11 +70,12 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.ref_model = build.reference_copy(policy, config, self.is_peft, self.accelerator.device)
         optimizer, scheduler = optimizers
         self.owns_optimizer, self.owns_scheduler = optimizer is None, scheduler is None
-        self.model, self.optimizer = self.accelerator.prepare(policy, build.adamw(policy, config) if optimizer is None
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer_for(policy, config) if optimizer is None
                                                               else optimizer)
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
+        self.given_eval_dataset = eval_dataset  # what trainer.eval_dataset shows, as TRL's does
         self.eval_dataset = build.named_eval_dataset(eval_dataset)
         self.tools, self.custom_rollout, self.environments, train_dataset = build.custom_rollout(
             rollout_func, tools, environment_factory, self.tokenizer, self.unwrapped_model, train_dataset, config,
