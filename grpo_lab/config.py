@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_lab import config_checks
-from grpo_lab.config_args import config_from_args, read_yaml_mapping, suggestion
+from grpo_lab.config_args import config_from_args, read_yaml_mapping, stored_value, suggestion
 from grpo_lab.config_checks import (
     AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -191,7 +191,7 @@ class GRPOConfig(TrainingArgumentsFields):
         defaults = _defaults()
         values = {k: v for k, v in self.to_dict().items()
                   if not (rule_of(_fields()[k]).trainer_argument and v == defaults[k])}
-        text = yaml.safe_dump(values, sort_keys=False)
+        text = yaml.safe_dump(stored_value(values), sort_keys=False)
         if path is not None:
             Path(path).write_text(text)
         return text

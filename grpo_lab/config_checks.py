@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from grpo_lab.config_args import normalise
-from grpo_lab.config_trainer_args import check_trainer_arguments
+from grpo_lab.config_trainer_args import check_trainer_arguments, optimizer_names
 from grpo_lab.doctor.thresholds import check_config as check_doctor_thresholds
 from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high, loss_spec
 from grpo_lab.reporting import SUPPORTED_REPORTERS
@@ -27,7 +27,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_MODES = ("colocate", "server")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+OPTIMIZERS = optimizer_names()  # transformers' names, as TRL takes them
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 DOCTOR_MODES = ("off", "warn", "stop")
 

@@ -282,8 +282,10 @@ class GRPOFields:
     warmup_steps: float = setting(0, "schedule", """Warm-up steps when >= 1 (takes precedence over warmup_ratio); a
         value in (0, 1) is a fraction of the run, as in transformers 5.""")
     optim: str = built("adamw_torch_fused", "saved_state", """The optimizer, by its transformers name:
-        adamw_torch_fused (TRL's default; one fused kernel updates all parameters, on a CPU or a GPU) or
-        adamw_torch. For any other optimizer, pass one to ``optimizers=``.""")
+        adamw_torch_fused (TRL's default; one fused kernel updates all parameters, on a CPU or a GPU) and adamw_torch
+        are torch's AdamW; any other name transformers knows (paged_adamw_8bit, adafactor, sgd, ...) is built as
+        transformers' Trainer builds it, with weight_decay on every trainable parameter (transformers leaves biases
+        and norm weights out). Or pass an optimizer to ``optimizers=``.""")
     weight_decay: float = setting(0.0, "optimizer", """AdamW weight decay.""")
     adam_beta1: float = setting(0.9, "optimizer", """AdamW beta1.""")
     adam_beta2: float = setting(0.999, "optimizer", """AdamW beta2.""")

@@ -318,18 +318,6 @@ def reference_copy(policy, config: GRPOConfig, is_peft: bool, device):
     return None
 
 
-def adamw(policy, config: GRPOConfig) -> torch.optim.AdamW:
-    """The optimizer grpo_lab builds when none is given: AdamW over the trainable parameters."""
-    return torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=config.learning_rate,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_epsilon,
-        weight_decay=config.weight_decay,
-        fused=config.optim == "adamw_torch_fused",
-    )
-
-
 def custom_rollout(rollout_func, tools, environment_factory, tokenizer, model, train_dataset, config: GRPOConfig,
                    batching):
     """``(tools, custom_rollout, environments, train_dataset)``: the checked tools; what generates the

@@ -299,3 +299,14 @@ def test_output_dir_defaults_are_trls(task, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     trainer = GRPOTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset)  # no args: TRL's name
     assert trainer.args.output_dir == "tiny_model-GRPO" and trainer.output_dir.name == "tiny_model-GRPO"
+
+
+def test_a_dtype_object_assigned_to_model_init_kwargs_trains_and_checkpoints(task, tmp_path):
+    import torch
+
+    from grpo_lab import GRPOConfig
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_steps": 1, "disable_tqdm": True})
+    config.model_init_kwargs = {"dtype": torch.float32}  # after the config is built, as TRL's gspo.py does
+    GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset).train()
+    assert GRPOConfig.from_yaml(tmp_path / "checkpoint-1" / "config.yaml").model_init_kwargs == {"dtype": "float32"}
