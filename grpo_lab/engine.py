@@ -27,7 +27,6 @@ from grpo_lab import dist, ops, zero
 from grpo_lab import engine_build as build
 from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config import GRPOConfig
-from grpo_lab.config_trainer_args import record_stream_dispatch
 from grpo_lab.engine_evaluation import EvaluationStage
 from grpo_lab.engine_generation import GenerationStage
 from grpo_lab.engine_loss import LossStage
@@ -51,7 +50,6 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         self.config = config = build.checked_config(model, args, train_dataset, eval_dataset, reward_funcs,
                                                     rollout_func, environment_factory)
-        record_stream_dispatch(config, train_dataset, eval_dataset)
         self.accelerator = build.start_accelerator(config)
         self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)
@@ -75,8 +73,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
-        self.given_eval_dataset = eval_dataset  # what trainer.eval_dataset shows, as TRL's does
-        self.eval_dataset = build.named_eval_dataset(eval_dataset)
+        self.given_eval_dataset, self.eval_dataset = eval_dataset, build.named_eval_dataset(eval_dataset)  # given; read
         self.tools, self.custom_rollout, self.environments, train_dataset = build.custom_rollout(
             rollout_func, tools, environment_factory, self.tokenizer, self.unwrapped_model, train_dataset, config,
             self.batching)

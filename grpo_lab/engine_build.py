@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from grpo_lab import dist, notices, zero
 from grpo_lab.config import GRPOConfig
+from grpo_lab.config_trainer_args import record_stream_dispatch
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
     check_model_reference,
@@ -140,6 +141,7 @@ def checked_config(model, args, train_dataset, eval_dataset, reward_funcs, rollo
         check_column_names(dataset, eval_set_label(name))
     check_reward_weights(config.reward_weights, reward_funcs)
     log_setting_notes(config)  # every process, as TRL's are
+    record_stream_dispatch(config, train_dataset, eval_dataset)
     return config
 
 
