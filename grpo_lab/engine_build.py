@@ -224,19 +224,21 @@ def model_reference(model, name: str | None):
 
 def log_setting_notes(config: GRPOConfig) -> None:
     """The notes TRL logs at its trainer's start about loss types and importance-sampling levels
-    that depart from their papers' setups, logged the same way (grpo_lab's logger)."""
+    that depart from their papers' setups, logged the same way (grpo_lab's logger), each with TRL's
+    own phrase in it, which TRL's users and tests search for."""
     level, loss = config.importance_sampling_level, config.loss_type
     if loss == "luspo" and level != "sequence":
         notices.log_warning("loss_type='luspo' with importance_sampling_level='token': the LUSPO paper uses "
-                            "importance_sampling_level='sequence'.")
+                            "importance_sampling_level='sequence' (TRL: `importance_sampling_level` should be set "
+                            "to `'sequence'` to mirror the paper's setup).")
     if loss == "vespo" and level != "token":
-        notices.log_warning("loss_type='vespo' computes its sequence-level weights itself: leave "
+        notices.log_warning("loss_type='vespo': VESPO computes sequence-level importance weights internally; leave "
                             "importance_sampling_level at 'token' (the default).")
     if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
         notices.log_warning(
-            f"importance_sampling_level='sequence' with loss_type={loss!r}: this loss adds up token terms, so each "
-            "sequence counts in proportion to its length instead of once, unlike the GSPO paper's per-sequence "
-            "objective; loss_type='grpo' follows the paper."
+            f"importance_sampling_level='sequence' with loss_type={loss!r}: this loss adds up token terms, which "
+            "effectively weights each sequence by its completion length instead of counting it once, unlike the "
+            "GSPO paper's per-sequence objective; loss_type='grpo' follows the paper."
         )
 
 
