@@ -315,6 +315,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         release_freed_memory()  # what the model and optimizer held
         accelerator.end_training()
 
+    def end(self) -> None:
+        """transformers' name (``Trainer.end``, which TRL's scripts call last): :meth:`close`."""
+        self.close()
+
     def _release_session(self):
         """Let go of the session before a checkpoint is loaded, so that its model, optimizer state and
         generation engine (vLLM) are freed rather than held beside the loaded ones. Returns the
