@@ -38,7 +38,8 @@ class TrainerEvaluation:
 
     @property
     def eval_dataset(self):
-        """The eval set(s) as given (a streamed set is read whole for each evaluation)."""
+        """The eval set(s) as given, as TRL's trainer shows them (the engine keeps a streamed set read
+        into a dataset once)."""
         return self.session.engine.given_eval_dataset
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
