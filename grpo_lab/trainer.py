@@ -24,6 +24,7 @@ from grpo_lab.accel import release_freed_memory
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, resolved_eval_steps, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
+from grpo_lab.model_card import write_training_files
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
@@ -365,7 +366,8 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                                    threshold=off_policy_threshold)
 
     def save_model(self, path: str | None = None, *, merged: bool = False) -> Path:
-        """Save the model in Hugging Face format, with its tokenizer.
+        """Save the model in Hugging Face format, with its tokenizer, ``training_args.bin`` (the config)
+        and a model card (``README.md``), as TRL's trainer leaves them.
 
         For a PEFT model the adapter alone is saved, or with ``merged=True`` a full model with the
         adapter merged into a copy of the weights (the training model is left as it is).
@@ -387,6 +389,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             saved = copy.deepcopy(model).merge_and_unload() if merge else model
             saved.save_pretrained(target, state_dict=state)
             self.session.tokenizer.save_pretrained(target)
+            write_training_files(target, self.args, engine.model_reference)
 
         on_main(self.accelerator, f"save the model to {target}", write)
         return target

@@ -310,3 +310,15 @@ def test_a_dtype_object_assigned_to_model_init_kwargs_trains_and_checkpoints(tas
     config.model_init_kwargs = {"dtype": torch.float32}  # after the config is built, as TRL's gspo.py does
     GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset).train()
     assert GRPOConfig.from_yaml(tmp_path / "checkpoint-1" / "config.yaml").model_init_kwargs == {"dtype": "float32"}
+
+
+def test_save_model_writes_trls_training_args_and_model_card(task, tmp_path):
+    import torch
+
+    trainer = _trainer(task, tmp_path, max_steps=1)
+    target = trainer.save_model(tmp_path / "saved")
+    args = torch.load(target / "training_args.bin", weights_only=False)  # as transformers' Trainer pickles it
+    assert args.to_dict() == trainer.args.to_dict()
+    card = (target / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n") and "GRPO" in card
+    assert "base_model" not in card  # a local folder is not named as a hub model, as in TRL
