@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_lab import config_checks
-from grpo_lab.config_args import config_from_args, read_yaml_mapping, suggestion
+from grpo_lab.config_args import config_from_args, read_yaml_mapping, stored_value, suggestion
 from grpo_lab.config_checks import (
     AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -35,6 +35,7 @@ from grpo_lab.config_checks import (
 )
 from grpo_lab.config_fields import REWARD_TIMEOUT, TrainingArgumentsFields, built, setting
 from grpo_lab.config_trainer_args import apply_activation_checkpointing
+from grpo_lab.field_rules import rule_of
 
 __all__ = [
     "AGGREGATIONS", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_TYPES", "NOT_YET_IMPLEMENTED", "OPTIMIZERS", "REPORTERS",
@@ -189,8 +190,8 @@ class GRPOConfig(TrainingArgumentsFields):
         # versions, and a file that names none at their default loads under any of them
         defaults = _defaults()
         values = {k: v for k, v in self.to_dict().items()
-                  if not (_fields()[k].metadata.get("trainer_argument") and v == defaults[k])}
-        text = yaml.safe_dump(values, sort_keys=False)
+                  if not (rule_of(_fields()[k]).trainer_argument and v == defaults[k])}
+        text = yaml.safe_dump(stored_value(values), sort_keys=False)
         if path is not None:
             Path(path).write_text(text)
         return text

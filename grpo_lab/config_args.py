@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import functools
 import inspect
 import json
@@ -24,6 +25,8 @@ import types
 import typing
 from pathlib import Path
 from typing import Any
+
+from grpo_lab import notices
 
 
 def read_yaml_mapping(path, what: str = "GRPOConfig fields") -> dict[str, Any]:
@@ -184,10 +187,32 @@ def _yaml_safe(value):
     return value
 
 
-# ---------------------------------------------------------------------- the command line
-_FIELD_METADATA = ("change", "builds", "trainer_argument")
-"""grpo_lab's keys in a field's metadata, which HfArgumentParser would hand argparse."""
+_YAML_TYPES = (str, int, float, bool, type(None))
 
+
+def stored_value(value):
+    """``value`` as a config file stores it, for values set on a config after it was checked (a
+    ``torch.dtype`` in ``model_init_kwargs``, as TRL's scripts assign it): transformers' config objects
+    (``BitsAndBytesConfig``, ``AcceleratorConfig``) as the dicts their ``to_dict()`` gives, which
+    ``from_pretrained`` and the config read back, enums as their values, anything else YAML cannot
+    hold as its text (with a warning), so that the file a checkpoint needs is always written."""
+    value = _yaml_safe(value)
+    if isinstance(value, dict):
+        return {key: stored_value(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [stored_value(item) for item in value]
+    if isinstance(value, enum.Enum):
+        return stored_value(value.value)
+    if callable(getattr(value, "to_dict", None)):
+        return stored_value(value.to_dict())
+    if not isinstance(value, _YAML_TYPES):
+        notices.warn(f"A config value of type {type(value).__name__} is stored in config.yaml as its text, "
+                     f"{str(value)!r}: a config loaded from that file gets the text.")
+        return str(value)
+    return value
+
+
+# ---------------------------------------------------------------------- the command line
 @functools.cache
 def _parser(config_class):
     from transformers import HfArgumentParser
@@ -197,7 +222,6 @@ def _parser(config_class):
         only when given; errors raise ``ValueError`` instead of exiting."""
 
         def add_argument(self, *names, **kwargs):
-            kwargs = {key: value for key, value in kwargs.items() if key not in _FIELD_METADATA}
             if "help" in kwargs:
                 kwargs["help"] = kwargs["help"].replace("%", "%%")
             name = kwargs.get("dest", names[0].removeprefix("--"))

@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from grpo_lab.config_args import normalise
-from grpo_lab.config_trainer_args import check_trainer_arguments
+from grpo_lab.config_trainer_args import check_trainer_arguments, optimizer_names
 from grpo_lab.doctor.thresholds import check_config as check_doctor_thresholds
 from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high, loss_spec
 from grpo_lab.reporting import SUPPORTED_REPORTERS
@@ -27,7 +27,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 VLLM_MODES = ("colocate", "server")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+OPTIMIZERS = optimizer_names()  # transformers' names, as TRL takes them
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 DOCTOR_MODES = ("off", "warn", "stop")
 
@@ -102,8 +102,8 @@ def _check_choices(config) -> None:
     _one_of("optim", config.optim, OPTIMIZERS, extra="; for any other optimizer, pass it to optimizers=")
     _one_of("vllm_importance_sampling_mode", config.vllm_importance_sampling_mode, VLLM_IS_MODES)
     _one_of("doctor", config.doctor, DOCTOR_MODES)
-    if config.report_to is None:
-        _set(config, "report_to", "none")
+    if config.report_to is None or (not isinstance(config.report_to, str) and len(config.report_to) == 1):
+        _set(config, "report_to", config.report_to[0] if config.report_to else "none")  # --report_to NAME: a list
     reporters = [config.report_to] if isinstance(config.report_to, str) else list(config.report_to)
     for reporter in reporters:
         _one_of("report_to", reporter, REPORTERS)

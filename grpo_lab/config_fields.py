@@ -2,9 +2,10 @@
 and documentation.
 
 Each field is declared with :func:`setting` (may change in a live session, and how) or :func:`built`
-(read once, when a session is built). Both put the field's ``help`` and its ``change`` rule in its
-metadata, where ``--help``, ``GRPOConfig.field_help``, transformers' ``HfArgumentParser`` and
-:mod:`grpo_lab.live_config` read them. The table is a base class so that the config's behaviour
+(read once, when a session is built). Both put the field's ``help`` in its metadata, where ``--help``,
+``GRPOConfig.field_help`` and transformers' ``HfArgumentParser`` read it, and record its ``change`` rule
+in :mod:`grpo_lab.field_rules`, where :mod:`grpo_lab.live_config` reads it (argparse refuses any other
+metadata key that ``HfArgumentParser`` would hand it). The table is a base class so that the config's behaviour
 (checks, derived values, serialisation) reads apart from it in :mod:`grpo_lab.config`.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_lab.config_trainer_args import trainer_argument_fields
+from grpo_lab.field_rules import FieldRule, ruled
 
 REWARD_TIMEOUT = 600.0
 """Default of ``GRPOConfig.reward_timeout``, in seconds."""
@@ -24,15 +26,15 @@ def setting(default, change: str, help: str) -> Any:
     """A field that may change in a live session; ``change`` names how an edit applies, one of
     :data:`grpo_lab.live_config.CHANGE_KINDS` other than ``"build"`` (``"live"``: from the next stage
     that reads it). ``help``: its documentation; line breaks are layout only."""
-    return dataclasses.field(default=default, metadata={"change": change, "help": " ".join(help.split())})
+    return ruled(dataclasses.field(default=default, metadata={"help": " ".join(help.split())}), FieldRule(change))
 
 
 def built(default, part: str, help: str) -> Any:
     """A field read once, when a session is built (``change="build"``): an edit is refused. ``part``
     names what it builds, one of :data:`grpo_lab.live_config.BUILT_PARTS`, which says whether a saved
     run may be loaded with a new value."""
-    metadata = {"change": "build", "builds": part, "help": " ".join(help.split())}
-    return dataclasses.field(default=default, metadata=metadata)
+    return ruled(dataclasses.field(default=default, metadata={"help": " ".join(help.split())}),
+                 FieldRule("build", part))
 
 
 @dataclass(repr=False)
@@ -258,8 +260,8 @@ class GRPOFields:
         use_transformers_continuous_batching: True sets that (with a warning).""")
 
     # ------------------------------------------------------------------ training (TrainingArguments)
-    output_dir: str = setting("outputs/grpo", "live", """Where checkpoints, metrics.jsonl and the final model go.
-        (TRL: "trainer_output".)""")
+    output_dir: str = setting("trainer_output", "live", """Where checkpoints, metrics.jsonl and the final model go
+        (TRL's default; a trainer or session built without ``args`` writes to ``<model name>-GRPO``, as TRL's).""")
     learning_rate: float = setting(1e-6, "learning_rate", """Peak learning rate of AdamW (TRL's GRPO default, meant
         for billion-parameter models).""")
     per_device_train_batch_size: int = built(8, "batch_layout", """Completions per process in one micro-batch
@@ -280,8 +282,10 @@ class GRPOFields:
     warmup_steps: float = setting(0, "schedule", """Warm-up steps when >= 1 (takes precedence over warmup_ratio); a
         value in (0, 1) is a fraction of the run, as in transformers 5.""")
     optim: str = built("adamw_torch_fused", "saved_state", """The optimizer, by its transformers name:
-        adamw_torch_fused (TRL's default; one fused kernel updates all parameters, on a CPU or a GPU) or
-        adamw_torch. For any other optimizer, pass one to ``optimizers=``.""")
+        adamw_torch_fused (TRL's default; one fused kernel updates all parameters, on a CPU or a GPU) and adamw_torch
+        are torch's AdamW; any other name transformers knows (paged_adamw_8bit, adafactor, sgd, ...) is built as
+        transformers' Trainer builds it, with weight_decay on every trainable parameter (transformers leaves biases
+        and norm weights out). Or pass an optimizer to ``optimizers=``.""")
     weight_decay: float = setting(0.0, "optimizer", """AdamW weight decay.""")
     adam_beta1: float = setting(0.9, "optimizer", """AdamW beta1.""")
     adam_beta2: float = setting(0.999, "optimizer", """AdamW beta2.""")

@@ -27,6 +27,7 @@ import typing
 from pathlib import Path
 
 from grpo_lab import notices
+from grpo_lab.field_rules import FieldRule, rule_of, ruled
 
 ACCELERATE = ("processes, sharding and their back ends are set by accelerate: give them to `accelerate launch` "
               "(--config_file, --multi_gpu, --use_fsdp, ...), as README's \"many processes\" explains")
@@ -139,13 +140,12 @@ def trainer_argument_fields(declared: set[str]) -> list[tuple[str, object, datac
     for name, (annotation, default, help_text) in table.items():
         if name in declared:
             continue
-        metadata = {"change": "live", "help": f"{help_text} [grpo_lab: {_rule_text(name)}]".strip(),
-                    "trainer_argument": True}
+        metadata = {"help": f"{help_text} [grpo_lab: {_rule_text(name)}]".strip()}
         if isinstance(default, (list, dict)):
             made = dataclasses.field(default_factory=lambda value=default: copy.deepcopy(value), metadata=metadata)
         else:
             made = dataclasses.field(default=default, metadata=metadata)
-        fields.append((name, annotation, made))
+        fields.append((name, annotation, ruled(made, FieldRule("live", trainer_argument=True))))
     return fields
 
 
@@ -162,11 +162,32 @@ def training_arguments() -> dict[str, tuple[object, object, str]]:
         return _from_class()
 
 
-def _from_source() -> dict[str, tuple[object, object, str]]:
+@functools.cache
+def _source_class(name: str) -> list[ast.stmt]:
+    """The body of class ``name`` in the installed transformers' ``training_args.py``."""
     spec = importlib.util.find_spec("transformers")
-    source = Path(spec.submodule_search_locations[0], "training_args.py").read_text()
-    tree = ast.parse(source)
-    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TrainingArguments").body
+    tree = ast.parse(Path(spec.submodule_search_locations[0], "training_args.py").read_text())
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name).body
+
+
+@functools.cache
+def optimizer_names() -> tuple[str, ...]:
+    """The installed transformers' optimizer names (``OptimizerNames``, what ``optim`` takes in TRL),
+    read from its source as the fields are."""
+    try:
+        names = tuple(ast.literal_eval(statement.value) for statement in _source_class("OptimizerNames")
+                      if isinstance(statement, ast.Assign))
+    except (OSError, SyntaxError, ValueError, StopIteration):
+        names = ()
+    if not names:
+        from transformers.training_args import OptimizerNames
+
+        names = tuple(option.value for option in OptimizerNames)
+    return names
+
+
+def _from_source() -> dict[str, tuple[object, object, str]]:
+    body = _source_class("TrainingArguments")
     found = {}
     for statement in body:
         if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
@@ -254,15 +275,26 @@ def _rule_text(name: str) -> str:
     return f"accepted; no effect here ({INERT.get(name, GENERIC_REASON)})"
 
 
+_SPELLINGS = {
+    "include_num_input_tokens_seen": lambda value: ("all" if value else "no") if isinstance(value, bool) else value,
+    "debug": lambda value: " ".join(getattr(option, "value", option) for option in value or ())
+    if value is None or isinstance(value, list) else value,
+}
+"""transformers' other spellings of a value, read as its ``TrainingArguments.__post_init__`` reads them.
+``HfArgumentParser`` gives these fields another type than their default's: a command line that names
+neither gives ``include_num_input_tokens_seen=False`` (transformers' ``"no"``) and ``debug=None``
+(its ``""``)."""
+
+
 def check_trainer_arguments(config, defaults: dict) -> None:
     """Apply the rules to ``config``'s ``TrainingArguments`` fields (see the module's docstring)."""
-    added = [field.name for field in dataclasses.fields(config) if field.metadata.get("trainer_argument")]
+    added = [field.name for field in dataclasses.fields(config) if rule_of(field).trainer_argument]
     for name in added:
         value = getattr(config, name)
-        plain = value.value if isinstance(value, enum.Enum) else value
-        if isinstance(value, enum.Enum):  # transformers' IntervalStrategy and the like, as YAML stores them
+        plain = value.value if isinstance(value, enum.Enum) else _SPELLINGS.get(name, lambda given: given)(value)
+        if plain is not value:  # transformers' IntervalStrategy and the like, as YAML stores them
             object.__setattr__(config, name, plain)
-        if plain == defaults[name] or name in WITHOUT_EFFECT_IN_TRL:
+        if plain == defaults[name] or name in WITHOUT_EFFECT_IN_TRL or _without_dispatch(name, plain):
             continue
         if name in IMPLEMENTED:
             allowed = IMPLEMENTED[name]
@@ -311,3 +343,35 @@ def apply_activation_checkpointing(config) -> None:
             object.__setattr__(config, new, None)
 
 
+
+
+def _without_dispatch(name: str, value) -> bool:
+    """Whether ``value`` is an ``accelerator_config`` that differs from the default only in
+    ``dispatch_batches=False``: what :func:`record_stream_dispatch` sets, and what grpo_lab does."""
+    if name != "accelerator_config" or value is None:
+        return False
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    settings = value if isinstance(value, dict) else value.to_dict()
+    return {**AcceleratorConfig().to_dict(), "dispatch_batches": False} == {**AcceleratorConfig().to_dict(), **settings}
+
+
+def record_stream_dispatch(config, train_dataset, eval_dataset) -> None:
+    """TRL's rule for iterable (streamed) datasets: ``accelerator_config.dispatch_batches`` is set to
+    False (an ``AcceleratorConfig`` made where there is none), and True is refused with TRL's message.
+    grpo_lab never dispatches batches (each process draws its own prompts), so this only sets what a
+    TRL script reads back from ``trainer.args``."""
+    from datasets import IterableDataset
+
+    sets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if not any(isinstance(dataset, IterableDataset) for dataset in (train_dataset, *sets)):
+        return
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    current = config.accelerator_config
+    current = AcceleratorConfig(**(current or {})) if not isinstance(current, AcceleratorConfig) else current
+    if current.dispatch_batches:
+        raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                         "`accelerator_config`. Please set it to `False`.")
+    current.dispatch_batches = False
+    object.__setattr__(config, "accelerator_config", current)

@@ -33,6 +33,7 @@ from grpo_lab.engine_loss import LossStage
 from grpo_lab.engine_settings import LiveSettings
 from grpo_lab.metrics import generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.models import routes_to_experts
+from grpo_lab.optimizer import optimizer_for
 from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score_tokens
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rewards.preparation import weights_tensor
@@ -45,17 +46,17 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
     """Model, optimizer, data and reward functions, with one method per GRPO stage."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, peft_config=None, optimizers=(None, None),
-                 rollout_func=None, tools=None, environment_factory=None):
-        self.config = config = build.checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func,
-                                                    environment_factory)
+                 processing_class=None, reward_processing_classes=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        self.config = config = build.checked_config(model, args, train_dataset, eval_dataset, reward_funcs,
+                                                    rollout_func, environment_factory)
         self.accelerator = build.start_accelerator(config)
         self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
         self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
-        policy = build.load_policy(model, config, self.tokenizer)
+        policy = build.load_policy(model, config, self.tokenizer, quantization_config)
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
         self._context, self._prompt_tokens, self._prompt_tokens_source = build.check_prompts(
             policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,
@@ -67,12 +68,12 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.ref_model = build.reference_copy(policy, config, self.is_peft, self.accelerator.device)
         optimizer, scheduler = optimizers
         self.owns_optimizer, self.owns_scheduler = optimizer is None, scheduler is None
-        self.model, self.optimizer = self.accelerator.prepare(policy, build.adamw(policy, config) if optimizer is None
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer_for(policy, config) if optimizer is None
                                                               else optimizer)
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
-        self.eval_dataset = build.named_eval_dataset(eval_dataset)
+        self.given_eval_dataset, self.eval_dataset = eval_dataset, build.named_eval_dataset(eval_dataset)  # given; read
         self.tools, self.custom_rollout, self.environments, train_dataset = build.custom_rollout(
             rollout_func, tools, environment_factory, self.tokenizer, self.unwrapped_model, train_dataset, config,
             self.batching)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from grpo_lab import dist, notices, zero
 from grpo_lab.config import GRPOConfig
+from grpo_lab.config_trainer_args import record_stream_dispatch
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
     check_model_reference,
@@ -28,6 +29,7 @@ from grpo_lab.models import (
     load_tokenizer,
     prepare_tokenizer,
     router_aux_loss_weight,
+    with_quantization,
 )
 from grpo_lab.rewards import prepare_reward_funcs
 from grpo_lab.rewards.preparation import check_column_names, check_reward_weights
@@ -109,16 +111,18 @@ def eval_set_label(name: str | None) -> str:
     return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
 
 
-def checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func=None,
+def checked_config(model, args, train_dataset, eval_dataset, reward_funcs, rollout_func=None,
                    environment_factory=None) -> GRPOConfig:
-    """The run's config (``args``, or the defaults), once the datasets, the environment setup and the
-    reward weights are checked (an environment may supply the prompts, or all of train_dataset)."""
+    """The run's config (``args``, or the defaults with TRL's ``output_dir``, ``<model name>-GRPO``), once
+    the datasets, the environment setup and the reward weights are checked (an environment may supply
+    the prompts, or all of train_dataset)."""
     if args is not None and not isinstance(args, GRPOConfig):
         raise TypeError(
             f"args must be a grpo_lab GRPOConfig (got {type(args).__name__}). Build one with "
             "GRPOConfig(**settings), or GRPOConfig.from_dict(...) / from_yaml(...)."
         )
-    config = args if args is not None else GRPOConfig()
+    name = str(model) if isinstance(model, (str, os.PathLike)) else getattr(model.config, "_name_or_path", "")
+    config = args if args is not None else GRPOConfig(output_dir=f"{name.rstrip('/').split('/')[-1]}-GRPO")
     if environment_factory is not None:
         check_environment_setup(environment_factory, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                 rollout_func=rollout_func, max_steps=config.max_steps)
@@ -137,6 +141,7 @@ def checked_config(args, train_dataset, eval_dataset, reward_funcs, rollout_func
         check_column_names(dataset, eval_set_label(name))
     check_reward_weights(config.reward_weights, reward_funcs)
     log_setting_notes(config)  # every process, as TRL's are
+    record_stream_dispatch(config, train_dataset, eval_dataset)
     return config
 
 
@@ -172,10 +177,11 @@ def tokenizer_for(model, processing_class, config: GRPOConfig):
     return prepare_tokenizer(processing_class), name
 
 
-def load_policy(model, config: GRPOConfig, tokenizer):
-    """The model to train (loaded where ``model`` is a path), refused where the tokenizer has ids it
-    has no embeddings for."""
-    policy = load_causal_lm(model, config.model_kwargs())
+def load_policy(model, config: GRPOConfig, tokenizer, quantization_config=None):
+    """The model to train (loaded where ``model`` is a path, ``quantization_config`` merged in as TRL
+    does), refused where the tokenizer has ids it has no embeddings for."""
+    kwargs = with_quantization(model, config.model_kwargs(), quantization_config)
+    policy = load_causal_lm(model, kwargs)
     embeddings = policy.get_input_embeddings()
     if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
         raise ValueError(
@@ -218,19 +224,21 @@ def model_reference(model, name: str | None):
 
 def log_setting_notes(config: GRPOConfig) -> None:
     """The notes TRL logs at its trainer's start about loss types and importance-sampling levels
-    that depart from their papers' setups, logged the same way (grpo_lab's logger)."""
+    that depart from their papers' setups, logged the same way (grpo_lab's logger), each with TRL's
+    own phrase in it, which TRL's users and tests search for."""
     level, loss = config.importance_sampling_level, config.loss_type
     if loss == "luspo" and level != "sequence":
         notices.log_warning("loss_type='luspo' with importance_sampling_level='token': the LUSPO paper uses "
-                            "importance_sampling_level='sequence'.")
+                            "importance_sampling_level='sequence' (TRL: `importance_sampling_level` should be set "
+                            "to `'sequence'` to mirror the paper's setup).")
     if loss == "vespo" and level != "token":
-        notices.log_warning("loss_type='vespo' computes its sequence-level weights itself: leave "
+        notices.log_warning("loss_type='vespo': VESPO computes sequence-level importance weights internally; leave "
                             "importance_sampling_level at 'token' (the default).")
     if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
         notices.log_warning(
-            f"importance_sampling_level='sequence' with loss_type={loss!r}: this loss adds up token terms, so each "
-            "sequence counts in proportion to its length instead of once, unlike the GSPO paper's per-sequence "
-            "objective; loss_type='grpo' follows the paper."
+            f"importance_sampling_level='sequence' with loss_type={loss!r}: this loss adds up token terms, which "
+            "effectively weights each sequence by its completion length instead of counting it once, unlike the "
+            "GSPO paper's per-sequence objective; loss_type='grpo' follows the paper."
         )
 
 
@@ -312,18 +320,6 @@ def reference_copy(policy, config: GRPOConfig, is_peft: bool, device):
     if config.beta > 0 and not is_peft:
         return zero.whole_copy(policy).eval().requires_grad_(False).to(device)
     return None
-
-
-def adamw(policy, config: GRPOConfig) -> torch.optim.AdamW:
-    """The optimizer grpo_lab builds when none is given: AdamW over the trainable parameters."""
-    return torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=config.learning_rate,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_epsilon,
-        weight_decay=config.weight_decay,
-        fused=config.optim == "adamw_torch_fused",
-    )
 
 
 def custom_rollout(rollout_func, tools, environment_factory, tokenizer, model, train_dataset, config: GRPOConfig,

@@ -14,12 +14,13 @@ class LiveSettings:
 
     def apply_adamw_settings(self) -> None:
         """Apply the config's AdamW betas, epsilon and weight decay from the next optimizer step on
-        (to the optimizer grpo_lab built; one passed in ``optimizers=`` keeps its own)."""
+        (to the optimizer grpo_lab built, where it has them; one passed in ``optimizers=`` keeps its own)."""
         if self.owns_optimizer:
             config = self.config
-            for group in self.optimizer.param_groups:
-                group.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-                             weight_decay=config.weight_decay)
+            settings = {"betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_epsilon,
+                        "weight_decay": config.weight_decay}
+            for group in self.optimizer.param_groups:  # another optimizer than AdamW may take other settings
+                group.update({key: value for key, value in settings.items() if key in group})
 
     def _new_scheduler(self):
         """The learning-rate schedule of ``lr_scheduler_type`` over ``total_steps()``, at step 0."""

@@ -1,7 +1,7 @@
 """Editing a live session's config: which edits apply, how, and which are refused.
 
-Each ``GRPOConfig`` field declares its rule in its metadata (``change``, and for ``"build"`` fields
-``builds``; see :func:`grpo_lab.config.setting` and :func:`grpo_lab.config.built`). This module reads
+Each ``GRPOConfig`` field declares its rule (``change``, and for ``"build"`` fields ``builds``; see
+:func:`grpo_lab.config.setting`, :func:`grpo_lab.config.built` and :mod:`grpo_lab.field_rules`). This module reads
 those rules: :func:`apply_edits` checks and applies the edits made between two stages of a session,
 :func:`rebuilt_fields` the build-time values a saved session is loaded with. A new field picks one of
 :data:`CHANGE_KINDS`; a field with no rule or an unknown one fails :func:`change_rules` (and the tests).
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from grpo_lab.checkpoint import MODEL_DIR
 from grpo_lab.config import GRPOConfig
+from grpo_lab.field_rules import rule_of
 
 CHANGE_KINDS = {
     "live": "read by the stages that use it: an edit applies from the next stage",
@@ -29,7 +30,7 @@ CHANGE_KINDS = {
     "reference": "may rise above 0 only where the session has a reference model (kept at build, or a PEFT base)",
     "router": "checked against the model, which must return router logits for a non-zero weight",
 }
-"""When a field may change in a live session, as its metadata ``change`` names it."""
+"""When a field may change in a live session, as its rule's ``change`` names it."""
 
 BUILT_PARTS = {
     "model": "the model itself; a model given to load(model=) was built with the saved values",
@@ -37,17 +38,18 @@ BUILT_PARTS = {
     "saved_state": "what a saved run's random state, prompt order and optimizer state carry; a loaded run keeps it",
     "process": "the generation backend, precision, device or memory allocator; a loaded run may take new values",
 }
-"""What a ``"build"`` field builds, as its metadata ``builds`` names it: it decides what loading a saved
+"""What a ``"build"`` field builds, as its rule's ``builds`` names it: it decides what loading a saved
 session with a new value does."""
 
 
 @functools.cache
 def change_rules(config_class=GRPOConfig) -> dict[str, tuple[str, str | None]]:
-    """Field name -> ``(change, builds)`` from each field's metadata; a ValueError names a field that
+    """Field name -> ``(change, builds)`` from each field's rule; a ValueError names a field that
     declares no rule or an unknown one."""
     rules = {}
     for field in dataclasses.fields(config_class):
-        change, part = field.metadata.get("change"), field.metadata.get("builds")
+        rule = rule_of(field)
+        change, part = rule.change, rule.builds
         if change not in CHANGE_KINDS:
             raise ValueError(
                 f"{config_class.__name__}.{field.name} declares change={change!r}: declare one of "

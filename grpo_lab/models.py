@@ -121,6 +121,22 @@ def prepare_tokenizer(tokenizer):
     return tokenizer
 
 
+def with_quantization(model, model_init_kwargs: dict, quantization_config) -> dict:
+    """``model_init_kwargs`` for a policy given as a path, with the trainer's ``quantization_config``
+    merged in (TRL's rule: refused where ``model_init_kwargs`` has one too; ignored, with TRL's
+    warning, for a model given as an object)."""
+    if quantization_config is None:
+        return model_init_kwargs
+    if not isinstance(model, (str, os.PathLike)):
+        notices.log_warning("You passed `quantization_config` to the trainer, but your model is already instantiated. "
+                            "The `quantization_config` will be ignored.")
+        return model_init_kwargs
+    if "quantization_config" in model_init_kwargs:
+        raise ValueError("You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`. "
+                         "Please set it in only one place, preferably as a trainer argument.")
+    return {**model_init_kwargs, "quantization_config": quantization_config}
+
+
 def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedModel:
     """A causal LM from a path / hub id (with ``model_init_kwargs``) or the model itself (a
     ``PreTrainedModel``, or a PEFT model wrapping one)."""

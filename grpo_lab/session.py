@@ -50,18 +50,23 @@ class GRPOSession(SessionLoops, SessionFiles, SessionViews, SessionExperiments, 
         eval_dataset=None,
         processing_class=None,
         reward_processing_classes=None,
-        peft_config=None,
+        callbacks=None,
         optimizers=(None, None),
-        rollout_func=None,
+        quantization_config=None,
+        peft_config=None,
         tools=None,
+        rollout_func=None,
         environment_factory=None,
     ):
+        if callbacks:  # a transformers TrainerCallback's events (on_step_end, on_log, on_save, ...) are a loop's
+            raise TypeError("GRPOSession does not run transformers callbacks, whose events come from GRPOTrainer's "
+                            "loop: pass callbacks= to GRPOTrainer, or follow its steps with session.on(listener).")
         with RANDOM_STATE_LOCK:  # building seeds the process's generators: not while another session draws
             self.engine = Engine(
                 model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                 processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-                peft_config=peft_config, optimizers=optimizers, rollout_func=rollout_func, tools=tools,
-                environment_factory=environment_factory,
+                optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
+                tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
             )
         self.engine.rollout_owner = self
         self.config = self.engine.config

@@ -24,6 +24,7 @@ from grpo_lab.accel import release_freed_memory
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, resolved_eval_steps, steps_between
 from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
+from grpo_lab.model_card import write_training_files
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
 from grpo_lab.safe_write import check_writable, first_process, remove_partial_writes
@@ -36,7 +37,8 @@ from grpo_lab.trainer_results import TrainerResults
 
 
 class GRPOTrainer(TrainerEvaluation, TrainerResults):
-    """Train with GRPO from a script; same arguments as :class:`grpo_lab.GRPOSession`."""
+    """Train with GRPO from a script. The arguments are TRL 1.16's ``GRPOTrainer``'s, in its order, and
+    :class:`grpo_lab.GRPOSession`'s."""
 
     def __init__(
         self,
@@ -47,11 +49,12 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         eval_dataset=None,
         processing_class=None,
         reward_processing_classes=None,
-        peft_config=None,
-        optimizers=(None, None),
-        rollout_func=None,
-        tools=None,
         callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
         environment_factory=None,
     ):
         self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
@@ -60,8 +63,9 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             check_writable(Path(args.output_dir), "write the run's output to")
         self._resume_kwargs = dict(
             reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            reward_processing_classes=reward_processing_classes, optimizers=optimizers, rollout_func=rollout_func,
-            tools=tools, environment_factory=environment_factory,
+            reward_processing_classes=reward_processing_classes, optimizers=optimizers,
+            quantization_config=quantization_config, rollout_func=rollout_func, tools=tools,
+            environment_factory=environment_factory,
         )
         self.session = GRPOSession(model, args=args, processing_class=processing_class, peft_config=peft_config,
                                    **self._resume_kwargs)
@@ -312,6 +316,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         release_freed_memory()  # what the model and optimizer held
         accelerator.end_training()
 
+    def end(self) -> None:
+        """transformers' name (``Trainer.end``, which TRL's scripts call last): :meth:`close`."""
+        self.close()
+
     def _release_session(self):
         """Let go of the session before a checkpoint is loaded, so that its model, optimizer state and
         generation engine (vLLM) are freed rather than held beside the loaded ones. Returns the
@@ -358,7 +366,8 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                                    threshold=off_policy_threshold)
 
     def save_model(self, path: str | None = None, *, merged: bool = False) -> Path:
-        """Save the model in Hugging Face format, with its tokenizer.
+        """Save the model in Hugging Face format, with its tokenizer, ``training_args.bin`` (the config)
+        and a model card (``README.md``), as TRL's trainer leaves them.
 
         For a PEFT model the adapter alone is saved, or with ``merged=True`` a full model with the
         adapter merged into a copy of the weights (the training model is left as it is).
@@ -380,6 +389,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             saved = copy.deepcopy(model).merge_and_unload() if merge else model
             saved.save_pretrained(target, state_dict=state)
             self.session.tokenizer.save_pretrained(target)
+            write_training_files(target, self.args, engine.model_reference)
 
         on_main(self.accelerator, f"save the model to {target}", write)
         return target

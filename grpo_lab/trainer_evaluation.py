@@ -16,7 +16,7 @@ from transformers.trainer_utils import speed_metrics
 
 from grpo_lab.checkpoint import MODEL_DIR, load_saved_weights
 from grpo_lab.dist import on_main, sharding
-from grpo_lab.engine_build import eval_sets
+from grpo_lab.engine_build import eval_sets, named_eval_dataset
 
 DEFAULT_BEST_METRIC = "loss"
 """``metric_for_best_model`` when ``load_best_model_at_end`` is set without one, as transformers
@@ -38,7 +38,9 @@ class TrainerEvaluation:
 
     @property
     def eval_dataset(self):
-        return self.session.engine.eval_dataset
+        """The eval set(s) as given, as TRL's trainer shows them (the engine keeps a streamed set read
+        into a dataset once)."""
+        return self.session.engine.given_eval_dataset
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate the policy on ``eval_dataset`` (default: the trainer's; a dict of named sets is
@@ -47,8 +49,9 @@ class TrainerEvaluation:
         run the callbacks' ``on_evaluate``, and return them.
         ``ignore_keys`` is accepted for transformers' signature; nothing is ignored."""
         start = time.time()
-        metrics = self.session.evaluate(eval_dataset, metric_key_prefix=metric_key_prefix)
-        sets = eval_sets(self.eval_dataset if eval_dataset is None else eval_dataset).values()
+        chosen = self.session.engine.eval_dataset if eval_dataset is None else named_eval_dataset(eval_dataset)
+        metrics = self.session.evaluate(chosen, metric_key_prefix=metric_key_prefix)
+        sets = eval_sets(chosen).values()  # streams read into datasets: they have a length
         per_call = self.args.per_device_eval_batch_size * self.accelerator.num_processes
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=sum(len(d) for d in sets),
                                      num_steps=sum(math.ceil(len(d) / per_call) for d in sets)))

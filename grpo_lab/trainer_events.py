@@ -16,7 +16,7 @@ transformers' meaning:
 - the run's last row holds ``train_runtime``, ``train_samples_per_second``,
   ``train_steps_per_second``, ``total_flos`` (0: not counted), ``train_loss`` (the mean of the steps'
   ``loss`` in this call of ``train()``) and the step metrics of the steps not logged yet, as TRL's
-  does; ``TrainOutput.metrics`` is that row without ``total_flos``;
+  does; ``TrainOutput.metrics`` is that row (without ``step``), as transformers returns it;
 - with ``logging_nan_inf_filter`` (the default), a NaN or infinite loss is left out of ``loss``
   and ``train_loss``, as transformers leaves it out.
 
@@ -191,8 +191,8 @@ class TrainerEvents:
 
         As in TRL, the closing row holds the run's runtime, throughput and ``train_loss``, and the
         means of the steps logged since the last row (without the Trainer's own ``loss``,
-        ``grad_norm`` and ``learning_rate``); ``TrainOutput.metrics`` is that row without
-        ``total_flos``."""
+        ``grad_norm`` and ``learning_rate``); ``TrainOutput.metrics`` is that row without ``step``, as
+        transformers' ``Trainer.train`` returns the dict it logs."""
         train_loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
         logs = speed_metrics("train", self._started, num_samples=steps_run * samples_per_step, num_steps=steps_run)
         logs["total_flos"] = self.state.total_flos
@@ -203,5 +203,4 @@ class TrainerEvents:
         self.epoch_end()
         self.log(logs)
         self._call("on_train_end")
-        metrics = {k: v for k, v in logs.items() if k != "total_flos"}
-        return TrainOutput(self.state.global_step, train_loss, metrics)
+        return TrainOutput(self.state.global_step, train_loss, logs)

@@ -130,7 +130,8 @@ def test_default_config_builds_on_cpu_and_resolves_to_fp32():
         ({"reward_weights": [1.0, "a"]}, ValueError, ["reward_weights must be a list of numbers"]),
         ({"generation_kwargs": "{bad"}, ValueError, ["generation_kwargs is not valid JSON"]),
         ({"report_to": "tensorbord"}, ValueError, ["Did you mean 'tensorboard'"]),
-        ({"optim": "adamw_8bit"}, ValueError, ["optim='adamw_8bit'", "'adamw_torch_fused'", "optimizers="]),
+        ({"optim": "adamw_8bitt"}, ValueError, ["optim='adamw_8bitt'", "'adamw_torch_fused'", "optimizers=",
+                                               "Did you mean 'adamw_8bit'"]),
         ({"cache_implementation": "statc"}, ValueError, ["cache_implementation='statc'", "Did you mean 'static'"]),
         ({"cache_implementation": "static", "use_vllm": True}, ValueError, ["use_vllm=True",
                                                                             "cache_implementation=None"]),
@@ -373,3 +374,17 @@ def test_pad_to_multiple_of_takes_trls_spellings():
     for bad in (0, -8, "x", True, 2.5):
         with pytest.raises(ValueError, match="pad_to_multiple_of must be an int >= 1, None or 'auto'"):
             GRPOConfig(pad_to_multiple_of=bad)
+
+
+def test_objects_set_after_the_checks_are_stored_in_the_yaml_as_from_pretrained_reads_them(tmp_path):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    config = GRPOConfig()
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    config.model_init_kwargs = {"dtype": torch.bfloat16, "quantization_config": quantization}  # as TRL's gspo.py
+    config.to_yaml(tmp_path / "config.yaml")
+    loaded = GRPOConfig.from_yaml(tmp_path / "config.yaml")
+    assert loaded.model_init_kwargs["dtype"] == "bfloat16"
+    assert loaded.model_init_kwargs["quantization_config"] == quantization.to_dict()
+    assert BitsAndBytesConfig.from_dict(loaded.model_init_kwargs["quantization_config"]).load_in_4bit

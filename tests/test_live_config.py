@@ -5,17 +5,19 @@ import dataclasses
 import pytest
 
 from grpo_lab.config import GRPOConfig, built, setting
+from grpo_lab.field_rules import FieldRule, rule_of, ruled
 from grpo_lab.live_config import BUILT_PARTS, CHANGE_KINDS, apply_edits, change_rules, fields_of
 
 
 def test_every_config_field_declares_a_known_change_rule():
     for field in dataclasses.fields(GRPOConfig):
-        change = field.metadata.get("change")
-        assert change in CHANGE_KINDS, f"{field.name} declares change={change!r}"
-        if change == "build":
-            assert field.metadata.get("builds") in BUILT_PARTS, field.name
+        rule = rule_of(field)
+        assert rule.change in CHANGE_KINDS, f"{field.name} declares change={rule.change!r}"
+        if rule.change == "build":
+            assert rule.builds in BUILT_PARTS, field.name
         else:
-            assert "builds" not in field.metadata, field.name
+            assert rule.builds is None, field.name
+        assert set(field.metadata) <= {"help"}, field.name  # HfArgumentParser hands every key to argparse
     assert set(change_rules()) == {field.name for field in dataclasses.fields(GRPOConfig)}
 
 
@@ -31,7 +33,7 @@ class _UnknownRule:
 
 @dataclasses.dataclass
 class _BuildWithoutPart:
-    seed: int = dataclasses.field(default=0, metadata={"change": "build", "help": "A seed."})
+    seed: int = ruled(dataclasses.field(default=0, metadata={"help": "A seed."}), FieldRule("build"))
 
 
 @dataclasses.dataclass

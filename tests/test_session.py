@@ -10,6 +10,22 @@ from grpo_lab import ops
 from grpo_lab.session import StageOrderError
 
 
+def test_transformers_optimizer_names_build_transformers_optimizers(make_session):
+    """paged_adamw_8bit (bitsandbytes' AdamW8bit, not paged on a CPU) and sgd, as TRL builds them."""
+    import bitsandbytes
+
+    for optim, kind in (("paged_adamw_8bit", bitsandbytes.optim.AdamW), ("sgd", torch.optim.SGD)):
+        session = make_session(optim=optim, weight_decay=0.1)
+        optimizer = session.engine.optimizer.optimizer
+        assert isinstance(optimizer, kind) and optimizer.param_groups[0]["weight_decay"] == 0.1
+        before = [p.detach().clone() for p in session.model.parameters()]
+        session.step()
+        assert any(not torch.equal(a, b) for a, b in zip(before, session.model.parameters()))
+        session.config.adam_epsilon = 1e-6  # an AdamW setting sgd does not take is left out of its groups
+        session.step()
+        assert ("eps" in optimizer.param_groups[0]) is (optim != "sgd")
+
+
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
 def test_stages_return_numbers_that_match_an_independent_recomputation(make_session, task, optim):
     session = make_session(optim=optim)

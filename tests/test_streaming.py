@@ -57,11 +57,15 @@ def test_a_streamed_run_needs_max_steps(task, tmp_path):
 def test_a_streamed_trainer_resumes_at_the_stream_position(task, tmp_path):
     stream = task.train_dataset.select(range(32)).to_iterable_dataset()
     args = dict(max_steps=4, save_steps=2)
+    eval_stream = task.eval_dataset.select(range(4)).to_iterable_dataset()
     whole = GRPOTrainer(task.model, task.reward_funcs, args=_config(task, tmp_path / "whole", **args),
-                        train_dataset=stream, eval_dataset=task.eval_dataset.select(range(4)).to_iterable_dataset())
+                        train_dataset=stream, eval_dataset=eval_stream)
+    assert whole.eval_dataset is eval_stream  # as given, as TRL's trainer shows it
+    assert whole.args.accelerator_config.dispatch_batches is False  # TRL's setting for iterable datasets
     whole.train()
     assert not (tmp_path / "whole" / "checkpoint-2" / "train_dataset").exists()  # a stream is not stored
-    assert len(whole.eval_dataset) == 4  # an eval stream is read into a dataset once
+    metrics = whole.evaluate()  # read whole: it has a length for the throughput
+    assert metrics["eval_samples_per_second"] == pytest.approx(4 / metrics["eval_runtime"], rel=0.05)
     resumed = GRPOTrainer(task.model, task.reward_funcs, args=_config(task, tmp_path / "resumed", **args),
                           train_dataset=stream)
     resumed.train(resume_from_checkpoint=tmp_path / "whole" / "checkpoint-2")
@@ -89,3 +93,10 @@ def test_a_session_evaluates_a_stream_it_is_given(make_session, task):
     session = make_session()
     metrics = session.evaluate(task.eval_dataset.select(range(4)).to_iterable_dataset())
     assert "eval_reward" in metrics
+
+
+def test_dispatch_batches_true_with_a_stream_is_refused_with_trls_message(task, tmp_path):
+    config = _config(task, tmp_path)
+    config.accelerator_config = {"dispatch_batches": True}  # as a config built elsewhere may hold it
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset.to_iterable_dataset())

@@ -51,7 +51,7 @@ def test_log_history_rows_are_trls_window_means_and_train_returns_a_train_output
     assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"} <= set(closing)
     assert isinstance(out, TrainOutput) and out.global_step == 5
     assert out.training_loss == pytest.approx(train_loss, rel=1e-12, abs=1e-15)
-    assert out.metrics == {k: v for k, v in closing.items() if k not in ("step", "total_flos")}
+    assert out.metrics == {k: v for k, v in closing.items() if k != "step"}  # total_flos included, as TRL's
     assert (trainer.state.global_step, trainer.state.max_steps) == (5, 5)
     assert trainer.state.is_world_process_zero
 
@@ -148,7 +148,8 @@ def test_log_history_has_trls_keys_on_the_same_run(task, tmp_path):
     settings = {k: v for k, v in {**DEMO_CONFIG, **SMALL, "max_steps": 3, "logging_steps": 2}.items()
                 if k != "warmup_ratio"}
     theirs = TRLTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset, args=TRLConfig(
-        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, **settings))
+        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, save_strategy="no", **settings))
+    # (with disable_tqdm, transformers' PrinterCallback pops total_flos from the metrics it prints and returns)
     trl_out = theirs.train()
     ours = _trainer(task, tmp_path / "ours", max_steps=3, logging_steps=2)
     out = ours.train()
@@ -233,3 +234,91 @@ def test_events_inside_a_step_and_epoch_events_come_as_transformers_sends_them(t
         ("epoch_begin", 0), *step(1, True), *step(2, False), ("epoch_end", 2),
         ("epoch_begin", 2), *step(3, False), ("epoch_end", 3),
     ]
+
+
+def test_the_trainer_and_the_session_take_trls_arguments_in_trls_order():
+    import inspect
+
+    import trl
+
+    from grpo_lab import GRPOSession
+
+    theirs = [(name, p.kind, p.default) for name, p in inspect.signature(trl.GRPOTrainer).parameters.items()]
+    for ours in (GRPOTrainer, GRPOSession):
+        assert [(name, p.kind, p.default) for name, p in inspect.signature(ours).parameters.items()] == theirs
+    # a positional call binds the same names: TRL's order after reward_processing_classes included
+    values = [f"value {i}" for i in range(len(theirs))]
+    assert (inspect.signature(GRPOTrainer).bind(*values).arguments
+            == inspect.signature(trl.GRPOTrainer).bind(*values).arguments)
+    assert inspect.signature(GRPOTrainer).bind(*values).arguments["quantization_config"] == "value 9"
+
+
+def test_a_session_refuses_callbacks_and_names_where_they_go(task):
+    from grpo_lab import GRPOSession
+
+    with pytest.raises(TypeError, match="pass callbacks= to GRPOTrainer, or follow .* session.on"):
+        GRPOSession(task.model, task.reward_funcs, callbacks=[TrainerCallback()], train_dataset=task.train_dataset)
+
+
+def _four_bit():
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="float32")
+
+
+def test_quantization_config_loads_the_policy_quantized_as_trls_argument(task, tmp_path, caplog):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "model_init_kwargs": {"device_map": "cpu"}})
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(task.model, task.reward_funcs, config, task.train_dataset, None, None, None, None,
+                          (None, None), _four_bit(), lora)  # positionally, in TRL's order
+    assert any(type(module).__name__ == "Linear4bit" for module in trainer.model.modules())
+    assert config.model_init_kwargs == {"device_map": "cpu"}  # merged into a copy, as TRL does
+
+    both = task.config(**{**SMALL, "output_dir": str(tmp_path),
+                          "model_init_kwargs": {"quantization_config": _four_bit()}})
+    with pytest.raises(ValueError, match="`quantization_config` both as a trainer argument and in "
+                                         "`args.model_init_kwargs`"):
+        GRPOTrainer(task.model, task.reward_funcs, args=both, train_dataset=task.train_dataset,
+                    quantization_config=_four_bit())
+
+    loaded = AutoModelForCausalLM.from_pretrained(task.model)
+    with caplog.at_level("WARNING", logger="grpo_lab"):
+        trainer = GRPOTrainer(loaded, task.reward_funcs, args=task.config(**{**SMALL, "output_dir": str(tmp_path)}),
+                              train_dataset=task.train_dataset, quantization_config=_four_bit())
+    assert "your model is already instantiated. The `quantization_config` will be ignored." in caplog.text
+    assert not any(type(module).__name__ == "Linear4bit" for module in trainer.model.modules())
+
+
+def test_output_dir_defaults_are_trls(task, tmp_path, monkeypatch):
+    from grpo_lab import GRPOConfig
+
+    assert GRPOConfig().output_dir == "trainer_output"
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset)  # no args: TRL's name
+    assert trainer.args.output_dir == "tiny_model-GRPO" and trainer.output_dir.name == "tiny_model-GRPO"
+
+
+def test_a_dtype_object_assigned_to_model_init_kwargs_trains_and_checkpoints(task, tmp_path):
+    import torch
+
+    from grpo_lab import GRPOConfig
+
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path), "max_steps": 1, "disable_tqdm": True})
+    config.model_init_kwargs = {"dtype": torch.float32}  # after the config is built, as TRL's gspo.py does
+    GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset).train()
+    assert GRPOConfig.from_yaml(tmp_path / "checkpoint-1" / "config.yaml").model_init_kwargs == {"dtype": "float32"}
+
+
+def test_save_model_writes_trls_training_args_and_model_card(task, tmp_path):
+    import torch
+
+    trainer = _trainer(task, tmp_path, max_steps=1)
+    target = trainer.save_model(tmp_path / "saved")
+    args = torch.load(target / "training_args.bin", weights_only=False)  # as transformers' Trainer pickles it
+    assert args.to_dict() == trainer.args.to_dict()
+    card = (target / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n") and "GRPO" in card
+    assert "base_model" not in card  # a local folder is not named as a hub model, as in TRL

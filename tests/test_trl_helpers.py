@@ -96,7 +96,12 @@ def test_trls_notes_on_loss_and_sampling_level_go_to_the_logger(caplog):
         log_setting_notes(GRPOConfig(importance_sampling_level="sequence", loss_type="dapo"))
         log_setting_notes(GRPOConfig(loss_type="luspo"))
         log_setting_notes(GRPOConfig(importance_sampling_level="sequence", loss_type="grpo"))  # the paper's setup
+        log_setting_notes(GRPOConfig(importance_sampling_level="sequence", loss_type="vespo"))
     messages = [record.getMessage() for record in caplog.records if record.name == "grpo_lab"]
-    assert len(messages) == 2
+    assert len(messages) == 3
     assert messages[0].startswith("importance_sampling_level='sequence' with loss_type='dapo'")
     assert messages[1].startswith("loss_type='luspo' with importance_sampling_level='token'")
+    # with the phrases of TRL's own warnings, which its users and tests search for
+    assert "weights each sequence by its completion length" in messages[0]
+    assert "should be set to `'sequence'` to mirror the paper's setup" in messages[1]
+    assert "VESPO computes sequence-level importance weights internally" in messages[2]

@@ -1,6 +1,8 @@
 """TRL scripts run by changing the import: the scripts in ``examples/trl_scripts`` run as written
 with grpo_lab and, with the import switched back, with TRL 1.16; their ``trainer.state.log_history``
-rows have TRL's keys. And GRPOTrainer trains small random models of the architectures TRL's own
+rows have TRL's keys. TRL's own GRPO script (``trl/scripts/grpo.py`` of the installed TRL, copied at
+test time) runs with its import changed, and so does a ``TrlParser`` launch script with a YAML config.
+And GRPOTrainer trains small random models of the architectures TRL's own
 tests use."""
 
 import json
@@ -122,3 +124,61 @@ def test_small_random_models_of_trls_test_architectures_train(task, tmp_path, na
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
         if row["frac_reward_zero_std"] < 1:  # some group's completions differ in reward: there is a gradient
             assert row["grad_norm"] > 0
+
+
+def _launch(script: Path, cwd: Path, *arguments: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    return subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=cwd)
+
+
+def test_the_trl_parser_launch_script_trains_from_its_yaml_config_and_lists_the_fields_in_help(task, tmp_path):
+    from grpo_lab import GRPOConfig
+
+    shown = _launch(SCRIPTS / "grpo.py", tmp_path, "--help")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    text = " ".join(shown.stdout.split())
+    for name in ("beta", "loss_type", "share_prompt_prefix", "model_name_or_path", "reward_funcs"):
+        assert f"--{name}" in text
+    assert " ".join(GRPOConfig.field_help("loss_type").split()[:12]) in text
+    done = _launch(SCRIPTS / "grpo.py", tmp_path, "--config", str(SCRIPTS / "grpo.yaml"),
+                   "--model_name_or_path", task.model, "--output_dir", str(tmp_path / "out"), "--num_generations", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]  # max_steps from the YAML file
+    assert "rewards/format_reward/mean" in rows[0]  # its reward_funcs
+    saved = GRPOConfig.from_yaml(tmp_path / "out" / "checkpoint-2" / "config.yaml")
+    assert (saved.num_generations, saved.learning_rate) == (2, 1e-4)  # the command line over the file
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_trls_own_grpo_script_runs_with_the_import_changed(task, tmp_path):
+    """TRL 1.16's ``trl/scripts/grpo.py`` (``trl grpo``), copied from the installed package with its
+    two imports of GRPOConfig and GRPOTrainer taken from grpo_lab, on a local copy of the task's data."""
+    import trl.scripts.grpo
+
+    text = Path(trl.scripts.grpo.__file__).read_text()
+    changes = {
+        "    from trl import GRPOTrainer, get_dataset,":
+            "    from grpo_lab import GRPOTrainer\n    from trl import get_dataset,",
+        "    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser":
+            "    from grpo_lab import GRPOConfig\n    from trl import DatasetMixtureConfig, ModelConfig, TrlParser",
+    }
+    for old, new in changes.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    script = tmp_path / "trl_grpo.py"
+    script.write_text(text)
+    data = tmp_path / "data"
+    task.train_dataset.select(range(16)).to_json(data / "train.jsonl")
+    task.eval_dataset.select(range(4)).to_json(data / "test.jsonl")
+    done = _launch(script, tmp_path, "--model_name_or_path", task.model, "--dataset_name", str(data),
+                   "--reward_funcs", "grpo_lab.tasks.addition.correctness_reward",
+                   "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "8",
+                   "--num_generations", "4",
+                   "--max_completion_length", "8", "--gradient_checkpointing", "false", "--report_to", "none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Training completed" in done.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and "rewards/correctness_reward/mean" in rows[0]
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -226,8 +226,8 @@ def score_completions(
     if all_none.any():
         first = int(all_none.nonzero()[0])
         notices.log_warning(
-            f"All reward functions returned None for {int(all_none.sum())} completion(s) of this batch, e.g. "
-            f"{_sample_preview(kwargs, first)}. Check that at least one reward function returns a number for "
-            "every sample."
+            f"All reward functions returned None for the following kwargs: {_sample_preview(kwargs, first)} "
+            f"({int(all_none.sum())} completion(s) of this batch). Check that at least one reward function returns "
+            "a number for every sample."
         )
     return rewards_BF, logs
