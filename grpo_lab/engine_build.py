@@ -217,9 +217,9 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
 
 
 def model_reference(model, name: str | None):
-    """How the run names its model (``export`` writes it): ``model`` as a string, or the ``name`` of a
-    transformers model object."""
-    return str(model) if not isinstance(model, PreTrainedModel) else name
+    """How the run names its model (``export`` and the model card write it): ``model`` where it is a path
+    or hub id, else the ``name`` of the model object (a PEFT model's is its base model's)."""
+    return str(model) if isinstance(model, (str, os.PathLike)) else name
 
 
 def log_setting_notes(config: GRPOConfig) -> None:

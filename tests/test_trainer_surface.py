@@ -322,3 +322,19 @@ def test_save_model_writes_trls_training_args_and_model_card(task, tmp_path):
     card = (target / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n") and "GRPO" in card
     assert "base_model" not in card  # a local folder is not named as a hub model, as in TRL
+
+
+def test_a_run_names_a_model_object_by_its_name_and_a_path_as_given(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo_lab.engine_build import model_reference
+
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+    adapted = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    # a PEFT model (what a resumed LoRA run is built from) is an object, not a path: never its repr
+    assert model_reference(adapted, "tiny_model") == "tiny_model"
+    assert model_reference(base, "tiny_model") == "tiny_model"
+    assert model_reference(tmp_path / "model", "ignored") == str(tmp_path / "model")
+    assert model_reference("org/model", None) == "org/model"

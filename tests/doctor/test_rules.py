@@ -82,6 +82,11 @@ def test_the_memory_forecast_warns_only_past_what_is_available():
 
 
 def test_the_memory_watch_measures_an_allocation_on_the_cpu():
+    from grpo_lab.accel import release_freed_memory
+
+    # a session built earlier in this process keeps freed memory for reuse (keep_freed_cpu_memory), from
+    # which the block could be served without the process growing: hand it back first
+    release_freed_memory()
     with memory.MemoryWatch(torch.device("cpu")) as watch:
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
         watch.sample()
