@@ -41,7 +41,8 @@ def _two_machines(tmp_path: Path, *args: str) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # one torch thread a process, as the one-machine record ran (torchrun sets it only for several processes a node)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     machines = [
         subprocess.Popen(
             [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--num_processes", "2",
@@ -60,12 +61,13 @@ def _one_machine_two_processes(tmp_path: Path) -> dict:
     """The same run on one machine, two processes: the golden run ``trainer_2proc`` (this script without its
     checkpoints, which leave a run as it was) as recorded, where it was recorded on a machine like this one
     (test_golden.py checks that it reproduces); else run here."""
-    recorded = json.loads((runs.HERE / "trainer_2proc.json").read_text())
-    if recorded["machine"] == runs.machine():
+    recorded = runs.recorded("trainer_2proc", threads=1)  # the launched processes run one thread each
+    if recorded is not None:
         return recorded
     one_machine = launch_two("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no")
     done = subprocess.run([*one_machine, "run.py", str(tmp_path / "one"), str(tmp_path / "one.json")], cwd=tmp_path,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((tmp_path / "one.json").read_text())

@@ -1,13 +1,16 @@
 """Golden runs: fixed training runs whose full history and final weights are kept as test data, so
 that a change meant to leave behaviour alone (a restructure) can be checked bit for bit.
 
-    python -m tests.golden.runs record   # rewrites tests/golden/*.json (only for an intended change)
+    python -m tests.golden.runs record   # records this machine's runs (only for an intended change)
 
 Three runs: 20 session steps of the embedded task with its defaults; 20 with LoRA, beta 0.04,
 num_iterations 2, loss_type "cispo" (epsilon_high 5) and gradient accumulation 2; and 6 trainer steps on 2
 processes. Each record holds the history (step times left out), a SHA-256 of the final trainable
 weights, and the machine facts that decide the floating-point results (torch version, CPU
-capability, thread count).
+capability, thread count, and the CPU itself: two CPUs with the same instruction set can still round
+differently). A run's file keeps one record per kind of machine it was recorded on; ``record``
+replaces this machine's and keeps the others. A record without the CPU fact was made before CPUs
+were told apart: it stands for the machines with its other facts that have no record of their own.
 """
 
 from __future__ import annotations
@@ -45,11 +48,46 @@ trainer.close()  # as a script should: see GRPOTrainer.close
 """
 
 
+def cpu() -> str:
+    """The CPU, as /proc/cpuinfo names it (vendor, family, model, stepping and name), or as Python's
+    platform module does elsewhere."""
+    import platform
+
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.processor() or platform.machine()
+    facts = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    facts = {key.strip(): value.strip() for key, value in facts.items()}
+    return " / ".join(facts.get(key, "?") for key in ("vendor_id", "cpu family", "model", "stepping", "model name"))
+
+
 def machine() -> dict:
     import torch
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cpu": cpu()}
+
+
+def records(name: str) -> list[dict]:
+    """The records of run ``name``, one per kind of machine."""
+    kept = json.loads((HERE / f"{name}.json").read_text())
+    return kept["records"] if "records" in kept else [kept]  # a file of one record, as first written
+
+
+def recorded(name: str, threads: int | None = None) -> dict | None:
+    """The record of run ``name`` made on a machine like this one (with ``threads`` torch threads: by
+    default this process's), or None. A record without the CPU fact stands for the machines with its
+    other facts where no record names the CPU (see the module docstring)."""
+    here = machine()
+    if threads is not None:
+        here["threads"] = threads
+    kept = records(name)
+    exact = [record for record in kept if record["machine"] == here]
+    if exact:
+        return exact[0]
+    without_cpu = {key: value for key, value in here.items() if key != "cpu"}
+    return next((record for record in kept if record["machine"] == without_cpu), None)
 
 
 def weights_digest(model) -> str:
@@ -108,10 +146,17 @@ NAMES = (*SESSION_RUNS, "trainer_2proc")
 
 
 def record() -> None:
+    """Record every run on this machine, at one thread (a test worker's), in place of this machine's
+    earlier record."""
+    import torch
+
+    torch.set_num_threads(1)
     for name in NAMES:
         with tempfile.TemporaryDirectory() as scratch:
-            (HERE / f"{name}.json").write_text(json.dumps(run(name, scratch), indent=1) + "\n")
-        print("recorded", name)
+            new = run(name, scratch)
+        kept = [old for old in records(name) if old["machine"] != new["machine"]]
+        (HERE / f"{name}.json").write_text(json.dumps({"records": [*kept, new]}, indent=1) + "\n")
+        print("recorded", name, "on", new["machine"])
 
 
 if __name__ == "__main__":

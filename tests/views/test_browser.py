@@ -29,6 +29,19 @@ session = GRPOSession(task.model, task.reward_funcs, train_dataset=task.train_da
                       args=task.config(per_device_train_batch_size=8, num_generations=4, max_steps=100,
                                        output_dir="outputs/browser"))"""
 
+
+def slow_setup(seconds: float, max_steps: int = 100) -> str:
+    """SETUP with a third reward function that takes ``seconds``, as a verifier may: a step then lasts
+    longer than a page sharing the cores with other tests needs to see it (the shipped model alone
+    steps in about 0.1 s)."""
+    setup = SETUP.replace("max_steps=100", f"max_steps={max_steps}").replace(
+        "session = GRPOSession(task.model, task.reward_funcs,",
+        f"import time\n\n\ndef waits(completions, **kwargs):\n    time.sleep({seconds})\n"
+        "    return [0.0] * len(completions)\n\n\nsession = GRPOSession(task.model, [*task.reward_funcs, waits],")
+    assert "waits]" in setup
+    return setup
+
+
 # What a drawn curves plot shows, read from the page: the plot of dashboard ``i`` in page order.
 FACTS = """(i) => {
   const gd = [...document.querySelectorAll('.grpo-curves-plot .js-plotly-plot')][i];
@@ -114,8 +127,8 @@ def controls_text(page, dashboard: int = 0) -> str:
 
 
 def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_runs(jupyter, chromium, workdir):
-    lab.write_notebook(workdir / "steps.ipynb", [
-        SETUP, "session.show()", "session.step()", "session.run(3)", "session.show()", "session.run(3)",
+    lab.write_notebook(workdir / "steps.ipynb", [  # run(3) lasts long enough to press Step while it runs
+        slow_setup(0.3), "session.show()", "session.step()", "session.run(3)", "session.show()", "session.run(3)",
         "print('global step', session.global_step)", "session.evaluate(task.eval_dataset)['eval_reward']",
     ])
     with lab.new_page(chromium, height=2400) as page:
@@ -132,11 +145,11 @@ def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_r
         wait_reward_points(page, 4, dashboard=1)
 
         lab.run_cell(page, 5, wait=False)  # run(3) in a cell; the user presses Step meanwhile
-        page.wait_for_function(
+        page.wait_for_function(  # both dashboards say so at once: Step is off and the controls say what runs
             "() => [...document.querySelectorAll('.grpo-dashboard')].every(d => [...d.querySelectorAll('button')]"
-            ".some(b => b.textContent.trim() === 'Step' && b.disabled))", timeout=60_000,
+            ".some(b => b.textContent.trim() === 'Step' && b.disabled)"
+            " && /running/i.test(d.querySelector('.grpo-controls').innerText))", timeout=60_000,
         )
-        assert re.search(r"running", controls_text(page), re.I), controls_text(page)
         step_button(page).click(force=True)
         deadline = time.time() + 120
         while not lab.cell_done(page, 5):
@@ -159,14 +172,9 @@ def test_fresh_kernel_cell_by_cell_a_second_show_and_step_pressed_while_a_cell_r
 
 def test_a_reload_mid_run_is_live_again_within_two_updates_from_run_n_and_from_a_cell_arun(jupyter, chromium,
                                                                                              workdir):
-    # Runs far longer than a reload can take, ended by the dashboard's Stop. A reward that takes 0.3 s, as a
-    # verifier may, makes a step last longer than the page needs to draw one (the shipped model alone steps
-    # in about 0.1 s, which a browser sharing the cores with other tests cannot follow update by update).
-    setup = SETUP.replace("max_steps=100", "max_steps=2000").replace(
-        "session = GRPOSession(task.model, task.reward_funcs,",
-        "import time\n\n\ndef waits(completions, **kwargs):\n    time.sleep(0.3)\n    return [0.0] * len(completions)"
-        "\n\n\nsession = GRPOSession(task.model, [*task.reward_funcs, waits],")
-    assert "waits]" in setup
+    # Runs far longer than a reload can take, ended by the dashboard's Stop; each step lasts longer than the
+    # page needs to draw one.
+    setup = slow_setup(0.3, max_steps=2000)
     lab.write_notebook(workdir / "reload.ipynb", [setup, "session.show()", "await session.arun(1000)"])
     with lab.new_page(chromium, height=2400) as page:
         lab.open_notebook(page, jupyter, workdir / "reload.ipynb")
