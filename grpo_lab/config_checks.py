@@ -20,7 +20,10 @@ from grpo_lab.config_args import normalise
 from grpo_lab.config_trainer_args import check_trainer_arguments, optimizer_names
 from grpo_lab.doctor.thresholds import check_config as check_doctor_thresholds
 from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high, loss_spec
-from grpo_lab.reporting import SUPPORTED_REPORTERS
+
+SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
+"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl`` (:mod:`grpo_lab.reporting`):
+every tracker GRPOConfig accepts in ``report_to``."""
 
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")

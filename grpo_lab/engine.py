@@ -5,7 +5,8 @@ both drive this class, stage by stage, in the same order: ``generate`` -> ``scor
 ``advantages`` -> ``loss`` -> ``update``. The math lives in :mod:`grpo_lab.ops`; the engine wires it
 to models, data, reward functions and processes. Its parts are built by :mod:`grpo_lab.engine_build`;
 the longer stages live beside it (:mod:`grpo_lab.engine_generation`, :mod:`grpo_lab.engine_loss`,
-:mod:`grpo_lab.engine_evaluation`), as do the live config edits (:mod:`grpo_lab.engine_settings`).
+:mod:`grpo_lab.engine_evaluation`). The optimizer, its schedule and the entropy weight are its
+``optimization`` part (:mod:`grpo_lab.optimization`), which the live config edits change.
 
 Batch bookkeeping follows TRL: one generation batch holds ``steps_per_generation`` micro-batches of
 ``per_device_train_batch_size`` completions per process; an optimizer step consumes
@@ -17,6 +18,8 @@ well defined), and micro-batches are taken in order rather than shuffled.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 from collections.abc import Callable
 
@@ -30,19 +33,19 @@ from grpo_lab.config import GRPOConfig
 from grpo_lab.engine_evaluation import EvaluationStage
 from grpo_lab.engine_generation import GenerationStage
 from grpo_lab.engine_loss import LossStage
-from grpo_lab.engine_settings import LiveSettings
 from grpo_lab.metrics import generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.models import routes_to_experts
-from grpo_lab.optimizer import optimizer_for
+from grpo_lab.optimization import Optimization, optimizer_for
 from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score_tokens
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rewards.preparation import weights_tensor
 from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts
+from grpo_lab.state import engine_counters, load_engine_counters, rng_state, set_rng_state
 from grpo_lab.types import Advantages, Rollout, Scores
 from grpo_lab.stream_sampler import StreamSampler, first_row
 
 
-class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
+class Engine(GenerationStage, LossStage, EvaluationStage):
     """Model, optimizer, data and reward functions, with one method per GRPO stage."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
@@ -66,10 +69,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, self.tokenizer, config)
         policy, self.is_peft = build.adapt_policy(policy, config, peft_config, self.accelerator)
         self.ref_model = build.reference_copy(policy, config, self.is_peft, self.accelerator.device)
-        optimizer, scheduler = optimizers
-        self.owns_optimizer, self.owns_scheduler = optimizer is None, scheduler is None
-        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer_for(policy, config) if optimizer is None
-                                                              else optimizer)
+        given_optimizer, scheduler = optimizers
+        self.model, optimizer = self.accelerator.prepare(
+            policy, optimizer_for(policy, config) if given_optimizer is None else given_optimizer)
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
@@ -84,18 +86,14 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         self.sampler = build.prompt_sampler(config, self.batching, train_dataset)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         self.steps_per_batch = config.num_iterations * spg // ga
-        self.scheduler = self._new_scheduler() if scheduler is None else scheduler
+        self.optimization = Optimization(optimizer, scheduler, config, self.total_steps(),
+                                         owns_optimizer=given_optimizer is None)
         self.reward_funcs, self.reward_processing_classes, self.reward_names = build.reward_functions(
             reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device,
             self.environments)
         self.global_step = self.num_input_tokens_seen = 0
         self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
         self._routes_to_experts = routes_to_experts(self.unwrapped_model)
-        # The entropy bonus's weight, and the last optimizer step's mean token entropy, which the
-        # adaptive weight (use_adaptive_entropy) follows; both are checkpointed.
-        self.entropy_coef = config.entropy_coef
-        self.last_step_entropy: float | None = None
-        self._pending_step_entropy: float | None = None
         self.rollout_backend = build.rollout_backend(
             config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
             vllm_model=vllm_model, lora_rank=build.lora_rank(peft_config, self.is_peft, self.unwrapped_model),
@@ -106,12 +104,59 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
                                  main_process=self.accelerator.is_main_process)
 
+    @property
+    def optimizer(self):
+        """The optimizer (``optimization.optimizer``)."""
+        return self.optimization.optimizer
+
+    @property
+    def scheduler(self):
+        """The learning-rate schedule (``optimization.scheduler``)."""
+        return self.optimization.scheduler
+
     def close(self) -> None:
         """Release the generation backend (a vLLM engine holds memory until then), and return the
         free memory that ``keep_freed_cpu_memory`` kept to the kernel."""
         self.rollout_backend.close()
         self._remove_model_copy()
         release_freed_memory()
+
+    @contextlib.contextmanager
+    def scratch(self, config: GRPOConfig | None = None):
+        """Run a block of stages short of ``update()`` (a what-if, the doctor's probe) with ``config``
+        as the engine's (None: its own), then put back everything the stages change: the random
+        states, the schedule, sampler position and counters (:func:`grpo_lab.state.engine_counters`),
+        every parameter's gradient (the very tensors: a pending ``loss()`` keeps its gradients), which
+        parameters a backward reaches, the entropy the adaptive weight holds, the published weight
+        version and the training callbacks' hook (off inside, so that callbacks see no scratch
+        micro-batch). Environments drawn inside are fresh instances; the run's pool and its batch's
+        instances come back after. The weights and the optimizer are not copied: nothing short of
+        ``update()`` steps them, and a block that steps them puts them back itself."""
+        parameters = list(self.model.parameters())
+        saved_config, counters, entropy = self.config, copy.deepcopy(engine_counters(self)), self.optimization.entropy
+        saved = (rng_state(), [p.grad for p in parameters], self.step_events, self.trained_parameter_names,
+                 entropy.pending_step_entropy, self.published_version)
+        self.step_events = None
+        if config is not None:
+            self.config = config
+            if config.entropy_coef != saved_config.entropy_coef:  # an adaptive weight keeps its own otherwise
+                entropy.coef = config.entropy_coef
+        environments = self.environments
+        pool = None if environments is None else (environments.pool, environments.batch)
+        if environments is not None:
+            environments.pool = {name: [] for name in pool[0]}  # every instance drawn inside is built new
+        try:
+            yield
+        finally:
+            random, grads, self.step_events, trained, entropy.pending_step_entropy, self.published_version = saved
+            self.config = saved_config
+            if environments is not None:
+                environments.pool, environments.batch = pool
+            load_engine_counters(self, counters)
+            self.trained_parameter_names = trained
+            for parameter, grad in zip(parameters, grads):
+                parameter.grad = grad
+            set_rng_state(random)
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:
@@ -179,7 +224,9 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         return scores
 
     @torch.no_grad()
-    def _batched_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+    def batch_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        """Per-token log-probs ``(B, T)`` of every completion of ``rollout`` under ``model``, without
+        gradients, in micro-batches of ``per_device_train_batch_size``."""
         size = self.config.per_device_train_batch_size
         parts = []
         for start in range(0, len(rollout), size):
@@ -202,6 +249,11 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
         if names is None:  # a stream without declared features: its first row's keys
             names = list(first_row(self.train_dataset))
         return [name for name in names if name != "prompt"] + ["environments"] * (self.environments is not None)
+
+    def counted_prompt_tokens(self) -> list[int] | None:
+        """The token count of every training prompt, as counted when the engine was built (None where
+        the dataset was too large to count then, or has been swapped since)."""
+        return self._prompt_tokens if self._prompt_tokens_source is self.train_dataset else None
 
     def _train_rows(self, indices: list[int]) -> dict[str, list]:
         """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
@@ -252,11 +304,11 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
 
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
-            logprobs = self._batched_logprobs(self.ref_model, rollout)
+            logprobs = self.batch_logprobs(self.ref_model, rollout)
             dist.reshard(self.ref_model)  # FSDP: back to its shards, as TR-DPO mixing and memory want
             return logprobs
         with self.unwrapped_model.disable_adapter():  # PEFT: the base model is the reference
-            return self._batched_logprobs(self.model, rollout)
+            return self.batch_logprobs(self.model, rollout)
 
     def score(self, rollout: Rollout) -> Scores:
         """Call every reward function on the completions (TRL's keyword-argument convention)."""
@@ -322,12 +374,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage, LiveSettings):
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        if config.use_adaptive_entropy and self._pending_step_entropy is not None:
-            self.entropy_coef = ops.adapt_entropy_coef(
-                self.entropy_coef, self._pending_step_entropy, target=config.entropy_target,
-                delta=config.entropy_coef_delta, coef_min=config.entropy_coef_min, coef_max=config.entropy_coef_max,
-            )
-            self.last_step_entropy, self._pending_step_entropy = self._pending_step_entropy, None
+        self.optimization.entropy.after_step(config)
         if config.sync_ref_model and self.ref_model is not None and self.global_step % config.ref_model_sync_steps == 0:
             self._mix_reference()
         return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}

@@ -151,7 +151,8 @@ class EvaluationStage:
             out = ops.policy_loss(
                 logprobs_BT, None, advantages_B.to(device), mask_BT, settings=settings,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT.to(device), num_items_in_batch=normalizer,
-                entropy_mask_BT=entropy_mask_BT, entropies_BT=entropies_BT, entropy_coef=self.applied_entropy_coef(),
+                entropy_mask_BT=entropy_mask_BT, entropies_BT=entropies_BT,
+                entropy_coef=self.optimization.entropy.applied(config),
             )
         with_policy_loss = config.entropy_coef != 0.0 or config.use_adaptive_entropy
         row = micro_batch_metrics(self.accelerator, settings, out, advantages_B, mask_BT, entropies_BT,

@@ -59,7 +59,7 @@ class GenerationStage:
         )
         with self.accelerator.autocast():
             if self.needs_old_logprobs():
-                rollout.old_logprobs_BT = self._batched_logprobs(self.model, rollout)
+                rollout.old_logprobs_BT = self.batch_logprobs(self.model, rollout)
             if config.beta > 0:
                 rollout.ref_logprobs_BT = self._reference_logprobs(rollout)
         if self.corrects_sampling() and rollout.sampling_logprobs_BT is not None:

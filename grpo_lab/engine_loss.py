@@ -64,7 +64,7 @@ class LossStage:
         step_index = torch.cat(micro_batches)
         loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
         settings = ops.LossSettings.from_config(config)
-        entropy_coef = self.applied_entropy_coef()
+        entropy_coef = self.optimization.entropy.applied(config)
         parts, total_loss = [], 0.0
         entropy_stats = []  # per micro-batch: entropy summed over the kept tokens, and their count
         masked_sequences = torch.zeros((), device=loss_mask_BT.device)  # by off_policy_mask_threshold
@@ -108,12 +108,6 @@ class LossStage:
         self._add_step_metrics(result.metrics, aux_losses, masked_sequences, len(step_index))
         return result
 
-    def applied_entropy_coef(self) -> float:
-        """The entropy weight a loss uses now (:func:`grpo_lab.ops.applied_entropy_coef` of the engine's state)."""
-        config = self.config
-        return ops.applied_entropy_coef(self.entropy_coef, self.last_step_entropy,
-                                        adaptive=config.use_adaptive_entropy, target=config.entropy_target)
-
     def _reference_logprobs_autocast(self, rollout):
         with self.accelerator.autocast():
             return self._reference_logprobs(rollout)
@@ -141,7 +135,7 @@ class LossStage:
         """Keep the step's mean token entropy, over processes, for the adaptive entropy weight that
         ``update`` adapts; ``entropy_stats`` holds each micro-batch's kept-token entropy sum and count."""
         entropy_sum, tokens = (dist.total(self.accelerator, value) for value in torch.stack(entropy_stats).sum(0))
-        self._pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
+        self.optimization.entropy.pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
 
     def _loss_mask_and_normalizer(self, rollout: Rollout, step_index: torch.Tensor):
         """The (B, T) mask of the tokens the loss counts, and the step-token normalizer: losses that

@@ -112,11 +112,12 @@ def apply_edits(config, applied: dict, engine) -> dict[str, tuple]:
     _apply_schedule(config, applied, engine, changed)
     for name in _changed_of(changed, "learning_rate"):
         old, new = changed[name]
-        engine.set_learning_rate(new, old)
+        engine.optimization.set_learning_rate(new, old)
     if _changed_of(changed, "entropy_weight", "entropy_switch"):
-        engine.restart_entropy_weight(forget_entropy=bool(_changed_of(changed, "entropy_switch")))
+        engine.optimization.entropy.restart(config.entropy_coef,
+                                            forget_entropy=bool(_changed_of(changed, "entropy_switch")))
     if _changed_of(changed, "optimizer"):
-        engine.apply_adamw_settings()
+        engine.optimization.apply_adamw_settings(config)
     return changed
 
 
@@ -142,7 +143,7 @@ def _apply_schedule(config, applied: dict, engine, changed: dict) -> None:
     """Rebuild grpo_lab's schedule at the current step; refuse schedule settings a given scheduler would ignore."""
     schedule = _changed_of(changed, "schedule", "run_length")
     shape = _changed_of(changed, "schedule")
-    if shape and not engine.owns_scheduler:
+    if shape and not engine.optimization.owns_scheduler:
         _undo(config, applied, schedule)
         raise ValueError(
             f"{', '.join(shape)}: these configure the schedule grpo_lab "
@@ -150,9 +151,9 @@ def _apply_schedule(config, applied: dict, engine, changed: dict) -> None:
             "read them, so the change would have no effect; it was undone. Change your own scheduler instead. "
             "(max_steps and num_train_epochs can change: they set the run's length, and your scheduler goes on.)"
         )
-    if schedule and engine.owns_scheduler:
+    if schedule and engine.optimization.owns_scheduler:
         try:
-            engine.rebuild_schedule()
+            engine.optimization.rebuild_schedule(config, engine.total_steps())
         except Exception:  # e.g. lr_scheduler_kwargs the schedule does not take: the old schedule stays
             _undo(config, applied, schedule)
             raise

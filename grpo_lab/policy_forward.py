@@ -2,7 +2,8 @@
 
 A log-prob pass takes one of three paths (``pick_path``):
 
-- ``plain``: one transformers forward call over ``[prompt, completion]`` rows (``full_forward``).
+- ``plain``: one transformers forward call over ``[prompt, completion]`` rows
+  (``grpo_lab.model_calls.full_forward``).
   Always available; the only path while a mixture-of-experts model's load-balancing loss is
   returned (that loss is over whole rows), and the one every speed path falls back to.
 - ``shared_prompt``: each distinct prompt run once, its keys and values indexed out to its
@@ -28,6 +29,7 @@ import torch
 
 from grpo_lab import notices, ops
 from grpo_lab.accel import TRANSFORMERS_CHANGED, SpeedPaths
+from grpo_lab.model_calls import full_forward, full_logits
 
 PLAIN, SHARED_PROMPT, COMPACT = "plain", "shared_prompt", "compact"
 _MODULES = {SHARED_PROMPT: "prefix_sharing", COMPACT: "compact_forward"}  # the speed path behind each
@@ -39,37 +41,6 @@ class TokenScores(NamedTuple):
     logprobs_BT: torch.Tensor
     entropies_BT: torch.Tensor | None  # with with_entropy
     aux_loss: object  # with router_aux_loss: the model output's aux_loss (None where it returns none); else None
-
-
-def position_ids(attention_mask_BL: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as ``generate()`` assigns them: ``cumsum(mask) - 1``, >= 0."""
-    return (attention_mask_BL.cumsum(dim=1) - 1).clamp(min=0)
-
-
-def full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, **kwargs):
-    """The model's output for one pass over ``[prompt, completion]``, its logits kept at the
-    completion's positions and the one before (``kwargs`` go to the model)."""
-    input_ids = torch.cat([prompt_ids_BP, completion_ids_BT], dim=1)
-    attention_mask = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
-    return model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-        logits_to_keep=completion_ids_BT.shape[1] + 1, use_cache=False, **kwargs,
-    )
-
-
-def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
-    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
-    args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
-    return full_forward(*args, **without_router_loss(model)).logits[:, :-1, :]
-
-
-def without_router_loss(model) -> dict:
-    """``output_router_logits=False`` for a mixture-of-experts model whose config turns it on: such a
-    model computes its load-balancing loss in every call, against the call's attention mask, which
-    a call that continues a cache does not match."""
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {"output_router_logits": False} if getattr(text_config, "output_router_logits", False) else {}
 
 
 def right_padded(mask_BT: torch.Tensor) -> bool:

@@ -14,9 +14,7 @@ import re
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
-"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl``: every tracker GRPOConfig
-accepts in ``report_to``."""
+from grpo_lab.config_checks import SUPPORTED_REPORTERS
 
 PACKAGES = {"comet_ml": "comet-ml"}
 """The package to install for a tracker whose module is named otherwise."""

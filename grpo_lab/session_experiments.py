@@ -17,19 +17,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from grpo_lab import dist, notices
-from grpo_lab.rollout.environments import user_reward_funcs
-from grpo_lab.stages import RANDOM_STATE_LOCK, StageOrderError, drives_stages
+from grpo_lab.stages import StageOrderError
 from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict, set_rng_state
 from grpo_lab.what_if import WhatIf, run_what_if, settings_grid
-
-if TYPE_CHECKING:
-    from grpo_lab.session import GRPOSession
-
 
 DEFAULT_UNDO_BUDGET = 2**30
 """Bytes one undo snapshot may take for undo to be on by default (``undo_steps=None``)."""
@@ -114,185 +108,141 @@ def model_copy(model, *, what: str, reference=None):
         ) from error
 
 
-class SessionExperiments:
-    """GRPOSession's undo and fork (see the module docstring)."""
+class UndoRing:
+    """A session's undo points: after each optimizer step (and before the first stage) a snapshot of
+    its whole state, tensors on the CPU, in a ring of ``undo_steps() + 1`` (see the module docstring).
+    The session that owns it is passed to the methods that read or load its state."""
 
-    name: str | None
-    fork_point: int | None
-    undo_by_default: bool = True
-    """Whether ``undo_steps=None`` keeps undo points; a ``GRPOTrainer`` turns it off for its session."""
+    def __init__(self):
+        self.snapshots: list[Snapshot] = []  # oldest first
+        self._stages_at_snapshot = -1  # the session's record.stages_run when the last snapshot was taken
+        self._off: str | None = None  # why undo turned off during the run, if it did
 
-    def _init_experiments(self, name: str | None = None) -> None:
-        self.name = name
-        self.fork_point = None  # the parent's global step a fork started from
-        self.branches: list[GRPOSession] = []
-        self._snapshots: list[Snapshot] = []
-        self._stages_at_snapshot = -1
-        self._undo_off: str | None = None  # why undo turned off during the run, if it did
-
-    # ------------------------------------------------------------------ undo
-    @property
-    def snapshots(self) -> list[Snapshot]:
-        """The undo points kept (oldest first), each with the memory it holds; ``undo_steps`` bounds them."""
-        return list(self._snapshots)
-
-    def undo_steps(self) -> int:
+    def steps(self, session) -> int:
         """The steps undo can return over: 0 under FSDP or DeepSpeed ZeRO (each process holds a shard
         of the state) or after a snapshot failed; else ``config.undo_steps``, or where that is None:
         0 in a ``GRPOTrainer`` (a script does not undo), 2 if a snapshot (the trainable weights and two
         optimizer moments) takes at most :data:`DEFAULT_UNDO_BUDGET` bytes, else 0."""
-        if self._undo_off is not None or dist.sharding(self.engine.accelerator) is not None:
+        if self._off is not None or dist.sharding(session.engine.accelerator) is not None:
             return 0
-        if self.config.undo_steps is not None:
-            return self.config.undo_steps
-        if not self.undo_by_default:
+        if session.config.undo_steps is not None:
+            return session.config.undo_steps
+        if not session.undo_by_default:
             return 0
-        trainable = sum(p.numel() * p.element_size() for p in self.engine.unwrapped_model.parameters()
+        trainable = sum(p.numel() * p.element_size() for p in session.engine.unwrapped_model.parameters()
                         if p.requires_grad)
         return 2 if 3 * trainable <= DEFAULT_UNDO_BUDGET else 0
 
-    def _take_snapshot(self) -> None:
-        """Keep the state as it stands now as an undo point (the ring's oldest drops out). It runs
-        after an optimizer step has been taken, so a failure turns undo off with a warning instead of
-        failing the step."""
-        keep = self.undo_steps()
+    def keep(self, session) -> None:
+        """Keep ``session``'s state as it stands now as an undo point (the ring's oldest drops out). It
+        runs after an optimizer step has been taken, so a failure turns undo off with a warning instead
+        of failing the step."""
+        keep = self.steps(session)
         if keep <= 0:
-            self._snapshots.clear()
+            self.snapshots.clear()
             return
         try:
-            state = session_state_dict(self, copy_records=_list_copies, with_reference=self.config.sync_ref_model)
+            state = session_state_dict(session, copy_records=_list_copies,
+                                       with_reference=session.config.sync_ref_model)
         except Exception as error:  # e.g. a half-used batch holding objects that cannot be copied
-            self._undo_off = f"the snapshot after step {self.global_step} failed: {type(error).__name__}: {error}"
-            self._snapshots.clear()
-            notices.warn(f"Undo is off for this session: {self._undo_off}. Training goes on.")
+            self._off = f"the snapshot after step {session.global_step} failed: {type(error).__name__}: {error}"
+            self.snapshots.clear()
+            notices.warn(f"Undo is off for this session: {self._off}. Training goes on.")
             return
         state = {**state, "engine": _on_cpu(state["engine"]), "rng": _on_cpu(state["rng"])}
-        self._snapshots.append(Snapshot(self.global_step, state, _tensor_bytes(state)))
-        del self._snapshots[:-(keep + 1)]
-        self._stages_at_snapshot = self._stages_run
+        self.snapshots.append(Snapshot(session.global_step, state, _tensor_bytes(state)))
+        del self.snapshots[:-(keep + 1)]
+        self._stages_at_snapshot = session.record.stages_run
 
-    def _before_stage(self) -> None:
+    def keep_start(self, session) -> None:
         """The undo point of a run's start (or of a loaded state): taken before the first stage."""
-        if not self._snapshots:
-            self._take_snapshot()
+        if not self.snapshots:
+            self.keep(session)
 
-    def _forget_snapshots(self) -> None:
+    def forget(self) -> None:
         """Drop every undo point: the state was replaced from outside (``load_state_dict``)."""
-        self._snapshots.clear()
+        self.snapshots.clear()
         self._stages_at_snapshot = -1
 
-    def _undo_refusal(self) -> str:
-        if self._undo_off is not None:
-            return self._undo_off
-        if dist.sharding(self.engine.accelerator) is not None:
+    def _refusal(self, session) -> str:
+        if self._off is not None:
+            return self._off
+        if dist.sharding(session.engine.accelerator) is not None:
             return "under FSDP or DeepSpeed ZeRO each process holds a shard of the state; use save() and load()"
-        if self.config.undo_steps == 0:
+        if session.config.undo_steps == 0:
             return "config.undo_steps = 0"
-        if not self.undo_by_default:
+        if not session.undo_by_default:
             return "a GRPOTrainer's session keeps no undo points unless config.undo_steps says so"
         return (f"config.undo_steps = None, and a snapshot of this model would take over "
                 f"{DEFAULT_UNDO_BUDGET / 2**30:.0f} GiB")
 
-    @drives_stages
-    def undo(self, n: int = 1) -> int:
-        """Return to the state n optimizer steps back: weights (or adapter), optimizer, scheduler,
-        random states, sampler position, the pending batch, history and config. Stages run since the
-        last step count as the first of the n: ``undo()`` after ``generate()`` drops that batch.
-        Returns the global step it returned to. Later undo points are dropped."""
+    def undo(self, session, n: int) -> int:
+        """Load into ``session`` the undo point ``n`` steps back (stages run since the last step count
+        as the first of the n) and drop the later ones; returns the step it returned to."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"undo(n) takes a whole number of steps >= 1, got {n!r}.")
-        moved = self._stages_run != self._stages_at_snapshot
-        index = len(self._snapshots) - 1 - n + moved
-        if self.undo_steps() <= 0:
-            raise RuntimeError(f"Undo is off ({self._undo_refusal()}). Set session.config.undo_steps = 2 (or more) "
+        moved = session.record.stages_run != self._stages_at_snapshot
+        index = len(self.snapshots) - 1 - n + moved
+        if self.steps(session) <= 0:
+            raise RuntimeError(f"Undo is off ({self._refusal(session)}). Set session.config.undo_steps = 2 (or more) "
                                "to keep that many steps to return to, from the next step on, where undo can run.")
         if index < 0:
-            kept = len(self._snapshots) - 1 + moved
+            kept = len(self.snapshots) - 1 + moved
             raise ValueError(
                 f"undo({n}) goes back further than the {kept} step(s) this session can return to "
-                f"(undo_steps = {self.config.undo_steps!r}, so {self.undo_steps()}; snapshots at steps "
-                f"{[s.step for s in self._snapshots]}). Raise session.config.undo_steps to keep more, from now on."
+                f"(undo_steps = {session.config.undo_steps!r}, so {self.steps(session)}; snapshots at steps "
+                f"{[s.step for s in self.snapshots]}). Raise session.config.undo_steps to keep more, from now on."
             )
-        snapshot = self._snapshots[index]
+        snapshot = self.snapshots[index]
         state = snapshot.state
-        device = self.engine.accelerator.device
-        load_session_state_dict(self, {**state, "engine": on_device(state["engine"], device)})
-        del self._snapshots[index + 1:]
-        self._stages_at_snapshot = self._stages_run
-        self._notify("undo", snapshot.step)
+        device = session.engine.accelerator.device
+        load_session_state_dict(session, {**state, "engine": on_device(state["engine"], device)})
+        del self.snapshots[index + 1:]
+        self._stages_at_snapshot = session.record.stages_run
         return snapshot.step
 
-    # ------------------------------------------------------------------ fork
-    def fork(self, name: str | None = None, **config_edits) -> GRPOSession:
-        """An independent session from this one's state, with ``config_edits`` applied as edits to
-        its ``config`` (the same rules as editing ``session.config``). Stepped without edits, it
-        produces the history and weights this session would. The model is copied (a LoRA model's
-        adapter only); reward functions, datasets, tokenizer and tools are shared. The fork is listed
-        in ``branches``; its ``fork_point`` is this session's step now."""
-        if self._made_with_optimizers:
-            raise ValueError(
-                "This session was built with optimizers=(...): a fork cannot copy an optimizer bound to this model's "
-                "parameters. Build the session without optimizers= (grpo_lab makes them from the config) to fork it."
-            )
-        if self.engine.environments is not None and self.rollout is not None and self.scores is None:
-            raise RuntimeError(
-                "This session holds a generated batch not yet scored, whose environments (live objects) a fork "
-                "cannot copy. Call session.score() first (or session.discard_batch()), then fork."
-            )
-        name = name or f"{self.name or 'session'}-{len(self.branches) + 1}"
-        with self._owner.hold(f"session.fork({name!r})"), RANDOM_STATE_LOCK:
-            self._sync_config()
-            engine = self.engine
-            model = model_copy(engine.unwrapped_model, what=f"session {self.name or ''}".strip(),
-                               reference=engine.ref_model)
-            state = session_state_dict(self)
-            fork = type(self)(
-                model, user_reward_funcs(engine), args=copy.deepcopy(self.config), train_dataset=engine.train_dataset,
-                eval_dataset=engine.eval_dataset, processing_class=self.tokenizer, rollout_func=engine.rollout_func,
-                tools=engine.tools, environment_factory=self.environment_factory,
-                reward_processing_classes=self._given_reward_processing_classes,
-            )
-            fork.load_state_dict(state)  # the random state included: the fork draws what this session would
-            self._rng = copy.deepcopy(state["rng"])  # building the fork drew from the global one
-        for field, value in config_edits.items():
-            if not hasattr(fork.config, field):
-                fork.close()
-                raise AttributeError(f"fork(): GRPOConfig has no field {field!r}.")
-            setattr(fork.config, field, value)
-        try:
-            fork._sync_config()
-        except Exception:
+
+def check_forkable(session) -> None:
+    """Refuse a fork that could not continue as ``session`` would, naming the fix."""
+    if session.made_with_optimizers:
+        raise ValueError(
+            "This session was built with optimizers=(...): a fork cannot copy an optimizer bound to this model's "
+            "parameters. Build the session without optimizers= (grpo_lab makes them from the config) to fork it."
+        )
+    if session.engine.environments is not None and session.rollout is not None and session.scores is None:
+        raise RuntimeError(
+            "This session holds a generated batch not yet scored, whose environments (live objects) a fork "
+            "cannot copy. Call session.score() first (or session.discard_batch()), then fork."
+        )
+
+
+def apply_fork_edits(fork, config_edits: dict) -> None:
+    """Apply ``config_edits`` to a new fork as edits to its ``config`` (each field's live rule); the
+    fork is closed when one is refused."""
+    for field, value in config_edits.items():
+        if not hasattr(fork.config, field):
             fork.close()
-            raise
-        fork.name, fork.fork_point = name, self.global_step
-        self.branches.append(fork)
-        self._notify("fork", fork)
-        return fork
+            raise AttributeError(f"fork(): GRPOConfig has no field {field!r}.")
+        setattr(fork.config, field, value)
+    try:
+        fork.apply_config_edits()
+    except Exception:
+        fork.close()
+        raise
 
-    # ------------------------------------------------------------------ what-if
-    @drives_stages
-    def what_if(self, cases: list[dict] | None = None, /, *, lookahead: bool = False, **settings) -> WhatIf:
-        """The advantages, loss, gradient and loss metrics each setting would give the scored batch,
-        and which settings' gradients are equal; the session is left exactly as it was.
 
-        ``session.what_if(loss_type=["dapo", "grpo"], epsilon=[0.2, 0.28])`` tries every combination
-        of the lists; ``session.what_if([{"loss_type": "cispo", "epsilon_high": 5.0}, {...}])`` each
-        dict. Fields: those the advantages and loss read (``grpo_lab.what_if.WHAT_IF_FIELDS``); the
-        other fields stay as the session has them. Needs a scored batch (after ``score()``).
-
-        ``lookahead=True``: for each setting, also take the optimizer step its gradient gives and
-        report how the log-probability of the positive- and negative-advantage completions moves
-        and the KL to the current policy (``lookahead/...`` columns); the weights, optimizer and
-        scheduler are put back after each."""
-        if self.scores is None:
-            raise StageOrderError(
-                f"what_if() tries settings on the scored batch, and there is none: the next stage is "
-                f"{self.next_stage}(). Call session.generate() and session.score() first."
-            )
-        self._sync_config()
-        grid = settings_grid(cases, settings)
-        random = rng_state()
-        try:
-            return run_what_if(self, grid, lookahead=lookahead)
-        finally:
-            set_rng_state(random)  # a forward pass with dropout draws: the session's stream stays where it was
+def what_if(session, cases: list[dict] | None, settings: dict, *, lookahead: bool) -> WhatIf:
+    """``session.what_if``: each setting's advantages, loss and gradient on the scored batch (see
+    :mod:`grpo_lab.what_if`), the session's random stream left where it was."""
+    if session.scores is None:
+        raise StageOrderError(
+            f"what_if() tries settings on the scored batch, and there is none: the next stage is "
+            f"{session.next_stage}(). Call session.generate() and session.score() first."
+        )
+    session.apply_config_edits()
+    grid = settings_grid(cases, settings)
+    random = rng_state()
+    try:
+        return run_what_if(session, grid, lookahead=lookahead)
+    finally:
+        set_rng_state(random)  # a forward pass with dropout draws: the session's stream stays where it was

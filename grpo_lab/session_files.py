@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from grpo_lab import notices
 from grpo_lab.checkpoint import (
@@ -32,135 +31,86 @@ from grpo_lab.live_config import rebuilt_fields
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
 from grpo_lab.rollout.environments import user_reward_funcs
 from grpo_lab.safe_write import atomic_directory_write
-from grpo_lab.stages import drives_stages
-from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict
+from grpo_lab.state import on_device, rng_state
 from grpo_lab.stream_sampler import is_stream
 
-if TYPE_CHECKING:
-    from grpo_lab.session import GRPOSession
 
-
-class SessionFiles:
-    """GRPOSession's saving and loading."""
-
-    def state_dict(self) -> dict:
-        """Copies of everything this session needs to continue exactly as it would from here:
-        weights (or adapter), optimizer, scheduler, random states, sampler position, the half-used
-        batch, history and config (see :mod:`grpo_lab.state`). Training on leaves it unchanged."""
-        return session_state_dict(self)
-
-    @drives_stages
-    def load_state_dict(self, state: dict) -> None:
-        """Return to ``state`` from :meth:`state_dict` of this session (or one built like it); a loss()
-        not yet used by update() is dropped, so the next stage is what the saved batch needs next.
-        Undo points taken before it are dropped (``undo`` returns within the loaded run)."""
-        load_session_state_dict(self, state)
-        self._forget_snapshots()
-
-    @drives_stages
-    def save(self, path, *, overwrite: bool = False, trainer_state: str | None = None) -> Path:
-        """Write weights (or adapter), optimizer, scheduler, random states, sampler position,
-        history, config and any half-finished stage results to ``path``, atomically. Config edits
-        made since the last stage are validated first, as the next stage would.
-
-        ``path`` must be new, empty, or an earlier save, which is replaced (the old one stays until
-        the new one is complete). A file, or a directory holding anything else, is refused, unless
-        ``overwrite=True``, which replaces that directory and everything in it.
-
-        Under ``accelerate launch`` every process calls it (as ``GRPOTrainer`` does): each one's
-        random state and share of a half-finished batch are gathered, and the main process writes.
-        Under FSDP the shards of the weights, the optimizer state and a reference model are gathered
-        too: the checkpoint holds the whole model and loads on any number of processes (DeepSpeed ZeRO
-        is refused).
-
-        ``trainer_state``: a transformers ``TrainerState`` as JSON, which ``GRPOTrainer`` keeps in its
-        checkpoints as ``trainer_state.json``.
-        """
-        self._sync_config()
-        engine = self.engine
-        accelerator = engine.accelerator
-        check_savable(accelerator)
-        on_main(accelerator, f"check {path}", lambda: check_save_target(Path(path), overwrite=overwrite))
-        pending, unsafe = safe_batch(on_device((self.rollout, self.scores, self.advantages_result), "cpu"))
-        if unsafe is not None:
-            notices.warn(
-                f"The half-used generation batch holds {unsafe} (in its columns or logged extras), which a checkpoint "
-                "does not store (loading it would mean unpickling code); the save leaves the batch out, and a run "
-                "loaded from it generates a new one. Give reward functions and rollout functions plain values "
-                "(numbers, strings, lists, dicts, tensors) to keep it."
-            )
-            pending = (None, None, None)
-        per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
-        gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
-            full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
-            full_optimizer_state(accelerator, engine.model, engine.optimizer),
-            None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
+def save(session, path, *, overwrite: bool, trainer_state: str | None) -> Path:
+    """``session.save(path)``: the session's checkpoint directory, written atomically by the main process."""
+    session.apply_config_edits()
+    engine = session.engine
+    accelerator = engine.accelerator
+    check_savable(accelerator)
+    on_main(accelerator, f"check {path}", lambda: check_save_target(Path(path), overwrite=overwrite))
+    pending, unsafe = safe_batch(on_device((session.rollout, session.scores, session.advantages_result), "cpu"))
+    if unsafe is not None:
+        notices.warn(
+            f"The half-used generation batch holds {unsafe} (in its columns or logged extras), which a checkpoint "
+            "does not store (loading it would mean unpickling code); the save leaves the batch out, and a run "
+            "loaded from it generates a new one. Give reward functions and rollout functions plain values "
+            "(numbers, strings, lists, dicts, tensors) to keep it."
         )
-        extra = _checkpoint_records(self)
-        write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered, trainer_state)
-        on_main(accelerator, f"write {path}", lambda: atomic_directory_write(
-            Path(path), write, own_entries=SAVE_ENTRIES, overwrite=overwrite,
-        ))
-        return Path(path)
+        pending = (None, None, None)
+    per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
+    gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
+        full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
+        full_optimizer_state(accelerator, engine.model, engine.optimizer),
+        None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
+    )
+    extra = _checkpoint_records(session)
+    write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered, trainer_state)
+    on_main(accelerator, f"write {path}", lambda: atomic_directory_write(
+        Path(path), write, own_entries=SAVE_ENTRIES, overwrite=overwrite,
+    ))
+    return Path(path)
 
-    @classmethod
-    def load(cls, path, *, model=None, reward_funcs=None, train_dataset=None, eval_dataset=None,
-             trust_remote_code: bool = False, **kwargs) -> GRPOSession:
-        """Rebuild a saved session; it continues exactly as the original would have.
 
-        Datasets, (importable) reward functions and the config (``args``) come from the checkpoint
-        unless given; other keyword arguments go to the constructor. ``model``: a model built like the
-        saved one (a PEFT model for a saved adapter) to load the saved weights into, in place of a new
-        one, e.g. the model whose parameters an optimizer passed in ``optimizers=`` holds.
-
-        Loading runs no code from the checkpoint: its state is read without unpickling anything but
-        tensors and numbers, functions are imported by module and name, and a saved
-        ``trust_remote_code`` is ignored unless ``trust_remote_code=True`` is passed here (or in ``args``).
-        """
-        directory = Path(path)
-        state = load_state(directory)
-        extra = state["extra"]
-        if reward_funcs is None:
-            reward_funcs = _unreferenced(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
-        if not {"rollout_func", "tools", "environment_factory"} & set(kwargs):  # else the caller chose how to generate
-            kwargs["rollout_func"] = _unreferenced(
-                extra["rollout_func"], directory, "rollout function", "rollout_func=..."
-            )
-            kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
-            kwargs["environment_factory"] = _unreferenced_factories(extra, directory)
-        train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
-        if kwargs.get("args") is None:
-            kwargs["args"] = _saved_config(directory / "config.yaml")
-            if not trust_remote_code:
-                kwargs["args"] = _without_remote_code(kwargs["args"], directory)
-        own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
-        saved = per_process_states(state)
-        half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
-        built = rebuilt_fields(
-            directory, extra["applied_config"], kwargs["args"].to_dict(), own_optimizer, own_scheduler,
-            given_model=model is not None, half_used=half_used,
+def load(cls, path, *, model, reward_funcs, train_dataset, eval_dataset, trust_remote_code: bool, kwargs: dict):
+    """``GRPOSession.load(path)``: a session of class ``cls`` rebuilt from a checkpoint directory."""
+    directory = Path(path)
+    state = load_state(directory)
+    extra = state["extra"]
+    if reward_funcs is None:
+        reward_funcs = _unreferenced(extra["reward_funcs"], directory, "reward functions", "reward_funcs=[...]")
+    if not {"rollout_func", "tools", "environment_factory"} & set(kwargs):  # else the caller chose how to generate
+        kwargs["rollout_func"] = _unreferenced(
+            extra["rollout_func"], directory, "rollout function", "rollout_func=..."
         )
-        model = _saved_model(directory / MODEL_DIR, model, kwargs["args"])
-        remote_code = kwargs["args"].model_kwargs()["trust_remote_code"]
-        kwargs.setdefault("processing_class", load_tokenizer(str(directory / MODEL_DIR), trust_remote_code=remote_code))
-        session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
-        _restore(session, state, built)
-        return session
+        kwargs["tools"] = _unreferenced(extra["tools"], directory, "tools", "tools=[...]")
+        kwargs["environment_factory"] = _unreferenced_factories(extra, directory)
+    train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
+    if kwargs.get("args") is None:
+        kwargs["args"] = _saved_config(directory / "config.yaml")
+        if not trust_remote_code:
+            kwargs["args"] = _without_remote_code(kwargs["args"], directory)
+    own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
+    saved = per_process_states(state)
+    half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
+    built = rebuilt_fields(
+        directory, extra["applied_config"], kwargs["args"].to_dict(), own_optimizer, own_scheduler,
+        given_model=model is not None, half_used=half_used,
+    )
+    model = _saved_model(directory / MODEL_DIR, model, kwargs["args"])
+    remote_code = kwargs["args"].model_kwargs()["trust_remote_code"]
+    kwargs.setdefault("processing_class", load_tokenizer(str(directory / MODEL_DIR), trust_remote_code=remote_code))
+    session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+    _restore(session, state, built)
+    return session
 
 
 def _checkpoint_records(session) -> dict:
     """The session's records as a checkpoint stores them (logs: what it cannot store is kept as
     text; functions as ``module:name`` references)."""
-    engine = session.engine
+    engine, record = session.engine, session.record
     return {
-        "history": plain_values(session._history),
-        "evaluations": plain_values(session._evaluations),
-        "completion_log": plain_values(session._completion_log),
-        "config_changes": plain_values(session.config_changes),
-        "applied_config": plain_values(session._applied_config),
+        "history": plain_values(record.history),
+        "evaluations": plain_values(record.evaluations),
+        "completion_log": plain_values(record.completion_log),
+        "config_changes": plain_values(record.config_changes),
+        "applied_config": plain_values(record.applied_config),
         "batch_step": session.batch_step,
-        "last_stage": session._last_stage,
-        "findings": plain_values(session._doctor_records()),
+        "last_stage": record.last_stage,
+        "findings": plain_values(session.findings_record.state_dict()),
         "name": session.name,
         "fork_point": session.fork_point,
         "reward_funcs": _referenced(user_reward_funcs(engine)),
@@ -268,18 +218,16 @@ def _restore(session, state: dict, built: dict) -> None:
     accelerator = session.engine.accelerator
     own = own_process_state(state, accelerator.process_index, accelerator.num_processes)
     restore_engine(session.engine, state, own["rng"])
-    session._rng = own["rng"]  # its own from here: another session built before its first stage draws elsewhere
+    session.own_random.adopt(own["rng"])  # its own from here: a session built before its first stage draws elsewhere
     session.name, session.fork_point = extra.get("name"), extra.get("fork_point")  # absent before forks existed
-    session._history = extra["history"]
-    session._evaluations = extra.get("evaluations", [])  # absent from a checkpoint made before they were kept
-    session._completion_log = extra["completion_log"]
-    session.config_changes = extra["config_changes"] + [
-        {"step": state["global_step"] + 1, "field": name, "old": old, "new": new} for name, (old, new) in built.items()
-    ]
-    session._applied_config = {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}
+    built_changes = [{"step": state["global_step"] + 1, "field": name, "old": old, "new": new}
+                     for name, (old, new) in built.items()]
+    session.record.load_state_dict({
+        **extra, "config_changes": extra["config_changes"] + built_changes,
+        "applied_config": {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}},
+    })
     session.batch_step = extra["batch_step"]
-    session._last_stage = extra["last_stage"]
-    session._load_doctor_records(extra.get("findings"))  # absent from a checkpoint made before findings were kept
+    session.findings_record.load_state_dict(extra.get("findings"), session.record.last_step)  # absent before kept
     if own["pending"] is None or own["pending"][0] is None:  # dropped, or saved between batches
         session.discard_batch()
         return

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from grpo_lab.config import evaluation_due
-from grpo_lab.stages import drives_stages
+from grpo_lab.stages import run_next_stage
 
 ARUN = "a cell (await session.arun)"
 STOP_ARUN = (
@@ -43,12 +43,11 @@ def run_stages(session, n: int, stop_request: Callable[[], str | None],
             f"eval_strategy={config.eval_strategy!r} (or eval_on_start=True) evaluates while training, but the "
             "session has no eval_dataset: build it with eval_dataset=, or set session.config.eval_strategy = 'no'."
         )
-    if config.eval_on_start and session.global_step == 0 and not session._evaluations:
+    if config.eval_on_start and session.global_step == 0 and not session.record.evaluations:
         session.evaluate()
     done, last = 0, None
     while done < n and stop_request() != "stage":
-        stage = session.next_stage
-        result = getattr(session, stage)()
+        stage, result = run_next_stage(session)
         last = stage
         if stage == "update":
             done += 1
@@ -61,63 +60,45 @@ def run_stages(session, n: int, stop_request: Callable[[], str | None],
     return done, last
 
 
-class SessionLoops:
-    """``step``, ``run`` and ``arun`` of :class:`grpo_lab.session.GRPOSession`."""
+def run(session, n: int, *, progress: bool) -> pd.DataFrame:
+    """``session.run(n)``: ``n`` optimizer steps on this thread; an interrupt ends it between stages."""
+    from grpo_lab.progress import progress_bar
 
-    @drives_stages
-    def step(self) -> dict[str, float]:
-        """Run what is left of the current iteration, up to and including update()."""
-        while True:
-            stage = self.next_stage
-            result = getattr(self, stage)()
-            if stage == "update":
-                return result
+    check_steps(n, "run")
+    record = session.record
+    first = len(record.history)
+    with session.hold(f"session.run({n})", steps=n), progress_bar(n, enabled=progress) as bar:
+        try:
+            run_stages(session, n, lambda: None, on_update=bar.advance)
+        except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
+            bar.note(f"stopped after {len(record.history) - first} step(s); next stage: {session.next_stage}()")
+    return pd.DataFrame(record.history[first:])
 
-    def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
-        """Run ``n`` optimizer steps; Ctrl-C (interrupting the kernel) ends cleanly between stages, nothing lost.
-        With ``eval_strategy="steps"`` it evaluates as the trainer does (``session.evaluations``).
 
-        In a notebook, ``await session.arun(n)`` does the same while the page stays answered."""
-        from grpo_lab.progress import progress_bar
+async def arun(session, n: int, *, progress: bool) -> pd.DataFrame:
+    """``await session.arun(n)``: ``n`` optimizer steps on a worker thread while the cell awaits."""
+    from grpo_lab.progress import progress_bar
 
-        check_steps(n, "run")
-        first = len(self._history)
-        with self._owner.hold(f"session.run({n})", steps=n), progress_bar(n, enabled=progress) as bar:
-            try:
-                run_stages(self, n, lambda: None, on_update=bar.advance)
-            except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
-                bar.note(f"stopped after {len(self._history) - first} step(s); next stage: {self.next_stage}()")
-        return pd.DataFrame(self._history[first:])
+    check_steps(n, "arun")
+    record = session.record
+    first, cancelled = len(record.history), []
 
-    async def arun(self, n: int, *, progress: bool = True) -> pd.DataFrame:
-        """``run(n)`` to ``await`` in a notebook cell (``await session.arun(20)``): the steps run on a
-        worker thread while the cell awaits, so the kernel keeps answering the page: a reloaded page
-        gets its live views back at once, and the dashboard's Stop (between stages) and Finish step
-        (after the current update()) end the run. Interrupting the kernel ends it between stages,
-        nothing lost, and it returns as ``run`` does (a cancellation does not propagate: the run
-        ends cleanly; a stage that never returns is not cut short). Returns the metrics of the
-        steps it ran."""
-        from grpo_lab.progress import progress_bar
+    def stop_request() -> str | None:
+        activity = session.activity
+        return "stage" if cancelled else (activity.stop_request if activity is not None else None)
 
-        check_steps(n, "arun")
-        first, cancelled = len(self._history), []
+    def train() -> None:
+        with session.hold(f"await session.arun({n})", started_by=ARUN, how_to_stop=STOP_ARUN, steps=n,
+                          stoppable=True), progress_bar(n, enabled=progress) as bar:
+            done, _ = run_stages(session, n, stop_request, on_update=bar.advance)
+            if done < n:
+                bar.note(f"stopped after {done} step(s); next stage: {session.next_stage}()")
 
-        def stop_request() -> str | None:
-            activity = self.activity
-            return "stage" if cancelled else (activity.stop_request if activity is not None else None)
-
-        def train() -> None:
-            with self._owner.hold(f"await session.arun({n})", started_by=ARUN, how_to_stop=STOP_ARUN, steps=n,
-                                  stoppable=True), progress_bar(n, enabled=progress) as bar:
-                done, _ = run_stages(self, n, stop_request, on_update=bar.advance)
-                if done < n:
-                    bar.note(f"stopped after {done} step(s); next stage: {self.next_stage}()")
-
-        work = asyncio.ensure_future(asyncio.to_thread(train))
-        while not work.done():
-            try:
-                await asyncio.shield(work)
-            except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
-                cancelled.append(True)
-        work.result()  # the worker's own error, if it failed
-        return pd.DataFrame(self._history[first:])
+    work = asyncio.ensure_future(asyncio.to_thread(train))
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
+            cancelled.append(True)
+    work.result()  # the worker's own error, if it failed
+    return pd.DataFrame(record.history[first:])

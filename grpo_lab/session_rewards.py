@@ -3,7 +3,7 @@ reward functions, without generating and without changing the session (the arith
 :mod:`grpo_lab.reward_trial`); ``use_rewards`` makes them the session's, recorded in
 ``config_changes`` like a config edit.
 
-What the history is re-scored from: the completion log (``session._completion_log``, one entry of
+What the history is re-scored from: the completion log (``session.record.completion_log``, one entry of
 columns per logged batch) shows prompts and completions as text, the rewards and the advantage, but
 not everything reward functions receive. So each entry also keeps, under :data:`REWARD_INPUTS`, the
 rest of what the training call passed, in the smallest form that gives it back exactly (re-deriving
@@ -47,7 +47,7 @@ from grpo_lab.reward_trial import AdvantageSettings, RewardTrial, TrialBatch, ba
 from grpo_lab.rewards.preparation import check_reward_weights, reward_func_name, weights_tensor
 from grpo_lab.rollout.environments import user_reward_funcs
 from grpo_lab.rollout.prompts import is_conversational, wrap_completions
-from grpo_lab.stages import StageOrderError, drives_stages
+from grpo_lab.stages import StageOrderError
 from grpo_lab.state import rng_state, set_rng_state
 from grpo_lab.types import Advantages, Rollout
 
@@ -158,137 +158,114 @@ def _checked_weights(weights, funcs: list) -> list[float] | None:
     return [float(w) for w in weights]
 
 
-class SessionRewards:
-    """GRPOSession's ``try_rewards`` and ``use_rewards`` (see the module docstring)."""
+def try_rewards(session, funcs, on: str, weights: list[float] | None, k: int) -> RewardTrial:
+    """``session.try_rewards``: score the held batch or the logged completions with ``funcs``, the
+    session's random stream left where it was."""
+    if on not in ("batch", "history"):
+        raise ValueError(f"try_rewards(on=...) takes 'batch' (the held batch) or 'history' (every logged "
+                         f"completion), got {on!r}.")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"try_rewards(k=...) takes a whole number of examples >= 0, got {k!r}.")
+    engine, config = session.engine, session.config
+    if engine.accelerator.num_processes > 1:
+        raise RuntimeError("try_rewards runs in one process (a notebook); under accelerate launch each process "
+                           "holds a share of every batch.")
+    batches = _held_batch(session) if on == "batch" else _logged_batches(session.record.completion_log)
+    funcs, classes, names = reward_functions(funcs, None, config, list(batches[0].columns), engine.accelerator.device)
+    weights = _checked_weights(weights, funcs)
+    settings = AdvantageSettings(config.num_generations, config.scale_rewards, config.multi_objective_aggregation)
+    random = rng_state()
+    try:
+        return run_trial(batches, funcs, classes, names, weights, settings=settings, k=k, on=on,
+                         trainer_state=engine.trainer_state(), reward_timeout=config.reward_timeout,
+                         timeout_sync=config.reward_timeout_sync)
+    finally:
+        set_rng_state(random)  # a reward function that draws leaves the session's stream where it was
 
-    @drives_stages
-    def try_rewards(self, funcs, on: str = "batch", weights: list[float] | None = None, *, k: int = 5) -> RewardTrial:
-        """Score completions already generated with the reward functions ``funcs`` (one, or a list)
-        and compare them with the current rewards; nothing in the session changes (weights, random
-        state, batch, history, reward functions).
 
-        ``on="batch"``: the held batch (generated, or scored: only a scored one has current rewards
-        to compare with); ``on="history"``: every completion logged so far (``completions_log``,
-        each batch as it was first trained; see :mod:`grpo_lab.session_rewards` for what is kept).
-        The functions are called as training calls them (``grpo_lab.rewards.score_completions``,
-        TRL's keyword arguments, one call per batch, ``trainer_state`` at the batch's step) and the
-        advantages come from the engine's advantage function with the session's config.
-        ``weights``: one per function, for their weighted ``total`` (what ``use_rewards(funcs,
-        weights)`` would train on). ``k``: the completions to show per function where the new and
-        the current rewards rank them most differently. Returns a :class:`RewardTrial`
-        (``to_pandas()``, ``completions``, ``disagreements``, ``figure()``)."""
-        if on not in ("batch", "history"):
-            raise ValueError(f"try_rewards(on=...) takes 'batch' (the held batch) or 'history' (every logged "
-                             f"completion), got {on!r}.")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"try_rewards(k=...) takes a whole number of examples >= 0, got {k!r}.")
-        engine = self.engine
-        if engine.accelerator.num_processes > 1:
-            raise RuntimeError("try_rewards runs in one process (a notebook); under accelerate launch each process "
-                               "holds a share of every batch.")
-        batches = self._held_batch() if on == "batch" else self._logged_batches()
-        funcs, classes, names = reward_functions(funcs, None, self.config, list(batches[0].columns),
-                                                 engine.accelerator.device)
-        weights = _checked_weights(weights, funcs)
-        config = self.config
+def _held_batch(session) -> list[TrialBatch]:
+    rollout, engine, scores = session.rollout, session.engine, session.scores
+    if rollout is None:
+        logged = sum(len(entry["step"]) for entry in session.record.completion_log)
+        raise StageOrderError(
+            "try_rewards(on='batch') scores the held batch, and there is none: the next stage is generate(). "
+            f"Call session.generate() first, or try_rewards(funcs, on='history') for the {logged} completions "
+            "logged so far."
+        )
+    columns = rollout.columns if engine.environments is None else engine.environments.scoring_columns(rollout)
+    current = advantages = None
+    if scores is not None:
+        own = 0 if engine.environments is None else len(engine.environments.reward_funcs)
+        config = session.config
+        weights_F = weights_tensor(config.reward_weights, scores.reward_names, own)
         settings = AdvantageSettings(config.num_generations, config.scale_rewards, config.multi_objective_aggregation)
-        random = rng_state()
-        try:
-            return run_trial(batches, funcs, classes, names, weights, settings=settings, k=k, on=on,
-                             trainer_state=engine.trainer_state(), reward_timeout=config.reward_timeout,
-                             timeout_sync=config.reward_timeout_sync)
-        finally:
-            set_rng_state(random)  # a reward function that draws leaves the session's stream where it was
+        stats = batch_advantages(scores.rewards_BF.cpu(), weights_F, settings)
+        current, advantages = stats.rewards_B, stats.advantages_B
+    return [TrialBatch(
+        step=session.global_step - session.batch_step + 1, prompts=rollout.prompts, completions=rollout.completions,
+        completion_ids=completion_id_lists(rollout), columns=columns, prompt_texts=rollout.to_dict()["prompt"],
+        completion_texts=list(rollout.completion_texts), current_B=current, current_advantages_B=advantages,
+    )]
 
-    def _held_batch(self) -> list[TrialBatch]:
-        rollout, engine = self.rollout, self.engine
-        if rollout is None:
-            logged = sum(len(entry["step"]) for entry in self._completion_log)
-            raise StageOrderError(
-                "try_rewards(on='batch') scores the held batch, and there is none: the next stage is generate(). "
-                f"Call session.generate() first, or try_rewards(funcs, on='history') for the {logged} completions "
-                "logged so far."
-            )
-        columns = rollout.columns if engine.environments is None else engine.environments.scoring_columns(rollout)
-        current = advantages = None
-        if self.scores is not None:
-            own = 0 if engine.environments is None else len(engine.environments.reward_funcs)
-            weights_F = weights_tensor(self.config.reward_weights, self.scores.reward_names, own)
-            config = self.config
-            settings = AdvantageSettings(config.num_generations, config.scale_rewards,
-                                         config.multi_objective_aggregation)
-            stats = batch_advantages(self.scores.rewards_BF.cpu(), weights_F, settings)
-            current, advantages = stats.rewards_B, stats.advantages_B
-        return [TrialBatch(
-            step=self.global_step - self.batch_step + 1, prompts=rollout.prompts, completions=rollout.completions,
-            completion_ids=completion_id_lists(rollout), columns=columns, prompt_texts=rollout.to_dict()["prompt"],
-            completion_texts=list(rollout.completion_texts), current_B=current, current_advantages_B=advantages,
-        )]
 
-    def _logged_batches(self) -> list[TrialBatch]:
-        entries = [entry for entry in self._completion_log if len(entry["step"])]
-        kept = [entry for entry in entries if REWARD_INPUTS in entry]
-        if not kept:
-            raise StageOrderError(
-                "try_rewards(on='history') scores the completions logged so far, and there are none"
-                + (" that kept the reward functions' inputs (they were logged by an earlier grpo_lab)" if entries
-                   else ": the log grows with each optimizer step") + ". Call session.step() first, or try_rewards("
-                "funcs, on='batch') on a generated batch."
-            )
-        if len(kept) < len(entries):
-            notices.warn(f"try_rewards(on='history'): {len(entries) - len(kept)} logged batch(es) were logged without "
-                         "the reward functions' inputs (by an earlier grpo_lab) and are left out.")
-        return [_logged_batch(entry) for entry in kept]
+def _logged_batches(completion_log: list[dict]) -> list[TrialBatch]:
+    entries = [entry for entry in completion_log if len(entry["step"])]
+    kept = [entry for entry in entries if REWARD_INPUTS in entry]
+    if not kept:
+        raise StageOrderError(
+            "try_rewards(on='history') scores the completions logged so far, and there are none"
+            + (" that kept the reward functions' inputs (they were logged by an earlier grpo_lab)" if entries
+               else ": the log grows with each optimizer step") + ". Call session.step() first, or try_rewards("
+            "funcs, on='batch') on a generated batch."
+        )
+    if len(kept) < len(entries):
+        notices.warn(f"try_rewards(on='history'): {len(entries) - len(kept)} logged batch(es) were logged without "
+                     "the reward functions' inputs (by an earlier grpo_lab) and are left out.")
+    return [_logged_batch(entry) for entry in kept]
 
-    @drives_stages
-    def use_rewards(self, funcs, weights: list[float] | None = None) -> None:
-        """Make ``funcs`` (one, or a list) the session's reward functions, weighted by ``weights`` (one
-        per function; None: 1 each), in one edit recorded in ``config_changes`` as ``reward_funcs``
-        (old and new: the functions' names) and ``reward_weights``, from the next optimizer step, as
-        a config edit is; the dashboard marks it on the curves. A held batch not trained on yet is
-        scored again (its scores are dropped: the next stage is score()); a half-used batch keeps
-        its rewards. Refused, with nothing changed, where a function cannot be called as training
-        calls it or the weights do not match. An environment's ``get_reward`` stays, last. ``undo()``
-        to before this call puts back the config (``reward_weights`` included) and its record but not
-        the functions, which no saved state holds: it warns, naming the functions of the step it
-        returned to and the two fixes (``use_rewards`` with them again, or ``reward_weights`` set for
-        the functions kept; with a different number of functions the next ``advantages()`` refuses
-        the weights until then)."""
+
+class RewardSwaps:
+    """The ``reward_funcs`` records ``use_rewards`` made, so that an ``undo()`` to before one, which
+    puts the config back but not the functions (no saved state holds them), is told apart and warned
+    about."""
+
+    def __init__(self):
+        self._swaps: list[dict] = []
+
+    def use_rewards(self, session, funcs, weights: list[float] | None) -> None:
+        """``session.use_rewards``: make ``funcs`` the session's reward functions, weighted by
+        ``weights``, recorded as the edits ``reward_funcs`` and ``reward_weights``."""
         listed = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         weights = _checked_weights(weights, listed)
-        old_names = [reward_func_name(func) for func in user_reward_funcs(self.engine)]
-        old_weights = self._applied_config.get("reward_weights")
-        self.reward_funcs = listed  # checks every function first: a refusal changes nothing
-        self.config.reward_weights = weights
-        self._applied_config["reward_weights"] = None if weights is None else list(weights)
-        self._record_change("reward_funcs", old_names, [reward_func_name(f) for f in user_reward_funcs(self.engine)])
-        self._keep_swap_record()
-        self._record_change("reward_weights", old_weights, weights)
-        if self.scores is not None and self.batch_step == 0:
-            self.scores = self.advantages_result = self.loss_result = None
+        record = session.record
+        old_names = [reward_func_name(func) for func in user_reward_funcs(session.engine)]
+        old_weights = record.applied_config.get("reward_weights")
+        session.reward_funcs = listed  # checks every function first: a refusal changes nothing
+        session.config.reward_weights = weights
+        record.applied_config["reward_weights"] = None if weights is None else list(weights)
+        step = session.global_step + 1
+        new_names = [reward_func_name(func) for func in user_reward_funcs(session.engine)]
+        record.record_change("reward_funcs", old_names, new_names, step)
+        self._keep(record.config_changes)
+        record.record_change("reward_weights", old_weights, weights, step)
+        if session.scores is not None and session.batch_step == 0:
+            session.scores = session.advantages_result = session.loss_result = None
 
-    def _keep_swap_record(self) -> None:
-        """Keep the ``reward_funcs`` record ``use_rewards`` just made (if the names changed), so that
-        an ``undo()`` to before it, which puts the config back but not the functions, is told apart."""
-        swaps = getattr(self, "_reward_swaps", None)
-        if swaps is None:
-            swaps = self._reward_swaps = []
-            self.on(self._after_undo)
-        swaps[:] = [swap for swap in swaps if swap in self.config_changes]  # a record replaced before any stage
-        last = self.config_changes[-1] if self.config_changes else None
-        if last is not None and last["field"] == "reward_funcs" and last not in swaps:
-            swaps.append(dict(last))
+    def _keep(self, config_changes: list[dict]) -> None:
+        """Keep the ``reward_funcs`` record ``use_rewards`` just made (if the names changed)."""
+        self._swaps[:] = [swap for swap in self._swaps if swap in config_changes]  # a record replaced before any stage
+        last = config_changes[-1] if config_changes else None
+        if last is not None and last["field"] == "reward_funcs" and last not in self._swaps:
+            self._swaps.append(dict(last))
 
-    def _after_undo(self, event: str, step) -> None:
-        """After ``undo()``: warn where it went back to before a ``use_rewards`` (see there)."""
-        if event != "undo":
-            return
-        undone = [swap for swap in self._reward_swaps if swap not in self.config_changes]
+    def after_undo(self, session, step: int) -> None:
+        """After ``undo()`` to ``step``: warn where it went back to before a ``use_rewards`` (see there)."""
+        undone = [swap for swap in self._swaps if swap not in session.config_changes]
         if not undone:
             return
-        self._reward_swaps[:] = [swap for swap in self._reward_swaps if swap not in undone]
-        names, weights, back = ([reward_func_name(f) for f in user_reward_funcs(self.engine)],
-                                self.config.reward_weights, undone[0]["old"])
+        self._swaps[:] = [swap for swap in self._swaps if swap not in undone]
+        names, weights, back = ([reward_func_name(f) for f in user_reward_funcs(session.engine)],
+                                session.config.reward_weights, undone[0]["old"])
         refused = (f" The next advantages() refuses them: {len(weights)} weights for {len(names)} functions."
                    if weights is not None and len(weights) != len(names) else "")
         notices.warn(

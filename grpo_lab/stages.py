@@ -1,11 +1,12 @@
-"""The stage order of a GRPOSession and the guard every stage-driving call runs under.
+"""The stage order of a GRPOSession, the session's own random state, and the stage that comes next.
 
     generate -> score -> advantages -> loss -> update   (one optimizer step)
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import copy
 import threading
 
 from grpo_lab.state import rng_state, set_rng_state
@@ -32,7 +33,8 @@ def check_stage_order(session, stage: str) -> None:
             f"Call session.{session.next_stage}() first (or session.step() to finish the iteration)."
         )
     if stage == "update" and session.loss_result is None:
-        again = " The previous update() already used the last gradients." if session._last_stage == "update" else ""
+        again = (" The previous update() already used the last gradients." if session.record.last_stage == "update"
+                 else "")
         raise StageOrderError(
             f"update() needs the gradients of loss().{again} The next stage is {session.next_stage}(): "
             f"call session.{session.next_stage}() first."
@@ -50,37 +52,39 @@ def check_stage_order(session, stage: str) -> None:
         )
 
 
-def drives_stages(method):
-    """Run a session method under the session's owner guard (:mod:`grpo_lab.ownership`): the thread
-    that holds the session may nest calls; another thread's call raises SessionBusyError at once.
+class OwnRandomState:
+    """A session's own random states (Python, numpy, torch, CUDA): swapped into the process's
+    generators while a call of the session runs (:meth:`drawing`) and kept when it ends, so that
+    sessions in one process, a fork and its parent among them, draw what each would alone."""
 
-    The outermost call also swaps in the session's own random state and keeps it when it ends
-    (:meth:`GRPOSession.random_state`), so that sessions in one process, a fork and its parent among
-    them, draw what each would alone; before a stage the session may keep an undo point."""
-    name = method.__name__
-    now = f"stage {name}()" if name in STAGES else None
+    def __init__(self):
+        self.kept: dict | None = None  # None until the first call ends: the process's state is the session's
+        self.held = False  # a call of the session runs, with its state in the process's generators
 
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._owner.hold(call_text(name, args, kwargs), now=now, finishes_step=name == "update"):
-            if self._rng_held:  # a nested call: the outermost one holds the random state
-                return _call(self, name, method, args, kwargs)
-            with RANDOM_STATE_LOCK:  # another thread's session (arun) must not draw from it meanwhile
-                self._rng_held = True
-                try:
-                    if self._rng is not None:
-                        set_rng_state(self._rng)
-                    return _call(self, name, method, args, kwargs)
-                finally:
-                    self._rng, self._rng_held = rng_state(), False
+    @contextlib.contextmanager
+    def drawing(self):
+        """Run a block with the session's random state in the process's generators; a nested block
+        (a stage inside ``run``) runs in the outermost one's."""
+        if self.held:
+            yield
+            return
+        with RANDOM_STATE_LOCK:  # another thread's session (arun) must not draw from it meanwhile
+            self.held = True
+            try:
+                if self.kept is not None:
+                    set_rng_state(self.kept)
+                yield
+            finally:
+                self.kept, self.held = rng_state(), False
 
-    return wrapper
+    def current(self) -> dict:
+        """The session's random state: the process's while a call runs or before the first, else the kept one."""
+        return rng_state() if self.held or self.kept is None else copy.deepcopy(self.kept)
 
-
-def _call(session, name: str, method, args: tuple, kwargs: dict):
-    if name in STAGES:
-        session._before_stage()
-    return method(session, *args, **kwargs)
+    def adopt(self, state: dict) -> None:
+        """Make ``state`` the session's own from here (a loaded checkpoint's, or the one before a fork
+        was built, which drew from the process's generators)."""
+        self.kept = copy.deepcopy(state)
 
 
 def call_text(name: str, args: tuple, kwargs: dict) -> str:
@@ -90,3 +94,17 @@ def call_text(name: str, args: tuple, kwargs: dict) -> str:
         return text if len(text) <= 40 and "\n" not in text else "..."
 
     return f"session.{name}({', '.join([short(a) for a in args] + [f'{k}={short(v)}' for k, v in kwargs.items()])})"
+
+
+def run_next_stage(session) -> tuple[str, object]:
+    """Run the stage the session's batch needs next (``session.next_stage``); returns its name and result."""
+    stage = session.next_stage
+    if stage == "generate":
+        return stage, session.generate()
+    if stage == "score":
+        return stage, session.score()
+    if stage == "advantages":
+        return stage, session.advantages()
+    if stage == "loss":
+        return stage, session.loss()
+    return stage, session.update()

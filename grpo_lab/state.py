@@ -95,11 +95,10 @@ def _load_model_weights(engine, weights: dict[str, torch.Tensor]) -> None:
 def engine_counters(engine) -> dict:
     """The engine's state besides weights, optimizer and reference model: schedule, sampler, counters."""
     return {
-        "scheduler": engine.scheduler.state_dict(),
+        **engine.optimization.state_dict(),  # the schedule and the entropy weight
         "sampler": engine.sampler.state_dict(),
         "global_step": engine.global_step,
         "num_input_tokens_seen": engine.num_input_tokens_seen,
-        "entropy_control": {"coef": engine.entropy_coef, "last_step_entropy": engine.last_step_entropy},
         # which parameters a backward pass reaches, once known (skip_zero_advantage_backward)
         "trained_parameters": (None if engine.trained_parameter_names is None
                                else sorted(engine.trained_parameter_names)),
@@ -107,12 +106,10 @@ def engine_counters(engine) -> dict:
 
 
 def load_engine_counters(engine, state: dict) -> None:
-    engine.scheduler.load_state_dict(state["scheduler"])
+    engine.optimization.load_state_dict(state)
     engine.sampler.load_state_dict(state["sampler"])
     engine.global_step = state["global_step"]
     engine.num_input_tokens_seen = state["num_input_tokens_seen"]
-    control = state["entropy_control"]
-    engine.entropy_coef, engine.last_step_entropy = control["coef"], control["last_step_entropy"]
     if state["trained_parameters"] is not None:
         engine.trained_parameter_names = set(state["trained_parameters"])
 
@@ -159,18 +156,10 @@ def load_engine_state_dict(engine, state: dict) -> None:
 
 
 def session_records(session) -> dict:
-    """The session's own records: history, evaluations, completion log, config edits, and where it
-    stands in its batch."""
-    return {
-        "history": session._history,
-        "evaluations": session._evaluations,
-        "completion_log": session._completion_log,
-        "config_changes": session.config_changes,
-        "applied_config": session._applied_config,
-        "batch_step": session.batch_step,
-        "last_stage": session._last_stage,
-        "findings": session._doctor_records(),
-    }
+    """The session's own records: its run record (history, evaluations, completion log, config edits,
+    the last stage), where it stands in its batch, and its findings."""
+    return {**session.record.state_dict(), "batch_step": session.batch_step,
+            "findings": session.findings_record.state_dict()}
 
 
 def session_state_dict(session, *, copy_records=copy.deepcopy, with_reference: bool = True) -> dict:
@@ -196,11 +185,10 @@ def load_session_state_dict(session, state: dict) -> None:
     load_engine_state_dict(session.engine, state["engine"])
     set_rng_state(state["rng"])
     records = copy.deepcopy(state["records"])
-    session._history, session._completion_log = records["history"], records["completion_log"]
-    session._evaluations = records.get("evaluations", [])  # absent from a state dict made before they were kept
-    session.config_changes, session._applied_config = records["config_changes"], records["applied_config"]
-    session.batch_step, session._last_stage = records["batch_step"], records["last_stage"]
-    session._load_doctor_records(records.get("findings"))  # absent from a state dict made before findings were kept
+    session.record.load_state_dict(records)
+    session.batch_step = records["batch_step"]
+    # absent from a state dict made before findings were kept
+    session.findings_record.load_state_dict(records.get("findings"), session.record.last_step)
     for name, value in copy.deepcopy(state["config"]).items():
         setattr(session.config, name, value)
     session.rollout, session.scores, session.advantages_result = on_device(

@@ -328,7 +328,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         session, self.session = self.session, None
         self._events.detach(session)
         session.close()
-        if not session.engine.owns_optimizer:
+        if not session.engine.optimization.owns_optimizer:
             return session
         del session
         gc.collect()  # the engine and its generation backend refer to each other

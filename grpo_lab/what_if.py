@@ -1,7 +1,8 @@
 """What-if on a frozen batch: the advantages, loss and gradient each of several settings would give
-the session's scored batch, computed by the engine's own ``advantages`` and ``loss`` and then
-undone, so that the session is left bitwise as it was (weights, gradients, random state, pending
-batch, records).
+the session's scored batch, computed by the engine's own ``advantages`` and ``loss`` inside
+``engine.scratch()``, which undoes what they change, so that the session is left bitwise as it was
+(weights, gradients, random state, pending batch, records). Each setting starts from the same
+random state.
 
 For every setting: the loss and its gradient norm, the loss metrics it would log (entropy, kl, clip
 ratios...), its advantages' spread, and the cosine between every two settings' gradients; two
@@ -11,6 +12,7 @@ this batch whatever their formulas look like.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -182,7 +184,7 @@ def _lookahead(engine, rollout, result, advantages, before_BT: torch.Tensor, sta
     try:
         engine.update()
         with torch.no_grad():
-            after_BT = engine._batched_logprobs(engine.model, rollout).float().cpu()
+            after_BT = engine.batch_logprobs(engine.model, rollout).float().cpu()
     finally:
         load_engine_state_dict(engine, state)
     index_B = result.sample_index_B
@@ -226,9 +228,9 @@ def run_what_if(session, cases: list[dict], *, lookahead: bool = False) -> WhatI
     if lookahead:
         state = engine_state_dict(engine)
         with torch.no_grad():
-            before_BT = engine._batched_logprobs(engine.model, session.rollout).float().cpu()
+            before_BT = engine.batch_logprobs(engine.model, session.rollout).float().cpu()
     for case, config in zip(cases, configs):
-        with _restored(session, config) as sink:
+        with engine.scratch(config), _token_weights_kept(engine) as sink, _reference_kept(session.rollout):
             advantages = engine.advantages(session.scores)
             result = engine.loss(advantages, session.batch_step)
             gradient = _gradient(engine.model)
@@ -248,36 +250,23 @@ def run_what_if(session, cases: list[dict], *, lookahead: bool = False) -> WhatI
                   result.sample_index_B, ids, session.tokenizer)
 
 
-class _restored:
-    """Run a block with ``config`` as the engine's, then put back everything the engine's stages
-    change: the config, the entropy weight, gradients, which parameters a backward reaches, the held
-    step entropy, the batch's cached reference log-probs and the callback hook."""
-
-    def __init__(self, session, config):
-        self.session, self.config = session, config
-
-    def __enter__(self):
-        engine = self.engine = self.session.engine
-        rollout = self.session.rollout
-        self.saved = {
-            "config": engine.config, "entropy_coef": engine.entropy_coef, "step_events": engine.step_events,
-            "trained": engine.trained_parameter_names, "pending": getattr(engine, "_pending_step_entropy", None),
-            "ref": rollout.ref_logprobs_BT, "grads": [p.grad for p in engine.model.parameters()],
-        }
-        engine.config, engine.step_events = self.config, None
-        if self.config.entropy_coef != self.saved["config"].entropy_coef:
-            engine.entropy_coef = self.config.entropy_coef
-        engine.token_weight_sink = []
-        return engine.token_weight_sink
-
-    def __exit__(self, *exc):
-        engine, saved = self.engine, self.saved
-        engine.config, engine.entropy_coef = saved["config"], saved["entropy_coef"]
-        engine.step_events, engine.trained_parameter_names = saved["step_events"], saved["trained"]
+@contextlib.contextmanager
+def _token_weights_kept(engine):
+    """Have the engine's loss pass keep each token's weight in the gradient (the heatmap's), in a
+    list the block receives."""
+    engine.token_weight_sink = []
+    try:
+        yield engine.token_weight_sink
+    finally:
         engine.token_weight_sink = None
-        if saved["pending"] is not None or hasattr(engine, "_pending_step_entropy"):
-            engine._pending_step_entropy = saved["pending"]
-        self.session.rollout.ref_logprobs_BT = saved["ref"]
-        for parameter, grad in zip(engine.model.parameters(), saved["grads"]):
-            parameter.grad = grad
-        return False
+
+
+@contextlib.contextmanager
+def _reference_kept(rollout):
+    """Put back the batch's reference log-probs, which a loss pass under a case's ``beta`` may compute
+    and cache on the rollout."""
+    reference = rollout.ref_logprobs_BT
+    try:
+        yield
+    finally:
+        rollout.ref_logprobs_BT = reference

@@ -232,7 +232,8 @@ def test_values_a_checkpoint_cannot_hold_safely_never_make_it_unloadable(make_se
         target = session.save(tmp_path / "run")
     loaded = GRPOSession.load(target, reward_funcs=[logs_numpy_and_objects])
     assert loaded.next_stage == "generate" and loaded.history.equals(session.history)
-    assert loaded._completion_log[0]["judge"] == list(range(8)) and loaded._completion_log[0]["exact"] == ["1/3"] * 8
+    logged = loaded.record.completion_log[0]
+    assert logged["judge"] == list(range(8)) and logged["exact"] == ["1/3"] * 8
     loaded.step()
 
 

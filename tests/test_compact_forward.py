@@ -20,8 +20,10 @@ from transformers import (
 )
 
 from grpo_lab.accel import compact_forward
-from grpo_lab.accel.prefix_sharing import PrefixSharing, full_logits
+from grpo_lab.accel.prefix_sharing import PrefixSharing
+from grpo_lab.model_calls import full_logits
 from grpo_lab.models import load_tokenizer
+from tests.forward_paths import path_logits
 
 SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0)
@@ -29,7 +31,7 @@ SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hid
 
 def _dense_logits(model, batch, **kwargs):
     """(B, T, V) logits from ``PrefixSharing.logits``: zeros where the compact pass computes none."""
-    logits, slots_N = PrefixSharing().logits(model, *batch, **kwargs)
+    logits, slots_N = path_logits(PrefixSharing(), model, *batch, **kwargs)
     if slots_N is None:
         return logits
     B, T = batch[2].shape
@@ -75,7 +77,7 @@ def test_the_compact_pass_runs_no_position_that_predicts_padding(task, batch):
     rows = []
     model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
     with torch.no_grad():
-        logits_NV, slots_N = PrefixSharing().logits(model, *batch, compact=True)
+        logits_NV, slots_N = path_logits(PrefixSharing(), model, *batch, compact=True)
     prompt_ids, completion_mask = batch[0], batch[3]
     distinct = len(torch.unique(prompt_ids, dim=0))
     assert rows == [distinct + int((completion_mask.sum(1) - 1).sum())] == [3 + 3 * (5 + 0 + 2 + 4)]
@@ -95,7 +97,7 @@ def test_a_mask_with_a_hole_or_an_empty_completion_is_scored_right(task, batch):
     with torch.no_grad():
         for mask in (holed, empty):
             args = (prompt_ids, prompt_mask, completion_ids, mask)
-            logits, slots_N = PrefixSharing().logits(model, *args, compact=True)
+            logits, slots_N = path_logits(PrefixSharing(), model, *args, compact=True)
             expected = full_logits(model, *args)
             if mask is holed:
                 assert slots_N is None  # the two-call pass

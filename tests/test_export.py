@@ -747,3 +747,15 @@ def _notebook_cell(path):
     cell = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cell)
     return cell
+
+
+def test_a_credential_inside_an_f_string_is_refused_as_an_export_error(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells.append(nbformat.v4.new_code_cell(
+        f"# export\nheaders = {{'Authorization': f\"Bearer {OPENAI_KEY}\"}}\n"
+        "session = GRPOSession(model, [reward], args=config, train_dataset=data)"))
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    with pytest.raises(ExportError, match=r"An f-string \(cell 0, line 2\) holds what looks like a credential.*"
+                                          r"Assign it to a variable"):
+        export_notebook(tmp_path / "n.ipynb", tmp_path / "train.py")
+    assert not (tmp_path / "train.py").exists()

@@ -59,25 +59,36 @@ def test_build_time_parts_partition_the_build_time_fields():
     assert fields_of("run_length") == {"max_steps", "num_train_epochs"}
 
 
+class _Optimization:
+    """The optimization hooks apply_edits calls, recorded in ``calls``."""
+
+    def __init__(self, owns_scheduler, calls):
+        self.owns_scheduler, self.calls, self.entropy = owns_scheduler, calls, self
+
+    def rebuild_schedule(self, config, total_steps):
+        self.calls.append("rebuild_schedule")
+
+    def set_learning_rate(self, value, previous):
+        self.calls.append(("set_learning_rate", value, previous))
+
+    def restart(self, coef, *, forget_entropy):  # the entropy weight's
+        self.calls.append(("restart_entropy_weight", forget_entropy))
+
+    def apply_adamw_settings(self, config):
+        self.calls.append("apply_adamw_settings")
+
+
 class _Engine:
     """The engine hooks apply_edits calls, recorded."""
 
     ref_model, is_peft = None, False
 
     def __init__(self, owns_scheduler=True):
-        self.owns_scheduler, self.calls = owns_scheduler, []
+        self.calls = []
+        self.optimization = _Optimization(owns_scheduler, self.calls)
 
-    def rebuild_schedule(self):
-        self.calls.append("rebuild_schedule")
-
-    def set_learning_rate(self, value, previous):
-        self.calls.append(("set_learning_rate", value, previous))
-
-    def restart_entropy_weight(self, *, forget_entropy=False):
-        self.calls.append(("restart_entropy_weight", forget_entropy))
-
-    def apply_adamw_settings(self):
-        self.calls.append("apply_adamw_settings")
+    def total_steps(self):
+        return 10
 
     def router_aux_loss_weight(self):
         return 0.0

@@ -9,10 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from grpo_lab.accel import prefix_sharing
-from grpo_lab.accel.prefix_sharing import PrefixSharing, distinct_prompts, full_logits
+from grpo_lab.accel.prefix_sharing import PrefixSharing, distinct_prompts
+from grpo_lab.model_calls import full_logits
 from grpo_lab.models import enable_gradient_checkpointing, load_tokenizer, prepare_tokenizer
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
+from tests.forward_paths import path_logits
 
 GROUP = 4
 """Completions per prompt in the ``batch`` fixture (tests/conftest.py)."""
@@ -76,7 +78,8 @@ def test_shared_prompts_give_the_plain_logits_and_gradients_with_fewer_tokens(mo
     (plain, plain_grads), plain_tokens = counter.during(
         lambda: _logits_and_grads(model, lambda: full_logits(model, *batch), completion_ids, completion_mask))
     (shared, shared_grads), shared_tokens = counter.during(
-        lambda: _logits_and_grads(model, lambda: sharing.logits(model, *batch)[0], completion_ids, completion_mask))
+        lambda: _logits_and_grads(model, lambda: path_logits(sharing, model, *batch)[0], completion_ids,
+                                  completion_mask))
 
     assert (plain_tokens, shared_tokens) == _expected_tokens(batch)
     mask = completion_mask.bool()
@@ -99,7 +102,7 @@ def test_every_batch_takes_the_same_two_calls(model, batch):
     with torch.no_grad():
         for args in (batch, one_token, one_each):
             before = counter.calls
-            shared = sharing.logits(model, *args)[0]
+            shared = path_logits(sharing, model, *args)[0]
             assert counter.calls - before == 2
             torch.testing.assert_close(shared, full_logits(model, *args), atol=1e-5, rtol=1e-5)
 
@@ -111,11 +114,11 @@ def test_gradient_checkpointing_in_training_mode_runs_the_plain_pass(model, batc
     enable_gradient_checkpointing(model, {"use_reentrant": False})
     sharing = PrefixSharing()
     with torch.no_grad():
-        logits, tokens = counter.during(lambda: sharing.logits(model, *batch)[0])
+        logits, tokens = counter.during(lambda: path_logits(sharing, model, *batch)[0])
         torch.testing.assert_close(logits, full_logits(model, *batch))
         assert tokens == plain
         model.eval()  # no checkpointing in eval mode: shared again
-        assert counter.during(lambda: sharing.logits(model, *batch)[0])[1] == shared
+        assert counter.during(lambda: path_logits(sharing, model, *batch)[0])[1] == shared
 
 
 def test_torch_checkpoint_wrappers_and_randomness_in_training_mode_run_the_plain_pass(model, batch):
@@ -124,7 +127,7 @@ def test_torch_checkpoint_wrappers_and_randomness_in_training_mode_run_the_plain
     model, counter = model
     plain, shared = _expected_tokens(batch)
     sharing = PrefixSharing()
-    tokens = lambda: counter.during(lambda: sharing.logits(model, *batch)[0])[1]  # noqa: E731
+    tokens = lambda: counter.during(lambda: path_logits(sharing, model, *batch)[0])[1]  # noqa: E731
     layers = model.model.layers
     original = layers[0]
     layers[0] = checkpoint_wrapper(original)  # what accelerate's FSDP activation checkpointing does
@@ -146,7 +149,7 @@ def test_torch_checkpoint_wrappers_and_randomness_in_training_mode_run_the_plain
 def test_sharing_off_runs_the_plain_pass(model, batch):
     model, counter = model
     with torch.no_grad():
-        _, tokens = counter.during(lambda: PrefixSharing().logits(model, *batch, enabled=False)[0])
+        _, tokens = counter.during(lambda: path_logits(PrefixSharing(), model, *batch, enabled=False)[0])
     assert tokens == _expected_tokens(batch)[0]
 
 
@@ -158,11 +161,11 @@ def test_a_sliding_window_cache_is_not_shared_and_the_reason_is_kept(batch):
     counter = TokenCounter(model)
     sharing = PrefixSharing()
     with torch.no_grad(), pytest.warns(UserWarning, match="sharing is off for this model: .*DynamicSlidingWindowLayer"):
-        logits = sharing.logits(model, *batch)[0]
+        logits = path_logits(sharing, model, *batch)[0]
     with torch.no_grad():
         torch.testing.assert_close(logits, full_logits(model, *batch))
         assert "DynamicSlidingWindowLayer" in sharing.disabled_reason[id(model)]
-        _, tokens = counter.during(lambda: sharing.logits(model, *batch)[0])
+        _, tokens = counter.during(lambda: path_logits(sharing, model, *batch)[0])
     assert tokens == _expected_tokens(batch)[0]  # no second attempt at the shared pass
 
 
@@ -275,8 +278,8 @@ def test_rotary_scaling_that_depends_on_the_call_length_runs_the_plain_pass(monk
     )
     with torch.no_grad():
         plain = full_logits(*args)
-        assert torch.equal(sharing.logits(*args, compact=True)[0], plain)
+        assert torch.equal(path_logits(sharing, *args, compact=True)[0], plain)
     monkeypatch.setattr(prefix_sharing, "_length_dependent_rope", lambda model: None)
     with torch.no_grad():  # what sharing would have given: the prompt alone runs in a call of its own
-        shared = sharing.logits(*args)[0]
+        shared = path_logits(sharing, *args)[0]
     assert (shared - plain).abs().max() > 1e-4

@@ -250,13 +250,13 @@ def test_adaptive_entropy_weight_follows_the_target_and_survives_save_and_load(
     # Entropy at most the target (100 nats): up by delta every step. Above it (0): the weight falls
     # to entropy_coef_min and the bonus is off from the second step on.
     assert session.history["entropy_coef"].tolist() == pytest.approx(applied)
-    assert session.engine.entropy_coef == pytest.approx(internal)
-    assert session.engine.last_step_entropy == pytest.approx(session.history["entropy"].iloc[-1], rel=1e-5)
+    entropy = session.engine.optimization.entropy
+    assert entropy.coef == pytest.approx(internal)
+    assert entropy.last_step_entropy == pytest.approx(session.history["entropy"].iloc[-1], rel=1e-5)
     from grpo_lab import GRPOSession
 
     restored = GRPOSession.load(session.save(tmp_path / "saved"))
-    assert restored.engine.entropy_coef == session.engine.entropy_coef
-    assert restored.engine.last_step_entropy == session.engine.last_step_entropy
+    assert restored.engine.optimization.entropy.state_dict() == entropy.state_dict()
     session.config.use_adaptive_entropy = False  # back to the static weight, not the adapted one
     session.step()
     assert session.history["entropy_coef"].iloc[-1] == pytest.approx(0.02)

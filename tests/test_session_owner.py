@@ -53,7 +53,7 @@ def test_the_owning_thread_nests_its_calls_and_busy_idle_come_once_per_outermost
     stages = ["generate", "score", "advantages", "loss", "update"]
     assert events == [("busy", "session.run(2), started by a cell: step 1 of 2"), *stages, *stages, ("idle", None)]
     # busy and idle are not stages: only the ten stages count, and the last stage stays update
-    assert session._stages_run == 10 and session._last_stage == "update"
+    assert session.record.stages_run == 10 and session.record.last_stage == "update"
 
     events.clear()
     with session.hold("a loop in a cell", steps=2):

@@ -10,11 +10,11 @@ from tests.golden.runs import weights_digest
 
 
 def _rows(session, first):
-    return [{k: v for k, v in row.items() if k != "step_time"} for row in session._history[first:]]
+    return [{k: v for k, v in row.items() if k != "step_time"} for row in session.record.history[first:]]
 
 
 def _continue(session, steps):
-    first = len(session._history)
+    first = len(session.record.history)
     for _ in range(steps):
         session.step()
     return _rows(session, first), weights_digest(session.model)

@@ -190,7 +190,7 @@ def test_the_log_keeps_what_a_prompt_group_shares_once(make_session, tmp_path):
 
     session = make_session(reward_funcs=[recorder, format_reward])
     session.run(2, progress=False)
-    (prompts, answer), inputs = seen[0], session._completion_log[0][REWARD_INPUTS]
+    (prompts, answer), inputs = seen[0], session.record.completion_log[0][REWARD_INPUTS]
     assert inputs["prompts"] == {"per_group": [prompts[0], prompts[4]]} and isinstance(prompts[0], list)
     assert inputs["columns"]["answer"] == {"per_group": [answer[0], answer[4]]}
     in_training = list(seen)
@@ -202,12 +202,13 @@ def test_the_log_keeps_what_a_prompt_group_shares_once(make_session, tmp_path):
 def test_history_leaves_out_a_batch_logged_without_the_inputs_with_a_warning(make_session):
     session = make_session()
     session.run(2, progress=False)
-    session._completion_log[0] = shown_columns(session._completion_log[0])  # as an earlier release logged it
+    log = session.record.completion_log
+    log[0] = shown_columns(log[0])  # as an earlier release logged it
     with pytest.warns(UserWarning, match=r"1 logged batch\(es\) were logged without the reward functions' inputs "
                                          r"\(by an earlier grpo_lab\) and are left out"):
         trial = session.try_rewards(correctness_reward, on="history")
     assert trial.completions["step"].tolist() == [2] * 8
-    session._completion_log[1] = shown_columns(session._completion_log[1])
+    session.record.completion_log[1] = shown_columns(session.record.completion_log[1])
     with pytest.raises(StageOrderError, match="none that kept the reward functions' inputs.*earlier grpo_lab"):
         session.try_rewards(correctness_reward, on="history")
 
@@ -241,14 +242,14 @@ def test_try_rewards_changes_nothing_in_the_session(make_session):
     session.run(2, progress=False)
     session.generate(), session.score()
     before = (_weights(session), session.random_state(), session.rollout, session.scores,
-              session.scores.rewards_BF.clone(), _history(session), list(session._completion_log),
-              copy.deepcopy(session._completion_log), list(session.reward_funcs), session.config.to_dict(),
+              session.scores.rewards_BF.clone(), _history(session), list(session.record.completion_log),
+              copy.deepcopy(session.record.completion_log), list(session.reward_funcs), session.config.to_dict(),
               list(session.config_changes), session.next_stage)
     session.try_rewards([draws, constant_reward], on="batch")
     session.try_rewards(draws, on="history")
     after = (_weights(session), session.random_state(), session.rollout, session.scores,
-             session.scores.rewards_BF, _history(session), list(session._completion_log),
-             session._completion_log, list(session.reward_funcs), session.config.to_dict(),
+             session.scores.rewards_BF, _history(session), list(session.record.completion_log),
+             session.record.completion_log, list(session.reward_funcs), session.config.to_dict(),
              list(session.config_changes), session.next_stage)
     assert _same(after[:2], before[:2]) and after[2] is before[2] and after[3] is before[3]
     assert _same(after[4], before[4]) and after[5].equals(before[5])

@@ -22,6 +22,7 @@ import torch
 
 from grpo_lab import GRPOConfig, ops
 from grpo_lab.engine_loss import LossStage
+from grpo_lab.optimization import EntropyWeight
 from grpo_lab.types import Advantages, Rollout, Scores
 
 MICRO_BATCH, T = 4, 6
@@ -69,8 +70,9 @@ class _LossEngine(LossStage):
         self.config, self.accelerator = config, accelerator
         self.model = self.unwrapped_model = scores
         self.optimizer = torch.optim.SGD(scores.parameters(), lr=0.0)
+        self.optimization = SimpleNamespace(optimizer=self.optimizer, entropy=EntropyWeight(config.entropy_coef))
         self.batching = SimpleNamespace(steps_per_generation=config.gradient_accumulation_steps)
-        self.entropy_coef, self.last_step_entropy, self.trained_parameter_names = config.entropy_coef, None, None
+        self.trained_parameter_names = None
         self._routes_to_experts = False
 
     def logprobs_and_aux_loss(self, model, rollout, index_B, *, with_entropy, entropy_grad=False,

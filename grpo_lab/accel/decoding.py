@@ -37,7 +37,8 @@ from transformers import (
 )
 
 from grpo_lab.accel import compact_forward
-from grpo_lab.accel.prefix_sharing import distinct_prompts, position_ids
+from grpo_lab.accel.prefix_sharing import distinct_prompts
+from grpo_lab.model_calls import position_ids
 
 
 _SAMPLING_FIELDS = {

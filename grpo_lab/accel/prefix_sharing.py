@@ -33,11 +33,10 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import notices
-from grpo_lab.accel import SpeedPaths
+from grpo_lab.model_calls import position_ids, without_router_loss
 from grpo_lab.models import CACHE, config_settings
-from grpo_lab.policy_forward import completion_logits, full_logits, position_ids, without_router_loss
 
-__all__ = ["PrefixSharing", "distinct_prompts", "full_logits", "position_ids"]
+__all__ = ["PrefixSharing", "distinct_prompts"]
 
 
 def distinct_prompts(prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,19 +104,6 @@ class PrefixSharing:
             notices.warn(f"Prompt prefix sharing is off for this model: {reason}. The plain pass runs.")
             return None
         return out
-
-    def logits(
-        self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *, enabled: bool = True,
-        compact: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``grpo_lab.policy_forward.completion_logits`` with this ``PrefixSharing``: ``(logits_BTV,
-        None)``, the values of ``full_logits``, or with ``compact``, where ``compact_forward`` supports
-        the model, ``compact_logits``' ``(logits_NV, slots_N)``. ``enabled=False`` always runs the
-        plain pass."""
-        return completion_logits(
-            model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT,
-            speed_paths=SpeedPaths(prefix_sharing=self), share_prompt_prefix=enabled, compact_forward=compact,
-        )[:2]
 
     def shared_logits(self, model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT):
         """(B, T, V) logits predicting the completion tokens, from two calls of transformers' forward:

@@ -13,14 +13,24 @@ import ast
 import io
 import re
 import tokenize
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from grpo_lab.credentials.recognition import (
     PASSWORD_IN_URL, SCHEME, SECRET_SHAPES, credential_name, is_placeholder, secret_in,
 )
 
-if TYPE_CHECKING:
-    from grpo_lab.credentials.secrets import Secrets
+
+class CredentialInCodeError(ValueError):
+    """Code holds a credential that no read of an environment variable can stand in for (inside an
+    f-string); an export reports it as its own ``ExportError``."""
+
+
+class Secrets(Protocol):
+    """What the scrubbing records its replacements in (``grpo_lab.credentials.Secrets``)."""
+
+    found: list[tuple[str, str]]
+
+    def expression(self, value: str, name: str | None, label: str, optional: bool = False) -> str | None: ...
 
 _ENVIRONMENT_READS = frozenset({
     "os.getenv", "getenv", "os.environ.get", "environ.get", "os.environ.setdefault", "environ.setdefault",
@@ -52,9 +62,7 @@ def scrub_code(secrets: Secrets, code: str, where) -> str:
         name = names.get(id(node))
         if id(node) in in_fstrings:
             if secret_in(node.value, name) is not None:
-                from grpo_lab.export.errors import ExportError  # the export's own error; export imports this package
-
-                raise ExportError(
+                raise CredentialInCodeError(
                     f"An f-string ({where(node.lineno)}) holds what looks like a credential, which the script "
                     "must not contain. Assign it to a variable and use the variable in the f-string: the export "
                     "then writes a read of an environment variable in its place."

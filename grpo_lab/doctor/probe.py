@@ -1,7 +1,8 @@
 """The doctor's probe: one generation batch, scored, with advantages and one loss pass (no update),
 run by the engine's own stages and then undone, and the rules read over it.
 
-What the stages change is put back: the random states (so the probe draws the batch the next
+What the stages change is put back by ``engine.scratch()`` (:meth:`grpo_lab.engine.Engine.scratch`):
+the random states (so the probe draws the batch the next
 ``generate()`` would, and that ``generate()`` still draws it), the prompt sampler's position and the
 engine's counters (:func:`grpo_lab.state.engine_counters`), every parameter's gradient (the very
 tensors: a ``loss()`` the session holds for its next ``update()`` keeps its gradients), the entropy
@@ -15,8 +16,6 @@ counter, a log file) are theirs.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 from dataclasses import dataclass
 
@@ -27,7 +26,6 @@ from grpo_lab.doctor.findings import Finding, Findings
 from grpo_lab.doctor.thresholds import DEFAULTS, Thresholds, resolve
 from grpo_lab.rollout.batch import eos_token_ids
 from grpo_lab.rollout.prompts import is_conversational
-from grpo_lab.state import engine_counters, load_engine_counters, rng_state, set_rng_state
 from grpo_lab.types import Advantages, LossResult
 
 
@@ -41,42 +39,6 @@ class Probe:
     memory: memory.MemoryReading
 
 
-@contextlib.contextmanager
-def _fresh_environments(engine):
-    """Let the probe draw environment instances of its own (the pool starts empty, so every one is
-    built new), and give the run its pool and its batch's instances back after."""
-    environments = engine.environments
-    if environments is None:
-        yield
-        return
-    pool, batch = environments.pool, environments.batch
-    environments.pool = {name: [] for name in pool}
-    try:
-        yield
-    finally:
-        environments.pool, environments.batch = pool, batch
-
-
-@contextlib.contextmanager
-def engine_left_as_it_was(engine):
-    """Run a block of engine stages short of ``update()``, then put back what they change (see the
-    module docstring)."""
-    parameters = list(engine.model.parameters())
-    saved = (rng_state(), copy.deepcopy(engine_counters(engine)), [p.grad for p in parameters], engine.step_events,
-             engine.trained_parameter_names, engine._pending_step_entropy, engine.published_version)
-    engine.step_events = None  # the trainer's callbacks must not see the probe's micro-batches
-    try:
-        with _fresh_environments(engine):
-            yield
-    finally:
-        random, counters, grads, engine.step_events, trained, engine._pending_step_entropy, published = saved
-        load_engine_counters(engine, counters)
-        engine.trained_parameter_names, engine.published_version = trained, published
-        for parameter, grad in zip(parameters, grads):
-            parameter.grad = grad
-        set_rng_state(random)
-
-
 def _grad_norm(model) -> float:
     norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
     return float(torch.stack(norms).norm()) if norms else 0.0
@@ -85,7 +47,7 @@ def _grad_norm(model) -> float:
 def run_probe(engine) -> Probe:
     """Generate, score, compute advantages and one loss pass (the batch's first optimizer step) on
     ``engine``, which is left as it was; the memory taken is measured over the whole."""
-    with engine_left_as_it_was(engine), memory.MemoryWatch(engine.accelerator.device) as watch:
+    with engine.scratch(), memory.MemoryWatch(engine.accelerator.device) as watch:
         rollout = engine.generate()
         watch.sample()
         advantages = engine.advantages(engine.score(rollout))
@@ -102,7 +64,7 @@ def diagnose(engine) -> Findings:
     thresholds = resolve(engine.config.doctor_thresholds)
     try:
         probe = run_probe(engine)
-    except Exception as error:  # the engine is left as it was (run_probe's context restores it)
+    except Exception as error:  # the engine is left as it was (engine.scratch() restores it)
         if not memory.is_out_of_memory(error):
             raise
         config = engine.config
@@ -183,8 +145,7 @@ def stopping_ids(engine) -> set[int]:
 def resource_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
     """The memory forecast and, with vLLM, the trainer/vLLM log-prob gap."""
     rollout = probe.advantages.scores.rollout
-    counted = engine._prompt_tokens if engine._prompt_tokens_source is engine.train_dataset else None
-    longest_prompt = max([*(counted or []), int(rollout.prompt_mask_BP.sum(1).max())])
+    longest_prompt = max([*(engine.counted_prompt_tokens() or []), int(rollout.prompt_mask_BP.sum(1).max())])
     probe_length = rollout.prompt_ids_BP.shape[1] + rollout.completion_ids_BT.shape[1]
     findings = memory.memory_forecast(
         probe.memory, probe_length=probe_length, worst_length=longest_prompt + engine.config.max_completion_length,

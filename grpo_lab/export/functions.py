@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 from grpo_lab.credentials import Secrets
-from grpo_lab.export.errors import ExportError
+from grpo_lab.export.errors import ExportError, scrubbed_code
 
 
 def _literal(value) -> bool:
@@ -90,7 +90,7 @@ def _dependencies(func, imports: dict[str, str], definitions: dict[str, str], la
 
 def _scrubbed_source(func, label: str, secrets: Secrets) -> str:
     """The source of ``func`` with every credential in it read from the environment."""
-    return secrets.scrub_code(_function_source(func, label), lambda line: f"function {func.__name__}, line {line}")
+    return scrubbed_code(secrets, _function_source(func, label), lambda line: f"function {func.__name__}, line {line}")
 
 
 def _nested_names(code) -> set[str]:

@@ -18,7 +18,7 @@ from grpo_lab.credentials import Secrets
 from grpo_lab.export.config_edits import (
     check_no_alias_edit, check_no_session_use, config_argument, folded_config_edits, session_call,
 )
-from grpo_lab.export.errors import ExportError
+from grpo_lab.export.errors import ExportError, scrubbed_code
 from grpo_lab.export.notebook_cells import ExportedCells, exported_cells
 from grpo_lab.export.scopes import undefined_names
 from grpo_lab.export.script_file import HEADER, writing
@@ -33,7 +33,7 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
     # A string that holds a credential (API_KEY = "sk-...", token="hf_...") becomes a read of the
     # environment, on the same lines: positions in cells stay true.
     secrets = Secrets()
-    code = secrets.scrub_code(cells.code, lambda at: "cell {}, line {}".format(*cells.where(at)))
+    code = scrubbed_code(secrets, cells.code, lambda at: "cell {}, line {}".format(*cells.where(at)))
     provided = {"os"} if secrets.values else set()  # the script imports os for those reads
     tree = ast.parse(code)
     assign, call = session_call(tree, lambda at: "cell {} line {}".format(*cells.where(at)))

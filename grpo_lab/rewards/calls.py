@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from grpo_lab.rollout.prompts import is_conversational
+from grpo_lab.chat import is_conversational
+from grpo_lab.coroutines import run_coroutines
 
 
 @torch.no_grad()
@@ -37,23 +38,6 @@ def score_with_model(model, tokenizer, prompts, completions) -> list[float]:
     encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
     encoded = {k: v.to(model.device) for k, v in encoded.items()}
     return model(**encoded).logits[:, 0].float().tolist()
-
-
-def run_coroutines(coroutines):
-    """Await coroutines concurrently, also from inside a running event loop (Jupyter)."""
-
-    async def gather():
-        return await asyncio.gather(*coroutines)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(value=asyncio.run(gather())))
-    thread.start()
-    thread.join()
-    return outcome["value"]
 
 
 def fresh(value):

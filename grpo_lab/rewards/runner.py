@@ -35,7 +35,6 @@ import torch
 from grpo_lab import notices
 from grpo_lab.config import REWARD_TIMEOUT
 from grpo_lab.rewards.calls import Outcome, call_all, find_failing_sample, make_call
-from grpo_lab.rewards.calls import run_coroutines as run_coroutines  # where grpo_lab.rollout.tools imports it
 
 
 class RewardFunctionError(RuntimeError):

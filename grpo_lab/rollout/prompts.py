@@ -17,14 +17,7 @@ import json
 import weakref
 from typing import Any
 
-
-def is_conversational(prompt: Any) -> bool:
-    """True for a list of chat messages (dicts with ``role`` and ``content``)."""
-    return (
-        isinstance(prompt, list)
-        and len(prompt) > 0
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
-    )
+from grpo_lab.chat import is_conversational
 
 
 def prompt_problem(prompt: Any) -> str | None:

@@ -19,7 +19,7 @@ import inspect
 import torch
 
 from grpo_lab import dist, notices
-from grpo_lab.rewards.runner import run_coroutines
+from grpo_lab.coroutines import run_coroutines
 from grpo_lab.rollout.prompts import is_conversational, render_prompts
 from grpo_lab.rollout.response_formats import FORMATS, known_response_template
 

@@ -40,9 +40,9 @@ def current(run: Run) -> Run:
 
 
 def _read(run, position: int) -> Run:
-    from grpo_lab.session_experiments import SessionExperiments  # GRPOSession's; its own module imports views
+    from grpo_lab.run_record import RunRecord
 
-    if isinstance(run, SessionExperiments):
+    if isinstance(getattr(run, "record", None), RunRecord):  # a session (or a fork): it keeps a run record
         return Run(getattr(run, "name", None) or "", source="session", session=run, **_session_parts(run))
     if isinstance(run, (str, os.PathLike)):
         return _read_directory(Path(run))
@@ -51,7 +51,7 @@ def _read(run, position: int) -> Run:
 
 def _session_parts(session) -> dict:
     return {
-        "rows": list(session._history),  # a copy: a training thread appends to the session's list
+        "rows": list(session.record.history),  # a copy: a training thread appends to the session's list
         "config": session.config.to_dict(),
         "fork_point": getattr(session, "fork_point", None),
     }

@@ -34,7 +34,7 @@ class CurvesView(View):
     def _nonzero_advantage(self) -> tuple[np.ndarray, np.ndarray]:
         """The learning-signal share per scored batch, computed once per batch: a log entry is never
         changed, but undo() (or loading a state) puts new entries in place of old ones."""
-        log = self.session._completion_log
+        log = self.session.record.completion_log
         for position, entry in enumerate(log):
             if self._shares.get(position, (None,))[0] is not entry:
                 steps, shares = curve_data.nonzero_advantage_share([entry])
@@ -53,7 +53,8 @@ class CurvesView(View):
         )
         self.curves = curve_data.curve_panels(
             history, self.smoothing.value, nonzero_advantage=self._nonzero_advantage(), loss_zero=loss_zero,
-            config_changes=session.config_changes, absent=curve_data.absent_steps(session._history, history.columns),
+            config_changes=session.config_changes,
+            absent=curve_data.absent_steps(session.record.history, history.columns),
             evaluations=session.evaluations,
         )
         self.figure.show_curves(self.curves, EMPTY)
