@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from grpo_lab import notices
-from grpo_lab.dist import load_full_state, load_optimizer_state
 from grpo_lab.safe_write import PARTIAL_MARKER, check_target, first_process, recover_interrupted_write
 from grpo_lab.state import FORMAT_VERSION, check_format_version, engine_counters, load_engine_counters, set_rng_state
 
@@ -151,7 +150,7 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], g
     """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is, and
     so is ``per_process``, each process's own state (its random state under "rng") in rank order.
     ``gathered``: the model's, optimizer's and reference model's whole state dicts when they are
-    sharded (from ``dist.full_model_state``, ``dist.full_optimizer_state`` and ``dist.full_state``),
+    sharded (from the layout's ``full_model_state``, ``full_optimizer_state`` and ``full_state``),
     else None in their places."""
     model_state, optimizer_state, ref_state = gathered
     if ref_state is None and engine.ref_model is not None:
@@ -286,12 +285,11 @@ def own_process_state(state: dict, process_index: int, num_processes: int) -> di
 def restore_engine(engine, state: dict, rng: dict | None) -> None:
     """Load ``state`` into ``engine``, with ``rng`` this process's random state (None: seed it afresh
     from ``config.seed`` and its rank, as a new run does)."""
-    load_optimizer_state(
-        engine.accelerator, engine.model, engine.optimizer, state["optimizer"], by_name=state["optimizer_by_name"]
-    )
+    engine.layout.load_optimizer_state(engine.model, engine.optimizer, state["optimizer"],
+                                       by_name=state["optimizer_by_name"])
     load_engine_counters(engine, state)
     if state["ref_model"] is not None and engine.ref_model is not None:
-        load_full_state(engine.accelerator, engine.ref_model, state["ref_model"])
+        engine.layout.load_full_state(engine.ref_model, state["ref_model"])
     if rng is not None:
         set_rng_state(rng)
     else:

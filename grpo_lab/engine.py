@@ -33,6 +33,7 @@ from grpo_lab.config import GRPOConfig
 from grpo_lab.engine_evaluation import EvaluationStage
 from grpo_lab.engine_generation import GenerationStage
 from grpo_lab.engine_loss import LossStage
+from grpo_lab.layout import layout_for
 from grpo_lab.metrics import generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.models import routes_to_experts
 from grpo_lab.optimization import Optimization, optimizer_for
@@ -54,6 +55,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
         self.config = config = build.checked_config(model, args, train_dataset, eval_dataset, reward_funcs,
                                                     rollout_func, environment_factory)
         self.accelerator = build.start_accelerator(config)
+        self.layout = layout_for(self.accelerator)  # how the model's state lies over the processes
         self.speed_paths = SpeedPaths(quiet=not self.accelerator.is_main_process)
         self.batching = config.resolve(self.accelerator.num_processes)
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
@@ -74,7 +76,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
             policy, optimizer_for(policy, config) if given_optimizer is None else given_optimizer)
         self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
-            self.ref_model = dist.shard_frozen_copy(self.accelerator, self.ref_model)
+            self.ref_model = self.layout.shard_frozen_copy(self.ref_model)
         self.given_eval_dataset, self.eval_dataset = eval_dataset, build.named_eval_dataset(eval_dataset)  # given; read
         self.tools, self.custom_rollout, self.environments, train_dataset = build.custom_rollout(
             rollout_func, tools, environment_factory, self.tokenizer, self.unwrapped_model, train_dataset, config,
@@ -305,7 +307,7 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         if self.ref_model is not None:
             logprobs = self.batch_logprobs(self.ref_model, rollout)
-            dist.reshard(self.ref_model)  # FSDP: back to its shards, as TR-DPO mixing and memory want
+            self.layout.reshard(self.ref_model)  # FSDP: back to its shards, as TR-DPO mixing and memory want
             return logprobs
         with self.unwrapped_model.disable_adapter():  # PEFT: the base model is the reference
             return self.batch_logprobs(self.model, rollout)
@@ -360,13 +362,8 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
         learning_rate = self.optimizer.param_groups[0]["lr"]
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        if dist.sharding(self.accelerator) == "deepspeed":  # its engine clips and steps in one call
-            self._step_event("on_pre_optimizer_step")
-            grad_norm, skipped = zero.step(self.model)
-        else:
-            grad_norm = float(self.accelerator.clip_grad_norm_(parameters, max_norm))
-            skipped = not math.isfinite(grad_norm)
-            self._step_event("on_pre_optimizer_step")
+        grad_norm, skipped = self.layout.clip_gradients(
+            self.model, parameters, max_norm, clipped=lambda: self._step_event("on_pre_optimizer_step"))
         if not skipped:
             self.optimizer.step()  # under DeepSpeed a no-op, which tells the scheduler that a step was taken
         self._step_event("on_optimizer_step")

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from grpo_lab import dist, notices, zero
 from grpo_lab.config import GRPOConfig
 from grpo_lab.config_trainer_args import record_stream_dispatch
+from grpo_lab.layout import layout_for
 from grpo_lab.models import (
     cast_lm_head_to_fp32,
     check_model_reference,
@@ -148,7 +149,7 @@ def checked_config(model, args, train_dataset, eval_dataset, reward_funcs, rollo
 def start_accelerator(config: GRPOConfig):
     """The run's ``accelerate.Accelerator``, with the settings that depend on its device made."""
     accelerator = dist.make_accelerator(config.resolved_precision(), use_cpu=config.use_cpu)
-    dist.prepare_settings(accelerator, config)
+    layout_for(accelerator).prepare_settings(config)
     if not config.use_vllm:
         check_cache_device(config.cache_implementation, accelerator.device)
     if config.keep_freed_cpu_memory and accelerator.device.type == "cpu":
@@ -305,7 +306,7 @@ def cast_head_to_fp32(policy, accelerator) -> None:
     weights are not float32."""
     cast_lm_head_to_fp32(policy)
     half = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
-    if half and dist.sharding(accelerator) == "fsdp" and accelerator.mixed_precision == "no":
+    if half and layout_for(accelerator).one_dtype_per_shard and accelerator.mixed_precision == "no":
         raise ValueError(
             f"cast_lm_head_to_fp32=True under FSDP without mixed precision, on {', '.join(half)} weights: FSDP "
             "shards the output layer with the final norm and needs one dtype among the trainable parameters it "

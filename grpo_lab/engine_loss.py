@@ -59,7 +59,7 @@ class LossStage:
         if config.beta > 0 and rollout.ref_logprobs_BT is None:  # beta switched on after this batch was sampled
             rollout.ref_logprobs_BT = self._reference_logprobs_autocast(rollout)
         aux_weight = self.router_aux_loss_weight()  # raises before any gradient is touched
-        dist.clear_gradients(self.accelerator, self.model, self.optimizer)
+        self.layout.clear_gradients(self.model, self.optimizer)
         micro_batches = self.step_indices(batch_step)
         step_index = torch.cat(micro_batches)
         loss_mask_BT, normalizer = self._loss_mask_and_normalizer(rollout, step_index)
@@ -81,7 +81,7 @@ class LossStage:
                 if skip:
                     not_finite |= not _finite_zero_gradient(step.loss, step.out.ratio_BT, step.mask_BT)
                 else:
-                    dist.backward(self.accelerator, self.model, step.loss, last=sync)
+                    self.layout.backward(self.model, step.loss, last=sync)
             skipped += skip
             if config.use_adaptive_entropy:
                 kept_entropy = (step.entropies_BT.detach() * step.kept_BT).sum()
@@ -128,7 +128,7 @@ class LossStage:
         are averaged or gathered in it (several processes, FSDP), and where no backward pass has run
         yet that says which parameters it reaches (``skipped`` of the ``k`` before it were skipped)."""
         return zero_K is not None and zero_K[k] and (
-            not last or (self._whole_model_here() and (skipped < k or self.trained_parameter_names is not None))
+            not last or (self.layout.whole_model_here() and (skipped < k or self.trained_parameter_names is not None))
         )
 
     def _hold_step_entropy(self, entropy_stats: list[torch.Tensor]) -> None:
@@ -216,7 +216,7 @@ class LossStage:
                 or self.accelerator.distributed_type == DistributedType.DEEPSPEED or self._routes_to_experts):
             return None
         zero_K = torch.stack([~advantages.advantages_B[index_B].any() for index_B in micro_batches])
-        if dist.sharding(self.accelerator) == "fsdp":
+        if self.layout.backward_gathers:
             every_K = dist.gather(self.accelerator, zero_K.to(self.accelerator.device))
             zero_K = every_K.view(-1, len(micro_batches)).all(0)
         return zero_K.tolist()
@@ -230,10 +230,6 @@ class LossStage:
     def router_aux_loss_weight(self) -> float:
         """The weight of the policy's load-balancing loss now (``models.router_aux_loss_weight``)."""
         return router_aux_loss_weight(self.unwrapped_model, self.config.router_aux_loss_coef)
-
-    def _whole_model_here(self) -> bool:
-        """One process holding the whole model, so that a backward pass moves no gradient elsewhere."""
-        return self.accelerator.num_processes == 1 and dist.sharding(self.accelerator) != "fsdp"
 
     def _complete_gradients(self, *, none_ran: bool, not_finite: bool) -> None:
         """Record which parameters a backward pass reaches (once). When no micro-batch of the step ran

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_lab import dist, notices
+from grpo_lab import notices
 from grpo_lab.stages import StageOrderError
 from grpo_lab.state import load_session_state_dict, on_device, rng_state, session_state_dict, set_rng_state
 from grpo_lab.what_if import WhatIf, run_what_if, settings_grid
@@ -123,7 +123,7 @@ class UndoRing:
         of the state) or after a snapshot failed; else ``config.undo_steps``, or where that is None:
         0 in a ``GRPOTrainer`` (a script does not undo), 2 if a snapshot (the trainable weights and two
         optimizer moments) takes at most :data:`DEFAULT_UNDO_BUDGET` bytes, else 0."""
-        if self._off is not None or dist.sharding(session.engine.accelerator) is not None:
+        if self._off is not None or session.engine.layout.shards_state:
             return 0
         if session.config.undo_steps is not None:
             return session.config.undo_steps
@@ -167,7 +167,7 @@ class UndoRing:
     def _refusal(self, session) -> str:
         if self._off is not None:
             return self._off
-        if dist.sharding(session.engine.accelerator) is not None:
+        if session.engine.layout.shards_state:
             return "under FSDP or DeepSpeed ZeRO each process holds a shard of the state; use save() and load()"
         if session.config.undo_steps == 0:
             return "config.undo_steps = 0"

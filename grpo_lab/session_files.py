@@ -25,7 +25,7 @@ from grpo_lab.checkpoint import (
 )
 from grpo_lab.config import GRPOConfig, read_yaml_mapping
 from grpo_lab.dist import (
-    check_savable, full_model_state, full_optimizer_state, full_state, gather_to_main, launched_processes, on_main,
+    gather_to_main, launched_processes, on_main,
 )
 from grpo_lab.live_config import rebuilt_fields
 from grpo_lab.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
@@ -40,7 +40,7 @@ def save(session, path, *, overwrite: bool, trainer_state: str | None) -> Path:
     session.apply_config_edits()
     engine = session.engine
     accelerator = engine.accelerator
-    check_savable(accelerator)
+    engine.layout.check_savable()
     on_main(accelerator, f"check {path}", lambda: check_save_target(Path(path), overwrite=overwrite))
     pending, unsafe = safe_batch(on_device((session.rollout, session.scores, session.advantages_result), "cpu"))
     if unsafe is not None:
@@ -53,9 +53,9 @@ def save(session, path, *, overwrite: bool, trainer_state: str | None) -> Path:
         pending = (None, None, None)
     per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
     gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
-        full_model_state(accelerator, engine.model, adapter_only=engine.is_peft),
-        full_optimizer_state(accelerator, engine.model, engine.optimizer),
-        None if engine.ref_model is None else full_state(accelerator, engine.ref_model),
+        engine.layout.full_model_state(engine.model, adapter_only=engine.is_peft),
+        engine.layout.full_optimizer_state(engine.model, engine.optimizer),
+        None if engine.ref_model is None else engine.layout.full_state(engine.ref_model),
     )
     extra = _checkpoint_records(session)
     write = functools.partial(_write_checkpoint, engine, extra, per_process, gathered, trainer_state)

@@ -115,9 +115,7 @@ def load_engine_counters(engine, state: dict) -> None:
 
 
 def _refuse_sharded(engine) -> None:
-    from grpo_lab.dist import sharding
-
-    if sharding(engine.accelerator) is not None:
+    if engine.layout.shards_state:
         raise NotImplementedError(
             "A state dict in memory holds this process's own copy of the weights; under FSDP each process holds "
             "only a shard. Use session.save(path), which gathers the shards."

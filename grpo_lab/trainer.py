@@ -23,7 +23,7 @@ from grpo_lab import dist, notices, ops
 from grpo_lab.accel import release_freed_memory
 from grpo_lab.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config import GRPOConfig, resolved_eval_steps, steps_between
-from grpo_lab.dist import check_savable, full_model_state, on_main, sharding
+from grpo_lab.dist import on_main
 from grpo_lab.model_card import write_training_files
 from grpo_lab.progress import progress_bar
 from grpo_lab.reporting import open_reporters, reporter_names
@@ -71,7 +71,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                                    **self._resume_kwargs)
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)
-        check_savable(self.accelerator)  # the run ends with a checkpoint: refused now, not after training
+        self.session.engine.layout.check_savable()  # the run ends with a checkpoint: refused now, not after training
         self._events = TrainerEvents(self.args, callbacks, is_world_process_zero=self.accelerator.is_main_process,
                                      is_local_process_zero=self.accelerator.is_local_main_process)
         self._events.attach(self.session)
@@ -373,17 +373,18 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         adapter merged into a copy of the weights (the training model is left as it is).
         """
         target = Path(path or self.output_dir)
-        check_savable(self.accelerator)
+        layout = self.session.engine.layout
+        layout.check_savable()
         model = self.session.model
         merge = merged and hasattr(model, "merge_and_unload")
-        if merge and sharding(self.accelerator) is not None:
+        if merge and layout.shards_state:
             raise NotImplementedError(
                 "save_model(merged=True) cannot merge an adapter whose base weights are sharded over the processes. "
                 "Save the adapter (merged=False), then merge it on one process: "
                 "PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()."
             )
         engine = self.session.engine
-        state = full_model_state(self.accelerator, engine.model, adapter_only=engine.is_peft)  # every process
+        state = layout.full_model_state(engine.model, adapter_only=engine.is_peft)  # every process
 
         def write() -> None:
             saved = copy.deepcopy(model).merge_and_unload() if merge else model

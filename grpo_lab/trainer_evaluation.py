@@ -15,7 +15,7 @@ import time
 from transformers.trainer_utils import speed_metrics
 
 from grpo_lab.checkpoint import MODEL_DIR, load_saved_weights
-from grpo_lab.dist import on_main, sharding
+from grpo_lab.dist import on_main
 from grpo_lab.engine_build import eval_sets, named_eval_dataset
 
 DEFAULT_BEST_METRIC = "loss"
@@ -72,7 +72,7 @@ class TrainerEvaluation:
                 f"eval_strategy={self.args.eval_strategy!r} (or eval_on_start=True) evaluates during training, but "
                 "there is no eval_dataset: pass eval_dataset= to the trainer, or set eval_strategy='no'."
             )
-        if self.args.load_best_model_at_end and sharding(self.accelerator) is not None:
+        if self.args.load_best_model_at_end and self.session.engine.layout.shards_state:
             raise NotImplementedError(
                 "load_best_model_at_end=True cannot load a checkpoint into a model sharded over the processes (FSDP) "
                 "yet. Leave it off; state.best_model_checkpoint still names the best checkpoint, which "

@@ -143,7 +143,7 @@ def gather_optimizer(task, run: dict, last: bool) -> None:
 
     session = GRPOSession.load(run["checkpoint"], reward_funcs=task.reward_funcs)
     engine, accelerator = session.engine, session.engine.accelerator
-    state = grpo_lab.dist.full_optimizer_state(accelerator, engine.model, engine.optimizer)
+    state = engine.layout.full_optimizer_state(engine.model, engine.optimizer)
     if accelerator.is_main_process:
         torch.save(state, run["out"])
     del session, engine  # as GRPOTrainer.close does: the process group is freed before the interpreter exits

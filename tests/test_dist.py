@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
-from grpo_lab.dist import check_savable
+from grpo_lab.layout import layout_for
 from grpo_lab.zero import fill_config
 from tests.conftest import launch_two
 
@@ -50,16 +50,16 @@ def test_a_zero_1_run_is_refused_up_front_as_only_zero_2_and_3_partitions_are_ga
                                state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
     with pytest.raises(NotImplementedError, match="ZeRO-2 and ZeRO-3.*asked for ZeRO-1.*zero_stage: 2"):
-        check_savable(launched(1))
+        layout_for(launched(1)).check_savable()
     for stage in (0, 2, 3):  # stage 0 partitions nothing
-        check_savable(launched(stage))
-    check_savable(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+        layout_for(launched(stage)).check_savable()
+    layout_for(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)).check_savable()
 
 
 def test_an_fsdp_1_run_is_refused_up_front_as_only_fsdp_2_shards_are_gathered():
     with pytest.raises(NotImplementedError, match="FSDP 2 only.*fsdp_version: 2"):
-        check_savable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
-    check_savable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
+        layout_for(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False)).check_savable()
+    layout_for(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True)).check_savable()
 
 
 FAILING_SAVE = """

@@ -22,6 +22,7 @@ import torch
 
 from grpo_lab import GRPOConfig, ops
 from grpo_lab.engine_loss import LossStage
+from grpo_lab.layout import layout_for
 from grpo_lab.optimization import EntropyWeight
 from grpo_lab.types import Advantages, Rollout, Scores
 
@@ -71,6 +72,7 @@ class _LossEngine(LossStage):
         self.model = self.unwrapped_model = scores
         self.optimizer = torch.optim.SGD(scores.parameters(), lr=0.0)
         self.optimization = SimpleNamespace(optimizer=self.optimizer, entropy=EntropyWeight(config.entropy_coef))
+        self.layout = layout_for(accelerator)
         self.batching = SimpleNamespace(steps_per_generation=config.gradient_accumulation_steps)
         self.trained_parameter_names = None
         self._routes_to_experts = False

@@ -13,8 +13,9 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationConfig
 
-from grpo_lab import dist, notices
+from grpo_lab import notices
 from grpo_lab.accel import TRANSFORMERS_CHANGED, SpeedPaths
+from grpo_lab.layout import layout_for
 from grpo_lab.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
@@ -221,8 +222,7 @@ def generate_continuous(model, tokenizer, prompts: list[str] | list[list[int]], 
 def check_unsharded(accelerator) -> None:
     """Refuse continuous batching over parameters that FSDP or ZeRO-3 shard: its engine runs the model
     on a thread of its own, outside the collectives that gather them."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if dist.sharding(accelerator) == "fsdp" or (dist.sharding(accelerator) == "deepspeed" and plugin.zero_stage == 3):
+    if layout_for(accelerator).shards_parameters:
         raise ValueError(
             "use_transformers_continuous_batching cannot generate with parameters sharded by FSDP or ZeRO-3 (its "
             "engine runs the model on a thread of its own). Set use_transformers_continuous_batching=False."

@@ -20,6 +20,7 @@ import torch
 
 from grpo_lab import dist, notices
 from grpo_lab.coroutines import run_coroutines
+from grpo_lab.layout import layout_for
 from grpo_lab.rollout.prompts import is_conversational, render_prompts
 from grpo_lab.rollout.response_formats import FORMATS, known_response_template
 
@@ -137,7 +138,8 @@ class ToolCalling:
         calls, failures = [0] * len(prompts), [0] * len(prompts)
         limit = getattr(session.model.config, "max_position_embeddings", None)
         accelerator = session.engine.accelerator
-        lockstep = not config.use_vllm and dist.generates_in_lockstep(accelerator)  # vLLM generates outside the shards
+        # vLLM generates outside the shards
+        lockstep = not config.use_vllm and layout_for(accelerator).generates_in_lockstep()
         rounds = config.max_tool_calling_iterations
         active = [row for row, turns in enumerate(messages) if turns[-1].get("tool_calls")]
         done = 0

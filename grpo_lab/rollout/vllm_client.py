@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from grpo_lab import dist, notices
+from grpo_lab.layout import layout_for
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
 from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype
@@ -161,7 +162,7 @@ class VLLMServerBackend:
         they first help gather the weights whole), and raise with it when the push fails."""
         main = self.accelerator.is_main_process
         if self.lora_rank:
-            adapter = dist.full_model_state(self.accelerator, model, adapter_only=True)
+            adapter = layout_for(self.accelerator).full_model_state(model, adapter_only=True)
 
             def push() -> None:
                 with tempfile.TemporaryDirectory(prefix="grpo_lab_adapter_") as directory:
@@ -172,7 +173,7 @@ class VLLMServerBackend:
         else:
             state = {
                 name: tensor.detach().cpu().clone()
-                for name, tensor in dist.whole_tensors(self.accelerator, model) if main
+                for name, tensor in layout_for(self.accelerator).whole_tensors(model) if main
             }
 
             def push() -> None:
