@@ -150,7 +150,10 @@ class UndoRing:
             notices.warn(f"Undo is off for this session: {self._off}. Training goes on.")
             return
         state = {**state, "engine": _on_cpu(state["engine"]), "rng": _on_cpu(state["rng"])}
-        self.snapshots.append(Snapshot(session.global_step, state, _tensor_bytes(state)))
+        # the records' rows are shared with the session and the other snapshots: what a snapshot holds of its
+        # own is its tensors
+        held = _tensor_bytes([state["engine"], state["rng"], state["pending"]])
+        self.snapshots.append(Snapshot(session.global_step, state, held))
         del self.snapshots[:-(keep + 1)]
         self._stages_at_snapshot = session.record.stages_run
 

@@ -61,6 +61,24 @@ def on_device(obj, device):
     return torch.load(buffer, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
 
 
+def copied(obj):
+    """A copy of a state dict ``obj``: every tensor cloned (detached), its dicts, lists and tuples
+    rebuilt, other values deep-copied. ``copy.deepcopy``'s result for the state dicts of optimizers,
+    schedules and samplers, whose tensors are not shared between entries, in a fraction of its time
+    (an undo point takes one each step)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if type(obj) is dict:
+        return {key: copied(value) for key, value in obj.items()}
+    if type(obj) is list:
+        return [copied(value) for value in obj]
+    if type(obj) is tuple:
+        return tuple(copied(value) for value in obj)
+    if obj is None or type(obj) in (int, float, str, bool):
+        return obj
+    return copy.deepcopy(obj)
+
+
 def check_format_version(state: dict, where: str) -> None:
     """Refuse a state newer than this grpo_lab reads, naming both versions."""
     version = state.get("format_version", 0)
@@ -130,11 +148,11 @@ def engine_state_dict(engine, *, with_reference: bool = True) -> dict:
     _refuse_sharded(engine)
     return {
         "model": _model_weights(engine),
-        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
+        "optimizer": copied(engine.optimizer.state_dict()),
         "ref_model": None if engine.ref_model is None or not with_reference else {
             name: tensor.detach().clone() for name, tensor in engine.ref_model.state_dict().items()
         },
-        **copy.deepcopy(engine_counters(engine)),
+        **copied(engine_counters(engine)),
     }
 
 

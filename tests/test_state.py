@@ -86,3 +86,27 @@ def test_checkpoints_carry_their_format_version_and_a_newer_one_is_refused(make_
     with pytest.raises(ValueError, match=rf"checkpoint format version {FORMAT_VERSION + 1}; this grpo_lab reads "
                                          rf"versions 0 to {FORMAT_VERSION}\. It was written by a newer grpo_lab"):
         GRPOSession.load(saved)
+
+
+def test_copied_gives_deepcopys_state_dict_with_tensors_of_its_own():
+    from grpo_lab.state import copied
+
+    exp_avg = torch.arange(4.0)
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg}},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "foreach": None}], "note": {"a"}}
+    copy = copied(state)
+    exp_avg.add_(1.0)  # the optimizer's next step changes its state in place
+    assert copy["state"][0]["exp_avg"].tolist() == [0.0, 1.0, 2.0, 3.0] and float(copy["state"][0]["step"]) == 3.0
+    assert copy["param_groups"] == state["param_groups"] and copy["param_groups"] is not state["param_groups"]
+    assert type(copy["param_groups"][0]["betas"]) is tuple and copy["note"] == {"a"}
+    assert copy["note"] is not state["note"]  # other values deep-copied
+
+
+def test_an_undo_point_counts_its_own_tensors_not_the_records_it_shares(make_session):
+    session = make_session(undo_steps=2)
+    session.step()
+    first = session.snapshots[-1].nbytes
+    trainable = sum(p.numel() * p.element_size() for p in session.model.parameters() if p.requires_grad)
+    assert first >= 3 * trainable  # the weights and AdamW's two moments, at the least
+    session.run(3, progress=False)
+    assert session.snapshots[-1].nbytes == first  # three more history rows and logged batches: no more tensors
