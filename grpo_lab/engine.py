@@ -35,19 +35,20 @@ from grpo_lab.engine_generation import GenerationStage
 from grpo_lab.engine_loss import LossStage
 from grpo_lab.layout import layout_for
 from grpo_lab.metrics import generation_metrics, sampling_metrics, tool_metrics
-from grpo_lab.models import routes_to_experts
+from grpo_lab.models import router_aux_loss_weight, routes_to_experts
 from grpo_lab.optimization import Optimization, optimizer_for
 from grpo_lab.policy_forward import TokenScores, note_compact_unsupported, score_tokens
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rewards.preparation import weights_tensor
-from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts
 from grpo_lab.state import engine_counters, load_engine_counters, rng_state, set_rng_state
-from grpo_lab.types import Advantages, Rollout, Scores
-from grpo_lab.stream_sampler import StreamSampler, first_row
+from grpo_lab.types import Advantages, LossResult, Rollout, Scores
+from grpo_lab.stream_sampler import first_row
 
 
-class Engine(GenerationStage, LossStage, EvaluationStage):
-    """Model, optimizer, data and reward functions, with one method per GRPO stage."""
+class Engine:
+    """Model, optimizer, data and reward functions, with one method per GRPO stage; the longer stages
+    are its parts ``generation_stage``, ``loss_stage`` and ``evaluation_stage``, which its stage
+    methods call."""
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, optimizers=(None, None),
@@ -63,9 +64,12 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
         self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
         policy = build.load_policy(model, config, self.tokenizer, quantization_config)
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
-        self._context, self._prompt_tokens, self._prompt_tokens_source = build.check_prompts(
+        context, prompt_tokens, counted_dataset = build.check_prompts(
             policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,
             custom_rollout=rollout_func is not None or tools is not None)
+        self.generation_stage = GenerationStage(self, context=context, prompt_tokens=prompt_tokens,
+                                                counted_dataset=counted_dataset)
+        self.loss_stage, self.evaluation_stage = LossStage(self), EvaluationStage(self)
         build.check_policy(policy, config)
         self.model_reference = build.model_reference(model, name)
         vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, self.tokenizer, config)
@@ -83,8 +87,6 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
             self.batching)
         self.train_dataset, self.rollout_func = train_dataset, rollout_func
         self.rollout_owner = None
-        self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
-        self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see _train_rows
         self.sampler = build.prompt_sampler(config, self.batching, train_dataset)
         spg, ga = self.batching.steps_per_generation, config.gradient_accumulation_steps
         self.steps_per_batch = config.num_iterations * spg // ga
@@ -94,15 +96,15 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
             reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device,
             self.environments)
         self.global_step = self.num_input_tokens_seen = 0
-        self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (_complete_gradients)
-        self._routes_to_experts = routes_to_experts(self.unwrapped_model)
+        self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (LossStage.loss)
+        self.routes_to_experts = routes_to_experts(self.unwrapped_model)
         self.rollout_backend = build.rollout_backend(
             config, model_fn=lambda: self.unwrapped_model, tokenizer=self.tokenizer, accelerator=self.accelerator,
             vllm_model=vllm_model, lora_rank=build.lora_rank(peft_config, self.is_peft, self.unwrapped_model),
             speed_paths=self.speed_paths, remove_model_copy=self._remove_model_copy,
         )
         self.published_version = 0  # a backend starts from the policy it is built with
-        self.step_events: Callable[[str], None] | None = None  # see _step_event
+        self.step_events: Callable[[str], None] | None = None  # see step_event
         note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
                                  main_process=self.accelerator.is_main_process)
 
@@ -225,6 +227,10 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
             )
         return scores
 
+    def router_aux_loss_weight(self) -> float:
+        """The weight of the policy's load-balancing loss now (``models.router_aux_loss_weight``)."""
+        return router_aux_loss_weight(self.unwrapped_model, self.config.router_aux_loss_coef)
+
     @torch.no_grad()
     def batch_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs ``(B, T)`` of every completion of ``rollout`` under ``model``, without
@@ -255,62 +261,22 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
     def counted_prompt_tokens(self) -> list[int] | None:
         """The token count of every training prompt, as counted when the engine was built (None where
         the dataset was too large to count then, or has been swapped since)."""
-        return self._prompt_tokens if self._prompt_tokens_source is self.train_dataset else None
+        return self.generation_stage.counted_prompt_tokens()
 
-    def _train_rows(self, indices: list[int]) -> dict[str, list]:
-        """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
-        dataset has (by indexing a format-free view with a list, which is cheaper than select().to_dict()).
-        Refuses, naming the row, a prompt that cannot be rendered or does not fit the model's context
-        with the current ``max_completion_length``."""
-        if isinstance(self.sampler, StreamSampler):
-            rows = self.sampler.rows_at(indices)
-        else:
-            if self._rows_source is not self.train_dataset:
-                self._rows_source, self._rows_view = self.train_dataset, self.train_dataset.with_format(None)
-            rows = self._rows_view[indices]
-        if self.environments is not None:  # the prompts are complete after reset(): generate() checks them then
-            return rows
-        # The drawn prompts must fit the context with the current max_completion_length; raised here,
-        # generate() puts the sampler back, and the error names the rows (generation's would not).
-        drawn = list(dict.fromkeys(indices))
-        if self._prompt_tokens_source is self.train_dataset:  # counted when the session was built
-            tokens = [self._prompt_tokens[index] for index in drawn]
-        else:  # a dataset too large to count at build, or one swapped in since
-            first = {index: position for position, index in reversed(list(enumerate(indices)))}
-            tokens = prompt_token_counts([rows["prompt"][first[index]] for index in drawn], self.tokenizer,
-                                         self.config.chat_template_kwargs, rows=drawn)
-        check_prompt_room(
-            tokens, drawn, context=self._context, chat_template_kwargs=self.config.chat_template_kwargs,
-            max_new_tokens=None if self.custom_rollout is not None else self.config.max_completion_length,
-        )
-        return rows
-
-    def _importance_weights(self, rollout: Rollout) -> None:
-        """The vLLM importance-sampling weights pi_old / pi_sampler of the batch and their stats."""
-        config = self.config
-        old_BT = rollout.old_logprobs_BT.float()
-        sampling_BT = rollout.sampling_logprobs_BT.to(old_BT.device)
-        mask_BT = rollout.generated_mask_BT.to(old_BT.device)
-        if config.mask_truncated_completions:  # as in TRL: a truncated row's weight is 1 and it is in no stat
-            mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(old_BT.device))
-        clip_max = config.vllm_importance_sampling_clip_max
-        if config.vllm_importance_sampling_cap is not None:
-            clip_max = config.vllm_importance_sampling_cap
-        rollout.importance_weights_BT = ops.vllm_importance_weights(
-            old_BT, sampling_BT, mask_BT, mode=config.vllm_importance_sampling_mode,
-            clip_max=clip_max, clip_min=config.vllm_importance_sampling_clip_min,
-        )
-        rollout.sampling_stats = ops.importance_sampling_stats(
-            rollout.importance_weights_BT, old_BT, sampling_BT, mask_BT
-        )
-
-    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """Per-token log-probs ``(B, T)`` of ``rollout``'s completions under the reference policy: the
+        reference copy, or, for a PEFT policy without one, the base model with the adapter off."""
         if self.ref_model is not None:
             logprobs = self.batch_logprobs(self.ref_model, rollout)
             self.layout.reshard(self.ref_model)  # FSDP: back to its shards, as TR-DPO mixing and memory want
             return logprobs
         with self.unwrapped_model.disable_adapter():  # PEFT: the base model is the reference
             return self.batch_logprobs(self.model, rollout)
+
+    def generate(self) -> Rollout:
+        """Draw the next generation batch of prompts and sample ``num_generations`` completions each
+        (:meth:`GenerationStage.generate`)."""
+        return self.generation_stage.generate()
 
     def score(self, rollout: Rollout) -> Scores:
         """Call every reward function on the completions (TRL's keyword-argument convention)."""
@@ -355,6 +321,11 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
             | tool_metrics(self.accelerator, scores.rollout.columns),
         )
 
+    def loss(self, advantages: Advantages, batch_step: int = 0) -> LossResult:
+        """Forward and backward passes for optimizer step ``batch_step`` of the current batch
+        (:meth:`LossStage.loss`); gradients are zeroed first, so calling it again recomputes them."""
+        return self.loss_stage.loss(advantages, batch_step)
+
     def update(self) -> dict[str, float]:
         """Clip gradients, take the optimizer and scheduler step; skip it if the gradient is not finite.
         The new weights reach the generation backend with :meth:`publish_weights`."""
@@ -363,10 +334,10 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
         grad_norm, skipped = self.layout.clip_gradients(
-            self.model, parameters, max_norm, clipped=lambda: self._step_event("on_pre_optimizer_step"))
+            self.model, parameters, max_norm, clipped=lambda: self.step_event("on_pre_optimizer_step"))
         if not skipped:
             self.optimizer.step()  # under DeepSpeed a no-op, which tells the scheduler that a step was taken
-        self._step_event("on_optimizer_step")
+        self.step_event("on_optimizer_step")
         if not skipped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -376,7 +347,12 @@ class Engine(GenerationStage, LossStage, EvaluationStage):
             self._mix_reference()
         return {"grad_norm": grad_norm, "learning_rate": learning_rate, "update_skipped": float(skipped)}
 
-    def _step_event(self, name: str) -> None:
+    def evaluate(self, dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Reward, length and loss metrics of fresh completions of ``dataset`` (default: the eval set),
+        under TRL's names, leaving the training run as it was (:meth:`EvaluationStage.evaluate`)."""
+        return self.evaluation_stage.evaluate(dataset, metric_key_prefix)
+
+    def step_event(self, name: str) -> None:
         """Tell ``step_events`` (the trainer's callbacks, by transformers' names) of an event inside a
         step: "on_substep_end" after each micro-batch but a step's last, "on_pre_optimizer_step" once
         the gradient is clipped, "on_optimizer_step" after the optimizer step."""

@@ -199,7 +199,7 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
     dataset's prompt lengths with that dataset (None, None where it is too large to count now).
 
     Every prompt is rendered and counted now, so that a bad row is named before any step; a dataset
-    too large for that is checked a batch at a time, as ``Engine._train_rows`` draws it. With a
+    too large for that is checked a batch at a time, as ``GenerationStage.train_rows`` draws it. With a
     rollout function or tools (``custom_rollout``) the completion's length is not known up front."""
     context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
     prompt_tokens = prompt_tokens_source = None

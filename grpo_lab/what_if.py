@@ -254,11 +254,11 @@ def run_what_if(session, cases: list[dict], *, lookahead: bool = False) -> WhatI
 def _token_weights_kept(engine):
     """Have the engine's loss pass keep each token's weight in the gradient (the heatmap's), in a
     list the block receives."""
-    engine.token_weight_sink = []
+    engine.loss_stage.token_weight_sink = []
     try:
-        yield engine.token_weight_sink
+        yield engine.loss_stage.token_weight_sink
     finally:
-        engine.token_weight_sink = None
+        engine.loss_stage.token_weight_sink = None
 
 
 @contextlib.contextmanager

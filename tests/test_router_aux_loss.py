@@ -107,7 +107,7 @@ def test_zero_advantage_micro_batches_run_their_backward_pass_while_the_load_bal
         session = make_session(model=tiny_moe, reward_funcs=[constant_reward], num_generations=4,
                                per_device_train_batch_size=4, gradient_accumulation_steps=4,
                                router_aux_loss_coef=weight)
-        session.engine._routes_to_experts = False
+        session.engine.routes_to_experts = False
         session.generate(), session.score(), session.advantages()
         skipped[weight] = session.loss().backward_skipped
     assert skipped == {None: 0, 0.0: 3}

@@ -64,8 +64,8 @@ class _Scores(torch.nn.Module):
         return -torch.nn.functional.softplus(self.theta_BT[index_B]), torch.nn.functional.softplus(self.psi_BT[index_B])
 
 
-class _LossEngine(LossStage):
-    """grpo_lab's loss stage with :class:`_Scores` in place of the model's forward pass."""
+class _LossEngine:
+    """The engine the loss stage reads, with :class:`_Scores` in place of the model's forward pass."""
 
     def __init__(self, config: GRPOConfig, accelerator, scores: _Scores):
         self.config, self.accelerator = config, accelerator
@@ -75,7 +75,7 @@ class _LossEngine(LossStage):
         self.layout = layout_for(accelerator)
         self.batching = SimpleNamespace(steps_per_generation=config.gradient_accumulation_steps)
         self.trained_parameter_names = None
-        self._routes_to_experts = False
+        self.routes_to_experts = False
 
     def logprobs_and_aux_loss(self, model, rollout, index_B, *, with_entropy, entropy_grad=False,
                               router_aux_loss=False):
@@ -85,7 +85,7 @@ class _LossEngine(LossStage):
     def router_aux_loss_weight(self) -> float:
         return 0.0
 
-    def _step_event(self, name: str) -> None:
+    def step_event(self, name: str) -> None:
         pass
 
 
@@ -158,7 +158,7 @@ def grpo_lab_step(config: GRPOConfig, accelerator, data: dict, weights) -> tuple
     advantages = Advantages(scores=scored, rewards_B=torch.zeros(rows), advantages_B=data["advantages_B"],
                             group_mean_B=torch.zeros(rows), group_std_B=torch.zeros(rows),
                             is_std_zero_B=torch.zeros(rows, dtype=torch.bool))
-    result = _LossEngine(config, accelerator, scores).loss(advantages)
+    result = LossStage(_LossEngine(config, accelerator, scores)).loss(advantages)
     metrics = {k: v for k, v in result.metrics.items() if k not in GRPO_LAB_ONLY}
     return result.loss, _gradients(scores), metrics
 

@@ -46,7 +46,7 @@ def sample_prompts(session, prompts, max_new_tokens: int | None = None) -> dict[
         settings = copy.copy(session.config)
         settings.max_completion_length = max_new_tokens
     batch = session.engine.rollout_backend.generate(inputs, settings)
-    session.engine.check_policy_version(batch)
+    session.engine.generation_stage.check_policy_version(batch)
     prompt_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)
     ]
