@@ -95,7 +95,7 @@ def _generator(backend: str, case: dict, tokenizer, lora: int):
 def child(backend: str, case_name: str, calls: int, workdir: str, lora: int) -> None:
     import torch
 
-    from grpo_lab.models import load_tokenizer
+    from grpo_lab.core.models import load_tokenizer
 
     case = _case(case_name, Path(workdir))
     tokenizer = load_tokenizer(case["model"])

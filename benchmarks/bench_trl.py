@@ -107,9 +107,9 @@ def run_trl(case: dict, steps: int, output_dir: str) -> tuple[list[float], list[
 
 
 def run_grpo_lab(case: dict, steps: int, output_dir: str, *, session: bool) -> tuple[list[float], list[int]]:
-    from grpo_lab.config import GRPOConfig
-    from grpo_lab.session import GRPOSession
-    from grpo_lab.trainer import GRPOTrainer
+    from grpo_lab.config.grpo_config import GRPOConfig
+    from grpo_lab.session.session import GRPOSession
+    from grpo_lab.trainer.trainer import GRPOTrainer
 
     config = GRPOConfig(output_dir=output_dir, max_steps=steps, save_steps=10**9, disable_tqdm=True, **case["config"])
     args = (case["model"], case["rewards"])

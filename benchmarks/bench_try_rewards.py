@@ -28,7 +28,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from grpo_lab import GRPOSession
-    from grpo_lab.session_rewards import log_entry
+    from grpo_lab.session.rewards import log_entry
     from grpo_lab.tasks import default_task
 
     task = default_task(eval_size=16)

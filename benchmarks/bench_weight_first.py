@@ -42,7 +42,7 @@ def _threshold(setting: str, default: int) -> float:
 def _step_logits(model, ids_BP, mask_BP) -> torch.Tensor:
     """(B, V) logits of one decoding step after the prompts, through ``compact_forward.forward``."""
     from grpo_lab.accel import compact_forward
-    from grpo_lab.policy_forward import position_ids
+    from grpo_lab.core.policy_forward import position_ids
 
     B, P = ids_BP.shape
     valid_BS = torch.cat([mask_BP.bool(), mask_BP.new_ones(B, 1, dtype=torch.bool)], dim=1)
@@ -62,7 +62,7 @@ def main() -> None:
 
     from grpo_lab.accel import compact_forward
     from grpo_lab.accel.prefix_sharing import PrefixSharing
-    from grpo_lab.models import load_tokenizer, prepare_tokenizer
+    from grpo_lab.core.models import load_tokenizer, prepare_tokenizer
     from grpo_lab.rollout.hf import generate, sampling_config, tokenize_prompts
     from grpo_lab.rollout.prompts import render_prompts
     from grpo_lab.tasks import default_task

@@ -12,9 +12,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GRPOConfig": "grpo_lab.config",
-    "GRPOTrainer": "grpo_lab.trainer",
-    "GRPOSession": "grpo_lab.session",
+    "GRPOConfig": "grpo_lab.config.grpo_config",
+    "GRPOTrainer": "grpo_lab.trainer.trainer",
+    "GRPOSession": "grpo_lab.session.session",
     "compare": "grpo_lab.views.compare",
 }
 

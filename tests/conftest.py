@@ -164,7 +164,7 @@ def batch(task):
     completion_ids, completion_mask)."""
     import torch
 
-    from grpo_lab.models import load_tokenizer, prepare_tokenizer
+    from grpo_lab.core.models import load_tokenizer, prepare_tokenizer
     from grpo_lab.rollout.prompts import render_prompts
 
     tokenizer = prepare_tokenizer(load_tokenizer(task.model))

@@ -49,13 +49,13 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
 
-import grpo_lab.dist
+import grpo_lab.parallel.dist
 
-PLAIN_ACCELERATOR = grpo_lab.dist.make_accelerator
+PLAIN_ACCELERATOR = grpo_lab.parallel.dist.make_accelerator
 
 
 def fsdp_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
-    """Stands in for ``grpo_lab.dist.make_accelerator`` (same signature); the runs here are fp32 on CPU."""
+    """Stands in for ``grpo_lab.parallel.dist.make_accelerator`` (same signature); the runs here are fp32 on CPU."""
     plugin = FullyShardedDataParallelPlugin()  # the launch's FSDP_* settings
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)  # which a CPU state does not keep
     accelerator.state.fsdp_plugin = plugin
@@ -65,7 +65,7 @@ def fsdp_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
 
 
 def deepspeed_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerator:
-    """Stands in for ``grpo_lab.dist.make_accelerator`` (same signature), giving ``precision`` to
+    """Stands in for ``grpo_lab.parallel.dist.make_accelerator`` (same signature), giving ``precision`` to
     DeepSpeed's config as accelerate does on GPUs."""
     if AcceleratorState._shared_state and AcceleratorState().deepspeed_plugins is not None:
         return Accelerator(cpu=True)  # a second one (a resumed run's session) takes the first one's plugin
@@ -219,7 +219,7 @@ def main() -> None:
         AcceleratorState._reset_state()  # a new run builds accelerate's state afresh, in the same process group
         GradientState._reset_state()
         PartialState().distributed_type = launched_type
-        grpo_lab.dist.make_accelerator = PLAIN_ACCELERATOR if run.get("ddp") else sharded
+        grpo_lab.parallel.dist.make_accelerator = PLAIN_ACCELERATOR if run.get("ddp") else sharded
         if PartialState().is_main_process:
             print(f"run {index + 1} of {len(plan)}: {json.dumps(run)}", file=sys.stderr, flush=True)
         MODES[run["mode"]](task, run, last=index == len(plan) - 1)

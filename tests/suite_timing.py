@@ -10,7 +10,7 @@ The kinds, from the most expensive start-up down (a test counts once, under the 
 - ``kernel``: it started a Jupyter kernel (a notebook executed by nbclient, a kernel restart);
 - ``multi-process``: it started an ``accelerate launch`` or ``torchrun`` of several processes;
 - ``subprocess``: it started another Python interpreter (a script, the CLI, an exported run);
-- ``engine``: in-process, and it built a trainer core (``grpo_lab.engine.Engine``) or more;
+- ``engine``: in-process, and it built a trainer core (``grpo_lab.core.engine.Engine``) or more;
 - ``no model``: in-process, no engine built (tensors, configs, parsing, hand-derived numbers).
 
 CPU seconds count the test's own process and the processes it started and waited for (not a kernel
@@ -65,7 +65,7 @@ def _install_recorders() -> None:
 
     subprocess.Popen.__init__ = recording_init
 
-    from grpo_lab.engine import Engine
+    from grpo_lab.core.engine import Engine
 
     original_engine = Engine.__init__
 

@@ -25,7 +25,7 @@ def _in_a_fresh_process(code: str):
 
 def test_importing_the_package_and_the_engine_loads_no_speed_path():
     assert _in_a_fresh_process(
-        f"import json, sys\nimport grpo_lab, grpo_lab.engine\nprint(json.dumps({LOADED_SPEED_PATHS}))"
+        f"import json, sys\nimport grpo_lab, grpo_lab.core.engine\nprint(json.dumps({LOADED_SPEED_PATHS}))"
     ) == []
 
 
@@ -131,7 +131,7 @@ def test_prompt_sharing_that_fails_falls_back_to_whole_rows(make_session, monkey
 
 @pytest.mark.parametrize("path", ["plain", "shared_prompt", "compact"])
 def test_one_function_picks_the_path(make_session, path):
-    from grpo_lab.policy_forward import pick_path
+    from grpo_lab.core.policy_forward import pick_path
 
     settings = {"plain": dict(share_prompt_prefix=False), "shared_prompt": dict(compact_forward=False), "compact": {}}
     session = make_session(**settings[path])

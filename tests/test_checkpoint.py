@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
-from grpo_lab.checkpoint import STATE_FILE
-from grpo_lab.safe_write import PARTIAL_MARKER, atomic_directory_write
+from grpo_lab.state.checkpoint import STATE_FILE
+from grpo_lab.state.safe_write import PARTIAL_MARKER, atomic_directory_write
 
 PAYLOAD_RAN = []
 

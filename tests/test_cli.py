@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from grpo_lab.cli import main
+from grpo_lab.cli.commands import main
 from tests.conftest import without_root_write_override
 
 
@@ -82,7 +82,7 @@ SHADOW_CHECK = """
 import sys
 from pathlib import Path
 
-from grpo_lab.recipes import build_trainer, import_object
+from grpo_lab.cli.recipes import build_trainer, import_object
 
 recipe = Path(sys.argv[1])
 import_object("my_rewards:fails_from_second_call", (recipe.parent, Path.cwd()))  # as the recipe's reward_funcs

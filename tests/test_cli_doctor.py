@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpo_lab.cli import main
+from grpo_lab.cli.commands import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

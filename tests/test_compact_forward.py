@@ -21,8 +21,8 @@ from transformers import (
 
 from grpo_lab.accel import compact_forward
 from grpo_lab.accel.prefix_sharing import PrefixSharing
-from grpo_lab.model_calls import full_logits
-from grpo_lab.models import load_tokenizer
+from grpo_lab.core.model_calls import full_logits
+from grpo_lab.core.models import load_tokenizer
 from tests.forward_paths import path_logits
 
 SMALL_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from grpo_lab.config import NOT_YET_IMPLEMENTED, GRPOConfig, steps_between
+from grpo_lab.config.grpo_config import NOT_YET_IMPLEMENTED, GRPOConfig, steps_between
 
 # TRL 1.16's GRPO-specific GRPOConfig fields with their defaults (fields beyond TrainingArguments).
 TRL_1_16_GRPO_DEFAULTS = {

@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import IntervalStrategy
 
 from grpo_lab import GRPOConfig, GRPOTrainer
-from grpo_lab import config_trainer_args as rules
+from grpo_lab.config import trainer_args as rules
 from tests.conftest import SMALL
 
 
@@ -130,7 +130,7 @@ def test_activation_checkpointing_is_applied_once_and_a_later_edit_stands():
 
 
 def test_config_files_name_trainer_fields_only_where_set_and_checkpoints_drop_unknown_ones(tmp_path):
-    from grpo_lab.session_files import _saved_config
+    from grpo_lab.session.files import _saved_config
 
     text = GRPOConfig(logging_first_step=True).to_yaml()
     assert "logging_first_step: true" in text and "dataloader_num_workers" not in text

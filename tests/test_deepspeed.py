@@ -84,7 +84,7 @@ def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resume
     assert (whole["distributed_type"], whole["zero_stage"], whole["engine"]) == (
         "DistributedType.DEEPSPEED", stage, "DeepSpeedEngine")
     checkpoint = runs_dir / "whole" / "checkpoint-2"
-    from grpo_lab.checkpoint import SAVE_ENTRIES, load_state
+    from grpo_lab.state.checkpoint import SAVE_ENTRIES, load_state
 
     assert {p.name for p in checkpoint.iterdir()} <= SAVE_ENTRIES  # grpo_lab's files alone, none of DeepSpeed's
 
@@ -155,7 +155,7 @@ def test_a_zero_3_bf16_lora_run_checkpoints_the_adapter_alone_and_a_resumed_run_
         t.shape == ((8, 128) if ".lora_A." in name else (128, 8)) for name, t in saved.items())
     assert all(t.abs().sum() > 0 for name, t in saved.items() if ".lora_B." in name)  # trained from zeros
     # PEFT keeps an adapter over bf16 weights in fp32, which DeepSpeed leaves as it is: no master copy to keep
-    from grpo_lab.checkpoint import load_state
+    from grpo_lab.state.checkpoint import load_state
 
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert "zero_master_weights" not in load_state(runs_dir / "whole" / "checkpoint-2")["optimizer"]

@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
-from grpo_lab.layout import layout_for
-from grpo_lab.zero import fill_config
+from grpo_lab.parallel.layout import layout_for
+from grpo_lab.parallel.zero import fill_config
 from tests.conftest import launch_two
 
-BUILD = "from grpo_lab.dist import make_accelerator; print(make_accelerator('fp32', use_cpu=True).distributed_type)"
+BUILD = ("from grpo_lab.parallel.dist import make_accelerator; "
+         "print(make_accelerator('fp32', use_cpu=True).distributed_type)")
 
 
 @pytest.mark.parametrize("name", ["FSDP", "DeepSpeed"])
@@ -65,7 +66,7 @@ def test_an_fsdp_1_run_is_refused_up_front_as_only_fsdp_2_shards_are_gathered():
 FAILING_SAVE = """
 import sys
 
-import grpo_lab.session_files
+import grpo_lab.session.files
 from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.tasks import default_task
 
@@ -79,7 +80,7 @@ config = GRPOConfig(output_dir=sys.argv[1], max_steps=2, save_steps=1, per_devic
                     num_generations=4, max_completion_length=4, disable_tqdm=True)
 trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
 if trainer.accelerator.is_main_process:
-    grpo_lab.session_files.save_engine = disk_full  # the main process alone writes checkpoints
+    grpo_lab.session.files.save_engine = disk_full  # the main process alone writes checkpoints
 try:
     trainer.train()
 except (OSError, RuntimeError) as error:  # each process's own file: the two share one stdout

@@ -1,5 +1,5 @@
 """session.doctor(): each finding built on the shipped model, the healthy configs' silence, and a
-session left bitwise as it was (grpo_lab/session_doctor.py, grpo_lab/doctor/)."""
+session left bitwise as it was (grpo_lab/session/findings.py, grpo_lab/doctor/)."""
 
 import random
 
@@ -8,7 +8,7 @@ import torch
 
 from grpo_lab import GRPOSession
 from grpo_lab.doctor import Findings
-from grpo_lab.models import load_tokenizer
+from grpo_lab.core.models import load_tokenizer
 from grpo_lab.tasks import default_task
 from tests.conftest import SMALL
 

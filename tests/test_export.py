@@ -11,7 +11,7 @@ import nbformat
 import pytest
 import yaml
 
-from grpo_lab.config import GRPOConfig
+from grpo_lab.config.grpo_config import GRPOConfig
 from grpo_lab.export import ExportError, cli_config, export_notebook, reward_function_code
 from tests.conftest import launch_two, run_exported_step
 
@@ -407,7 +407,7 @@ def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninter
 
 
 def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys, tmp_path):
-    from grpo_lab.config import GRPOConfig
+    from grpo_lab.config.grpo_config import GRPOConfig
     from grpo_lab.export import cli_config
 
     base = GRPOConfig(learning_rate=5e-5, max_steps=100)
@@ -454,7 +454,7 @@ def test_script_options_errors_are_one_line_and_help_shows_the_script_values(cap
 
 
 def test_the_example_recipe_trains(tmp_path):
-    from grpo_lab.recipes import build_trainer
+    from grpo_lab.cli.recipes import build_trainer
 
     trainer = build_trainer(ROOT / "examples" / "recipe.yaml", ["--max_steps", "1", "--output_dir", str(tmp_path)])
     assert trainer.args.learning_rate == 1e-4 and len(trainer.session.reward_funcs) == 2
@@ -471,7 +471,7 @@ def test_the_example_recipe_trains(tmp_path):
                                                "(looked in {folder} and on sys.path)"),
 ])
 def test_recipe_mistakes_are_named_before_the_model_loads(tmp_path, monkeypatch, recipe, message):
-    from grpo_lab.recipes import build_trainer
+    from grpo_lab.cli.recipes import build_trainer
 
     monkeypatch.chdir(tmp_path)  # the recipe's folder is the working directory: it is searched once
     (tmp_path / "r.yaml").write_text(recipe)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
-from grpo_lab.models import Float32Head
+from grpo_lab.core.models import Float32Head
 from tests.conftest import SMALL
 
 

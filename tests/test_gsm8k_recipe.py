@@ -1,4 +1,4 @@
-"""examples/gsm8k: its recipe, dataset mapping and rewards, through grpo_lab.recipes.build_trainer as
+"""examples/gsm8k: its recipe, dataset mapping and rewards, through grpo_lab.cli.recipes.build_trainer as
 `grpo-lab train` runs them, on the shipped tiny model and the local stand-in data set (no hub)."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_lab.recipes import build_trainer
+from grpo_lab.cli.recipes import build_trainer
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gsm8k"
 
@@ -134,7 +134,7 @@ def test_name_and_split_are_refused_where_they_do_not_apply(tmp_path, monkeypatc
 
 
 def test_an_eval_dataset_mapping_must_name_its_split(tmp_path, monkeypatch):
-    from grpo_lab.recipes import _dataset
+    from grpo_lab.cli.recipes import _dataset
 
     monkeypatch.chdir(EXAMPLE)
     _saved(tmp_path)

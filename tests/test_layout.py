@@ -83,8 +83,8 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycles():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert "grpo_lab.config_fields" in graph["grpo_lab.config"]
-    assert "grpo_lab.views.dashboard" in graph["grpo_lab.session"]  # an import inside a method counts
+    assert "grpo_lab.config.fields" in graph["grpo_lab.config.grpo_config"]
+    assert "grpo_lab.views.dashboard" in graph["grpo_lab.session.session"]  # an import inside a method counts
     assert _cycles(graph) == []
 
 
@@ -106,13 +106,14 @@ PRIVATE_REACH_ALLOWED = {
     ("rewards/preparation.py", "func.config._name_or_path"): "transformers' record of where a reward model came from",
     ("rollout/hf.py", "model.config._attn_implementation"): "transformers' attention choice, which it sets there",
     # accelerate's process-wide singletons, reset between runs in one process
-    ("dist.py", "PartialState._shared_state"): "accelerate's singleton state; no public reset",
-    ("dist.py", "AcceleratorState._shared_state"): "as PartialState._shared_state",
-    ("dist.py", "AcceleratorState._reset_state"): "accelerate's reset, the one it uses in its own tests",
+    ("parallel/dist.py", "PartialState._shared_state"): "accelerate's singleton state; no public reset",
+    ("parallel/dist.py", "AcceleratorState._shared_state"): "as PartialState._shared_state",
+    ("parallel/dist.py", "AcceleratorState._reset_state"): "accelerate's reset, the one it uses in its own tests",
     # DeepSpeed's partitioned parameters and optimizer state
-    ("zero.py", "owner._parameters"): "ZeRO-3 replaces parameters in torch's parameter table",
-    ("zero.py", "zero._hp_optimizer_states_linked"): "DeepSpeed's flag for linked optimizer state",
-    ("zero.py", "zero._lazy_init_hp_params_optimizer_state"): "DeepSpeed's lazy set-up, run before reading the state",
+    ("parallel/zero.py", "owner._parameters"): "ZeRO-3 replaces parameters in torch's parameter table",
+    ("parallel/zero.py", "zero._hp_optimizer_states_linked"): "DeepSpeed's flag for linked optimizer state",
+    ("parallel/zero.py", "zero._lazy_init_hp_params_optimizer_state"):
+        "DeepSpeed's lazy set-up, run before reading the state",
     # the standard library and Python's protocols
     ("notices.py", "sys._getframe"): "the caller's frame, for the warning's location",
     ("rewards/code_sandbox_child.py", "sys.modules['subprocess']._fork_exec"): "closes the sandbox's way to fork",
@@ -120,8 +121,8 @@ PRIVATE_REACH_ALLOWED = {
     ("views/batch.py", "trained._replace"): "a NamedTuple's public copy-with method",
     ("views/findings.py", "findings._repr_html_"): "IPython's display protocol",
     # a marker grpo_lab sets on a transformers module it casts
-    ("models.py", "embeddings._grpo_lab_output_dtype"): "grpo_lab's own marker on a module it changed",
-    ("models.py", "module._grpo_lab_output_dtype"): "as embeddings._grpo_lab_output_dtype",
+    ("core/models.py", "embeddings._grpo_lab_output_dtype"): "grpo_lab's own marker on a module it changed",
+    ("core/models.py", "module._grpo_lab_output_dtype"): "as embeddings._grpo_lab_output_dtype",
 }
 """The only places a grpo_lab module reads or writes an underscore attribute of an object other than
 ``self`` or ``cls``, each with its reason: none of them is grpo_lab's own state."""

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from grpo_lab.config import GRPOConfig, built, setting
-from grpo_lab.field_rules import FieldRule, rule_of, ruled
-from grpo_lab.live_config import BUILT_PARTS, CHANGE_KINDS, apply_edits, change_rules, fields_of
+from grpo_lab.config.grpo_config import GRPOConfig, built, setting
+from grpo_lab.config.field_rules import FieldRule, rule_of, ruled
+from grpo_lab.config.live import BUILT_PARTS, CHANGE_KINDS, apply_edits, change_rules, fields_of
 
 
 def test_every_config_field_declares_a_known_change_rule():

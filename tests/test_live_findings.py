@@ -1,6 +1,6 @@
 """Live findings on real short runs: raised after the optimizer step whose history shows them, once
 per cause, as "finding" events, and kept with doctor()'s in session.findings (grpo_lab/doctor/live.py,
-grpo_lab/session_doctor.py)."""
+grpo_lab/session/findings.py)."""
 
 from tests.test_doctor import always
 

@@ -46,7 +46,7 @@ def _micro_batch(ratio, advantages_B, mask_BT, *, loss_type="dapo", entropies_BT
     from accelerate import Accelerator
 
     from grpo_lab import ops
-    from grpo_lab.metrics import micro_batch_metrics
+    from grpo_lab.core.metrics import micro_batch_metrics
 
     settings = ops.LossSettings(loss_type=loss_type, epsilon_low=0.2, epsilon_high=1.3 if loss_type == "cispo" else 0.2)
     out = ops.PolicyLossOutput(loss=torch.tensor(policy_loss), per_token_loss_BT=torch.zeros_like(mask_BT),
@@ -108,7 +108,7 @@ def test_policy_loss_is_logged_with_an_entropy_bonus():
 def test_a_steps_metrics_are_the_mean_of_its_micro_batches():
     from accelerate import Accelerator
 
-    from grpo_lab.metrics import loss_metrics
+    from grpo_lab.core.metrics import loss_metrics
 
     # micro-batch 1: 1 token of entropy 1.0; micro-batch 2: 3 tokens of entropy 3.0
     first = _micro_batch(torch.ones(1, 3), torch.ones(1), torch.tensor([[1.0, 0.0, 0.0]]),

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 
 from grpo_lab.accel import prefix_sharing
 from grpo_lab.accel.prefix_sharing import PrefixSharing, distinct_prompts
-from grpo_lab.model_calls import full_logits
-from grpo_lab.models import enable_gradient_checkpointing, load_tokenizer, prepare_tokenizer
+from grpo_lab.core.model_calls import full_logits
+from grpo_lab.core.models import enable_gradient_checkpointing, load_tokenizer, prepare_tokenizer
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
 from tests.forward_paths import path_logits

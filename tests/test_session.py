@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_lab import ops
-from grpo_lab.session import StageOrderError
+from grpo_lab.session.session import StageOrderError
 
 
 def test_transformers_optimizer_names_build_transformers_optimizers(make_session):

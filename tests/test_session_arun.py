@@ -7,7 +7,7 @@ import threading
 import pandas as pd
 import pytest
 
-from grpo_lab.ownership import SessionBusyError
+from grpo_lab.session.ownership import SessionBusyError
 from tests.conftest import pause_at
 
 

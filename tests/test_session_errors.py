@@ -441,7 +441,7 @@ def test_a_prompt_that_no_longer_fits_after_max_completion_length_grew_is_named_
 
 
 def test_a_dataset_too_large_to_check_at_build_is_checked_as_each_batch_is_drawn(task, make_session, monkeypatch):
-    monkeypatch.setattr("grpo_lab.engine_build.PROMPT_CHECK_ROWS", 16)  # the shipped task's 64 rows count as large
+    monkeypatch.setattr("grpo_lab.core.build.PROMPT_CHECK_ROWS", 16)  # the shipped task's 64 rows count as large
     rows = _as_text(_rows(task))
     rows[2]["prompt"] = ""
     session = make_session(train_dataset=Dataset.from_list(rows), shuffle_dataset=False)  # not rendered at build

@@ -1,12 +1,12 @@
-"""The experiment layer: undo, fork and what-if (grpo_lab/session_experiments.py, grpo_lab/what_if.py)."""
+"""The experiment layer: undo, fork and what-if (grpo_lab/session/experiments.py, grpo_lab/session/what_if.py)."""
 
 import copy
 
 import pytest
 import torch
 
-from grpo_lab.stages import StageOrderError
-from grpo_lab.state import rng_state
+from grpo_lab.session.stages import StageOrderError
+from grpo_lab.state.run_state import rng_state
 
 
 def _history(session):

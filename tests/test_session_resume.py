@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
-from grpo_lab.checkpoint import load_saved_weights
+from grpo_lab.state.checkpoint import load_saved_weights
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_a_checkpoint_that_pickled_its_state_is_refused_with_how_to_go_on(make_s
     """Checkpoints of earlier versions pickled numpy's random state: loading them would unpickle."""
     import numpy as np
 
-    from grpo_lab.checkpoint import STATE_FILE
+    from grpo_lab.state.checkpoint import STATE_FILE
 
     target = make_session().save(tmp_path / "old")
     state = torch.load(target / STATE_FILE, weights_only=True)
@@ -112,7 +112,7 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
 def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_session, task, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from grpo_lab.checkpoint import MODEL_DIR, _copy_saved_tensors
+    from grpo_lab.state.checkpoint import MODEL_DIR, _copy_saved_tensors
 
     uninterrupted = make_session()
     uninterrupted.run(3, progress=False)

@@ -4,8 +4,8 @@ format version."""
 import torch
 import pytest
 
-from grpo_lab.checkpoint import STATE_FILE
-from grpo_lab.state import FORMAT_VERSION
+from grpo_lab.state.checkpoint import STATE_FILE
+from grpo_lab.state.run_state import FORMAT_VERSION
 from tests.golden.runs import weights_digest
 
 
@@ -89,7 +89,7 @@ def test_checkpoints_carry_their_format_version_and_a_newer_one_is_refused(make_
 
 
 def test_copied_gives_deepcopys_state_dict_with_tensors_of_its_own():
-    from grpo_lab.state import copied
+    from grpo_lab.state.run_state import copied
 
     exp_avg = torch.arange(4.0)
     state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg}},

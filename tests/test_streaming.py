@@ -6,7 +6,7 @@ import pytest
 from datasets import Dataset, IterableDataset
 
 from grpo_lab import GRPOSession, GRPOTrainer
-from grpo_lab.stream_sampler import StreamSampler
+from grpo_lab.core.stream_sampler import StreamSampler
 from tests.conftest import SMALL
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from grpo_lab.trainer import GRPOTrainer
+from grpo_lab.trainer.trainer import GRPOTrainer
 from tests.conftest import SMALL
 
 
@@ -415,7 +415,7 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
 def test_a_resume_frees_the_model_it_replaces_before_loading_and_a_failed_one_can_be_retried(
     task, tmp_path, monkeypatch
 ):
-    from grpo_lab.session import GRPOSession
+    from grpo_lab.session.session import GRPOSession
 
     reference = _trainer(task, tmp_path / "ref", max_steps=3)
     reference.train()

@@ -1,12 +1,12 @@
 """GRPOTrainer's doctor: the preflight probe of GRPOConfig(doctor=...) and the log of every finding in
-findings.jsonl (grpo_lab/trainer_doctor.py)."""
+findings.jsonl (grpo_lab/trainer/doctor.py)."""
 
 import json
 
 import pytest
 
-from grpo_lab.config import GRPOConfig
-from grpo_lab.trainer_doctor import DoctorStop
+from grpo_lab.config.grpo_config import GRPOConfig
+from grpo_lab.trainer.doctor import DoctorStop
 from tests.test_trainer import _trainer
 
 
@@ -59,7 +59,7 @@ import sys
 
 from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.tasks import default_task
-from grpo_lab.trainer_doctor import DoctorStop
+from grpo_lab.trainer.doctor import DoctorStop
 
 task = default_task()
 config = GRPOConfig(output_dir=sys.argv[1], max_steps=2, per_device_train_batch_size=4, num_generations=4,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from grpo_lab import GRPOTrainer
-from grpo_lab.engine_evaluation import _eval_metrics, pass_at_k
+from grpo_lab.core.evaluation import _eval_metrics, pass_at_k
 from tests.conftest import SMALL
 
 

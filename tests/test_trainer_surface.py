@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 
 from grpo_lab import GRPOTrainer
-from grpo_lab.trainer_events import window_row
+from grpo_lab.trainer.events import window_row
 from tests.conftest import SMALL
 
 
@@ -171,7 +171,7 @@ def test_logging_first_step_logs_step_one_even_with_logging_off():
 
     from transformers.trainer_callback import TrainerControl, TrainerState
 
-    from grpo_lab.trainer_events import GRPOFlowCallback
+    from grpo_lab.trainer.events import GRPOFlowCallback
 
     args = SimpleNamespace(logging_strategy="no", save_strategy="no", eval_strategy="no", eval_delay=0,
                            logging_first_step=True)
@@ -328,7 +328,7 @@ def test_a_run_names_a_model_object_by_its_name_and_a_path_as_given(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from grpo_lab.engine_build import model_reference
+    from grpo_lab.core.build import model_reference
 
     base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=2))

@@ -90,7 +90,7 @@ def test_the_entropy_threshold_is_taken_over_both_processes(tmp_path):
 
 def test_trls_notes_on_loss_and_sampling_level_go_to_the_logger(caplog):
     from grpo_lab import GRPOConfig
-    from grpo_lab.engine_build import log_setting_notes
+    from grpo_lab.core.build import log_setting_notes
 
     with caplog.at_level("WARNING", logger="grpo_lab"):
         log_setting_notes(GRPOConfig(importance_sampling_level="sequence", loss_type="dapo"))

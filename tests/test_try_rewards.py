@@ -1,5 +1,5 @@
-"""The reward workbench: session.try_rewards and session.use_rewards (grpo_lab/session_rewards.py,
-grpo_lab/reward_trial.py), on real sessions of the shipped model."""
+"""The reward workbench: session.try_rewards and session.use_rewards (grpo_lab/session/rewards.py,
+grpo_lab/session/reward_trial.py), on real sessions of the shipped model."""
 
 import copy
 import random
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_lab.reward_trial import (
+from grpo_lab.session.reward_trial import (
     AdvantageSettings,
     batch_advantages,
     correlations,
@@ -17,8 +17,8 @@ from grpo_lab.reward_trial import (
     signal_values_B,
 )
 from grpo_lab.rewards import RewardFunctionError
-from grpo_lab.session_rewards import REWARD_INPUTS, group_runs, once_per_group, per_completion, shown_columns
-from grpo_lab.stages import StageOrderError
+from grpo_lab.session.rewards import REWARD_INPUTS, group_runs, once_per_group, per_completion, shown_columns
+from grpo_lab.session.stages import StageOrderError
 from grpo_lab.tasks.addition import correctness_reward, format_reward
 from tests.test_session_experiments import _history, _weights
 from tests.test_session_experiments import _same_tensors as _same

@@ -185,7 +185,7 @@ def test_mixture_of_experts_models_run_every_backward_pass(make_session, tiny_mo
     # a backward pass gives each expert its tokens reach a zero gradient, which AdamW acts on
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2MoeConfig
 
-    from grpo_lab.models import routes_to_experts
+    from grpo_lab.core.models import routes_to_experts
 
     assert routes_to_experts(AutoModelForCausalLM.from_pretrained(tiny_moe))
     assert routes_to_experts(type("M", (), {"config": Qwen2MoeConfig()}))

@@ -4,7 +4,7 @@
 Both sides get the same per-token log-probs and entropies (functions of two parameter tensors, so
 that gradients flow) in place of a model's forward pass, and the same old, reference and sampling
 log-probs, advantages, masks and vLLM importance weights. grpo_lab runs its engine's real loss stage
-(:class:`grpo_lab.engine_loss.LossStage`); TRL runs ``_compute_loss`` once per micro-batch, as its
+(:class:`grpo_lab.core.loss.LossStage`); TRL runs ``_compute_loss`` once per micro-batch, as its
 ``training_step`` does, and its metrics are averaged as its ``log`` averages them.
 
 Run as a script under ``accelerate launch`` to compare on every process of a distributed run.
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import torch
 
 from grpo_lab import GRPOConfig, ops
-from grpo_lab.engine_loss import LossStage
-from grpo_lab.layout import layout_for
-from grpo_lab.optimization import EntropyWeight
+from grpo_lab.core.loss import LossStage
+from grpo_lab.parallel.layout import layout_for
+from grpo_lab.core.optimization import EntropyWeight
 from grpo_lab.types import Advantages, Rollout, Scores
 
 MICRO_BATCH, T = 4, 6

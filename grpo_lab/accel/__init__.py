@@ -9,7 +9,7 @@
 - ``host_memory``: freed CPU memory kept for the next step (``keep_freed_cpu_memory=True``).
 
 Nothing imports them at module level: only this package's ``__init__`` (the standard library and
-``grpo_lab.notices``) loads with ``grpo_lab.engine``. The first four reach into transformers' model
+``grpo_lab.notices``) loads with ``grpo_lab.core.engine``. The first four reach into transformers' model
 internals (module classes, cache layers), which transformers may rename in any release:
 ``SpeedPaths`` imports one when a run first takes its path, and a path that fails to import, or to
 run against the model's internals (``TRANSFORMERS_CHANGED``), is turned off for the run with one

@@ -38,7 +38,7 @@ from transformers import (
 
 from grpo_lab.accel import compact_forward
 from grpo_lab.accel.prefix_sharing import distinct_prompts
-from grpo_lab.model_calls import position_ids
+from grpo_lab.core.model_calls import position_ids
 
 
 _SAMPLING_FIELDS = {

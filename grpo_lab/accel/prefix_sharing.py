@@ -19,7 +19,7 @@ It applies where a model's key/value cache is a plain per-layer concatenation (t
 each call (not "dynamic" or "longrope" scaling) and, in training mode, the model neither checkpoints
 activations (transformers drops the cache there) nor draws anything random (the copies of a
 prompt would share one dropout or router-jitter draw). Anywhere else the plain pass runs
-(``grpo_lab.policy_forward.pick_path`` decides); a cache that cannot be shared is named in a warning
+(``grpo_lab.core.policy_forward.pick_path`` decides); a cache that cannot be shared is named in a warning
 and in ``PrefixSharing.disabled_reason``. Without
 gradients a checkpointing model is not switched to eval mode to share: the old-policy pass must
 take the same path as the training pass, so that the first iteration's ratio is exactly 1.
@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from grpo_lab import notices
-from grpo_lab.model_calls import position_ids, without_router_loss
-from grpo_lab.models import CACHE, config_settings
+from grpo_lab.core.model_calls import position_ids, without_router_loss
+from grpo_lab.core.models import CACHE, config_settings
 
 __all__ = ["PrefixSharing", "distinct_prompts"]
 

@@ -6,7 +6,7 @@ and one loss pass, no update), reads it with small rules, and leaves the session
 over lengths, rewards, advantages and the loss, :mod:`~grpo_lab.doctor.tokens` those over the chat
 template and special tokens, :mod:`~grpo_lab.doctor.memory` the memory forecast,
 :mod:`~grpo_lab.doctor.thresholds` every threshold the rules compare with (settings, through
-``GRPOConfig.doctor_thresholds``), and :mod:`~grpo_lab.doctor.probe` runs the probe and the rules.
+``GRPOConfig.doctor_thresholds``), and :mod:`~grpo_lab.session.probe` runs the probe and the rules.
 Every finding and threshold is listed in docs/troubleshooting.md.
 """
 

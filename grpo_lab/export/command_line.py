@@ -13,9 +13,9 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
     import argparse
     import dataclasses
 
-    from grpo_lab.checkpoint import check_complete
-    from grpo_lab.config import GRPOConfig
-    from grpo_lab.reporting import reporter_names
+    from grpo_lab.state.checkpoint import check_complete
+    from grpo_lab.config.grpo_config import GRPOConfig
+    from grpo_lab.trainer.reporting import reporter_names
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume_from", default=None)

@@ -120,7 +120,7 @@ def _script_lines(notebook_path: Path, path: Path, indices: list[int], before: l
         HEADER.format(version=__version__, source=source, script=path.name),
         *(["import os  # secrets are read from the environment", ""] if imports_os else []),
         "from grpo_lab.export import cli_config as _cli_config_and_resume",
-        "from grpo_lab.trainer import GRPOTrainer",
+        "from grpo_lab import GRPOTrainer",
         "",
         "_RESUME_FROM = None",
         "",

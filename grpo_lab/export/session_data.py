@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_lab.credentials import Secrets
-from grpo_lab.stream_sampler import is_stream
+from grpo_lab.core.stream_sampler import is_stream
 
 
 def save_session_data(engine, data_dir: Path, secrets: Secrets) -> None:

@@ -33,7 +33,7 @@ from numbers import Real
 import torch
 
 from grpo_lab import notices
-from grpo_lab.config import REWARD_TIMEOUT
+from grpo_lab.config.grpo_config import REWARD_TIMEOUT
 from grpo_lab.rewards.calls import Outcome, call_all, find_failing_sample, make_call
 
 

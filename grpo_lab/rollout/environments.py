@@ -38,7 +38,7 @@ import inspect
 
 from grpo_lab.rollout.prompts import is_conversational, prompt_problem
 from grpo_lab.rollout.tools import ToolCalling, check_tools
-from grpo_lab.stream_sampler import first_row, is_stream
+from grpo_lab.core.stream_sampler import first_row, is_stream
 
 PLACEHOLDER_PROMPT = [{"role": "user", "content": ""}]
 """The prompt of a row that has none (no ``prompt`` column, or no dataset): an empty user message

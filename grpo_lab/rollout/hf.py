@@ -15,8 +15,8 @@ from transformers import GenerationConfig
 
 from grpo_lab import notices
 from grpo_lab.accel import TRANSFORMERS_CHANGED, SpeedPaths
-from grpo_lab.layout import layout_for
-from grpo_lab.models import CACHE
+from grpo_lab.parallel.layout import layout_for
+from grpo_lab.core.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
 from grpo_lab.rollout.prompt_tokens import tokenize_prompts

@@ -18,9 +18,10 @@ import inspect
 
 import torch
 
-from grpo_lab import dist, notices
+from grpo_lab import notices
+from grpo_lab.parallel import dist
 from grpo_lab.coroutines import run_coroutines
-from grpo_lab.layout import layout_for
+from grpo_lab.parallel.layout import layout_for
 from grpo_lab.rollout.prompts import is_conversational, render_prompts
 from grpo_lab.rollout.response_formats import FORMATS, known_response_template
 

@@ -18,8 +18,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from grpo_lab import dist, notices
-from grpo_lab.layout import layout_for
+from grpo_lab import notices
+from grpo_lab.parallel import dist
+from grpo_lab.parallel.layout import layout_for
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
 from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype

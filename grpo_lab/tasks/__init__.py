@@ -57,7 +57,7 @@ class Task:
 
     def config(self, **overrides):
         """A ``GRPOConfig`` tuned for this task; keyword arguments override any field."""
-        from grpo_lab.config import GRPOConfig
+        from grpo_lab.config.grpo_config import GRPOConfig
 
         return GRPOConfig(**{**self.config_overrides, **overrides})
 

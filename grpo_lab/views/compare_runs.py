@@ -1,7 +1,7 @@
 """Reading the runs that ``grpo_lab.compare`` takes: a live GRPOSession, a directory written by
 ``session.save()`` (a trainer's ``checkpoint-N`` is one), or a GRPOTrainer ``output_dir`` holding
 ``metrics.jsonl``. Files are read without building a model and without unpickling code: a save's
-records through :func:`grpo_lab.checkpoint.load_records`, configs as YAML, metrics as JSON lines.
+records through :func:`grpo_lab.state.checkpoint.load_records`, configs as YAML, metrics as JSON lines.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def current(run: Run) -> Run:
 
 
 def _read(run, position: int) -> Run:
-    from grpo_lab.run_record import RunRecord
+    from grpo_lab.session.run_record import RunRecord
 
     if isinstance(getattr(run, "record", None), RunRecord):  # a session (or a fork): it keeps a run record
         return Run(getattr(run, "name", None) or "", source="session", session=run, **_session_parts(run))
@@ -58,7 +58,7 @@ def _session_parts(session) -> dict:
 
 
 def _read_directory(directory: Path) -> Run:
-    from grpo_lab.checkpoint import STATE_FILE, load_records, trainer_checkpoints
+    from grpo_lab.state.checkpoint import STATE_FILE, load_records, trainer_checkpoints
 
     name = directory.resolve().name
     if (directory / STATE_FILE).exists():
@@ -80,7 +80,7 @@ def _read_directory(directory: Path) -> Run:
 def _saved_config(directory: Path) -> dict | None:
     """The config saved in a checkpoint directory, every field this version has filled in (a saved
     config leaves out transformers' fields at their defaults); None where there is no config.yaml."""
-    from grpo_lab.config import GRPOConfig, read_yaml_mapping
+    from grpo_lab.config.grpo_config import GRPOConfig, read_yaml_mapping
 
     path = directory / "config.yaml"
     if not path.exists():

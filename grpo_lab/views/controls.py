@@ -1,6 +1,6 @@
 """Stage buttons, Step, and Run N with two ways to stop it.
 
-The buttons follow the session's owner guard (:mod:`grpo_lab.ownership`). While anything drives the
+The buttons follow the session's owner guard (:mod:`grpo_lab.session.ownership`). While anything drives the
 session they are disabled, a cell's ``session.run(3)`` included: the view hears the session's
 ``"busy"`` and ``"idle"`` events, and a widget's change reaches the browser while the cell runs. A
 click that still finds the session busy is refused with the reason in the status line, never queued.
@@ -16,8 +16,8 @@ import threading
 
 import ipywidgets as widgets
 
-from grpo_lab.ownership import SessionBusyError
-from grpo_lab.session_loops import run_stages
+from grpo_lab.session.ownership import SessionBusyError
+from grpo_lab.session.loops import run_stages
 from grpo_lab.views.base import View, guarded
 
 RUN_N = "the dashboard's Run N button"

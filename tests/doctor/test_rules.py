@@ -4,7 +4,7 @@ import torch
 
 from grpo_lab.doctor import memory, rules, tokens
 from grpo_lab.doctor.thresholds import resolve
-from grpo_lab.models import load_tokenizer
+from grpo_lab.core.models import load_tokenizer
 from grpo_lab.tasks import TINY_MODEL_DIR
 
 

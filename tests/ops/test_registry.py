@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from grpo_lab.config import GRPOConfig
+from grpo_lab.config.grpo_config import GRPOConfig
 from grpo_lab.ops import (
     CLIP_LOSSES,
     GLOBAL_NORMALIZER_LOSSES,
@@ -77,6 +77,7 @@ def test_unknown_loss_type_raises_in_the_loss_and_clips_nothing_in_diagnostics()
 
 
 def test_the_config_reads_the_registry_without_loading_torch():
-    code = ("import sys; from grpo_lab.config import GRPOConfig; GRPOConfig(output_dir='unused', loss_type='cispo', "
+    code = ("import sys; from grpo_lab.config.grpo_config import GRPOConfig; "
+            "GRPOConfig(output_dir='unused', loss_type='cispo', "
             "epsilon_high=5.0); assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from grpo_lab.accel import decoding
 from grpo_lab.accel.prefix_sharing import PrefixSharing
-from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.core.models import load_tokenizer, prepare_tokenizer
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
 

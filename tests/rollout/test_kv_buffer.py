@@ -7,7 +7,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from grpo_lab.accel.kv_buffer import BufferedLayer, buffer_cache
 from grpo_lab.accel.prefix_sharing import PrefixSharing
-from grpo_lab.models import CACHE, load_tokenizer, prepare_tokenizer
+from grpo_lab.core.models import CACHE, load_tokenizer, prepare_tokenizer
 from grpo_lab.rollout.hf import generate, sampling_config
 from grpo_lab.rollout.prompts import render_prompts
 

@@ -4,7 +4,7 @@ built again on the same data does not render every prompt again, and recounted w
 import pytest
 from datasets import Dataset
 
-from grpo_lab.models import load_tokenizer, prepare_tokenizer
+from grpo_lab.core.models import load_tokenizer, prepare_tokenizer
 from grpo_lab.rollout import prompts
 
 

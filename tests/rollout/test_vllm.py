@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession, ops
-from grpo_lab.models import load_tokenizer
+from grpo_lab.core.models import load_tokenizer
 from grpo_lab.rollout.prompts import render_prompts
 from grpo_lab.rollout.vllm_client import ServerError, VLLMServerBackend
 from grpo_lab.views import data
@@ -312,10 +312,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FSDP_ON_CPU = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
-import grpo_lab.dist
+import grpo_lab.parallel.dist
 from tests.sharded_on_cpu import fsdp_accelerator  # accelerate's FSDP path on CPU processes
 
-grpo_lab.dist.make_accelerator = fsdp_accelerator
+grpo_lab.parallel.dist.make_accelerator = fsdp_accelerator
 """
 
 

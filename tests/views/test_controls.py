@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from grpo_lab.ownership import SessionBusyError
+from grpo_lab.session.ownership import SessionBusyError
 from tests.conftest import pause_at
 
 

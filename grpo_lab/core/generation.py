@@ -1,0 +1,196 @@
+"""The engine's generate stage: draw prompts, sample completions (a backend or a rollout function),
+and build the :class:`~grpo_lab.types.Rollout` with the log-probs the loss needs."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_lab import ops
+from grpo_lab.parallel import dist
+from grpo_lab.rewards.preparation import CALL_KEYWORDS
+from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
+from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
+from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts, render_prompts, wrap_completions
+from grpo_lab.core.stream_sampler import StreamSampler
+from grpo_lab.types import Rollout
+
+
+class GenerationStage:
+    """The engine's generate stage (``engine.generation_stage``): it owns how training rows are read
+    (a format-free view of the dataset), the prompt-fits-the-context check with the prompt token
+    counts taken when the engine was built, and the guard against a rollout function that calls
+    ``generate()`` again. It reads the engine's public parts (config, sampler, tokenizer, model,
+    backend, environments) and adds the batch's tokens to ``engine.num_input_tokens_seen``.
+
+    ``context``: the model's context length (None: unknown); ``prompt_tokens``: every prompt's token
+    count of ``counted_dataset`` (None where it was too large to count at build)."""
+
+    def __init__(self, engine, *, context: int | None, prompt_tokens: list[int] | None, counted_dataset):
+        self.engine = engine
+        self.context = context
+        self._prompt_tokens, self._counted_dataset = prompt_tokens, counted_dataset
+        self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
+        self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see train_rows
+
+    def generate(self) -> Rollout:
+        """Draw the next generation batch of prompts and sample ``num_generations`` completions each."""
+        engine = self.engine
+        config = engine.config
+        if engine.published_version != engine.global_step:
+            engine.publish_weights()
+        sampler_state = engine.sampler.state_dict()
+        try:
+            indices = engine.sampler.next_indices()
+            global_rows = [i for i in indices for _ in range(config.num_generations)]
+            group_B = [position // config.num_generations for position in range(len(global_rows))]
+            local = dist.local_slice(engine.accelerator, len(global_rows))
+            rows = self.train_rows(global_rows[local])
+            prompts, environments = self.start_rows(rows, global_rows[local])
+            batch, env_mask_BT, extra, completions = self.generate_batch(prompts, list(rows))
+            batch, env_mask_BT = padded_to_multiple(
+                batch, env_mask_BT, config.pad_multiple(), pad_token_id=engine.tokenizer.pad_token_id
+            )
+            rows.update(extra)
+            self.check_policy_version(batch)
+        except BaseException:
+            engine.sampler.load_state_dict(sampler_state)
+            raise
+        completion_texts = engine.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
+        rollout = Rollout(
+            prompts=prompts,
+            completions=wrap_completions(prompts, completion_texts) if completions is None else completions,
+            completion_texts=completion_texts,
+            columns=rows,
+            prompt_ids_BP=batch.prompt_ids_BP,
+            prompt_mask_BP=batch.prompt_mask_BP,
+            completion_ids_BT=batch.completion_ids_BT,
+            completion_mask_BT=batch.completion_mask_BT,
+            is_truncated_B=batch.is_truncated_B,
+            group_index_B=torch.tensor(group_B[local]),
+            step=engine.global_step,
+            sampling_logprobs_BT=batch.sampling_logprobs_BT,
+            policy_version=batch.policy_version,
+            env_mask_BT=env_mask_BT,
+            extra_keys=tuple(extra),
+            environments=environments,
+        )
+        with engine.accelerator.autocast():
+            if engine.needs_old_logprobs():
+                rollout.old_logprobs_BT = engine.batch_logprobs(engine.model, rollout)
+            if config.beta > 0:
+                rollout.ref_logprobs_BT = engine.reference_logprobs(rollout)
+        if engine.corrects_sampling() and rollout.sampling_logprobs_BT is not None:
+            importance_weights(rollout, config)
+        tokens = batch.prompt_mask_BP.sum() + rollout.completion_lengths_B.sum()
+        engine.num_input_tokens_seen += int(dist.total(engine.accelerator, tokens))
+        return rollout
+
+    def counted_prompt_tokens(self) -> list[int] | None:
+        """The token count of every training prompt, as counted when the engine was built (None where
+        the dataset was too large to count then, or has been swapped since)."""
+        return self._prompt_tokens if self._counted_dataset is self.engine.train_dataset else None
+
+    def train_rows(self, indices: list[int]) -> dict[str, list]:
+        """The training dataset's rows ``indices`` as columns of Python lists, whatever format the
+        dataset has (by indexing a format-free view with a list, which is cheaper than select().to_dict()).
+        Refuses, naming the row, a prompt that cannot be rendered or does not fit the model's context
+        with the current ``max_completion_length``."""
+        engine = self.engine
+        if isinstance(engine.sampler, StreamSampler):
+            rows = engine.sampler.rows_at(indices)
+        else:
+            if self._rows_source is not engine.train_dataset:
+                self._rows_source, self._rows_view = engine.train_dataset, engine.train_dataset.with_format(None)
+            rows = self._rows_view[indices]
+        if engine.environments is not None:  # the prompts are complete after reset(): generate() checks them then
+            return rows
+        # The drawn prompts must fit the context with the current max_completion_length; raised here,
+        # generate() puts the sampler back, and the error names the rows (generation's would not).
+        drawn = list(dict.fromkeys(indices))
+        if self._counted_dataset is engine.train_dataset:  # counted when the session was built
+            tokens = [self._prompt_tokens[index] for index in drawn]
+        else:  # a dataset too large to count at build, or one swapped in since
+            first = {index: position for position, index in reversed(list(enumerate(indices)))}
+            tokens = prompt_token_counts([rows["prompt"][first[index]] for index in drawn], engine.tokenizer,
+                                         engine.config.chat_template_kwargs, rows=drawn)
+        check_prompt_room(
+            tokens, drawn, context=self.context, chat_template_kwargs=engine.config.chat_template_kwargs,
+            max_new_tokens=None if engine.custom_rollout is not None else engine.config.max_completion_length,
+        )
+        return rows
+
+    def check_policy_version(self, batch) -> None:
+        """Refuse completions an inference engine generated with another policy than the current one."""
+        engine = self.engine
+        if batch.policy_version is not None and batch.policy_version != engine.global_step:
+            raise RuntimeError(
+                f"The {engine.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
+                f"but the trainer is at step {engine.global_step}: the server was restarted (resume the run from "
+                "its last checkpoint, which pushes the policy again) or another run shares it (give each its own)."
+            )
+
+    def start_rows(self, rows: dict[str, list], indices: list[int], eval_set: str | None = None
+                    ) -> tuple[list, list | None]:
+        """``(prompts, environments)`` of the drawn ``rows`` (rows ``indices`` of the train dataset, or
+        of the eval set labelled ``eval_set``), the prompt column taken out of them: as the dataset
+        holds them, or, with environment_factory, as each completion's environment instance (the
+        second item; an eval set's come from the evaluation pool) left them after its ``reset()``,
+        checked against the model's context."""
+        engine = self.engine
+        if engine.environments is None:
+            return rows.pop("prompt"), None
+        prompts, environments = engine.environments.start(rows, evaluation=eval_set is not None)
+        rows.pop("prompt", None)
+        dataset = "train_dataset" if eval_set is None else eval_set
+        tokens = prompt_token_counts(prompts, engine.tokenizer, engine.config.chat_template_kwargs, rows=indices,
+                                     dataset=dataset)
+        check_prompt_room(
+            tokens, indices, context=self.context, chat_template_kwargs=engine.config.chat_template_kwargs,
+            max_new_tokens=None if engine.custom_rollout is not None else engine.config.max_completion_length,
+            dataset=dataset,
+        )
+        return prompts, environments
+
+    def generate_batch(self, prompts: list, columns: list[str]) -> CustomBatch:
+        """The completions of ``prompts`` (one per completion, after any environment's ``reset()``):
+        from the rollout function or the tool loop when there is one, else from the generation
+        backend. ``columns``: the names the rollout function's extra keys may not take."""
+        engine = self.engine
+        if engine.custom_rollout is None:
+            texts = render_prompts(prompts, engine.tokenizer, engine.config.chat_template_kwargs)
+            return CustomBatch(engine.rollout_backend.generate(texts, engine.config), None, {}, None)
+        if self._in_rollout:
+            raise RuntimeError(
+                "generate() (or step(), evaluate()) was called from inside the rollout function: sample its "
+                "completions with session.sample(prompts) instead."
+            )
+        self._in_rollout = True
+        try:
+            return call_rollout_func(
+                engine.custom_rollout, prompts, engine.rollout_owner, pad_token_id=engine.tokenizer.pad_token_id,
+                eos_token_ids=eos_token_ids(engine.tokenizer, engine.unwrapped_model), vocab_size=engine.vocab_size(),
+                context=getattr(engine.unwrapped_model.config, "max_position_embeddings", None),
+                reserved={"prompt", *CALL_KEYWORDS, *columns}, device=engine.accelerator.device,
+            )
+        finally:
+            self._in_rollout = False
+
+
+def importance_weights(rollout: Rollout, config) -> None:
+    """Set ``rollout``'s vLLM importance-sampling weights pi_old / pi_sampler (``(B, T)``,
+    :func:`grpo_lab.ops.vllm_importance_weights` with ``config``'s mode and bounds) and their stats."""
+    old_BT = rollout.old_logprobs_BT.float()
+    sampling_BT = rollout.sampling_logprobs_BT.to(old_BT.device)
+    mask_BT = rollout.generated_mask_BT.to(old_BT.device)
+    if config.mask_truncated_completions:  # as in TRL: a truncated row's weight is 1 and it is in no stat
+        mask_BT = ops.truncation_mask(mask_BT, rollout.is_truncated_B.to(old_BT.device))
+    clip_max = config.vllm_importance_sampling_clip_max
+    if config.vllm_importance_sampling_cap is not None:
+        clip_max = config.vllm_importance_sampling_cap
+    rollout.importance_weights_BT = ops.vllm_importance_weights(
+        old_BT, sampling_BT, mask_BT, mode=config.vllm_importance_sampling_mode,
+        clip_max=clip_max, clip_min=config.vllm_importance_sampling_clip_min,
+    )
+    rollout.sampling_stats = ops.importance_sampling_stats(
+        rollout.importance_weights_BT, old_BT, sampling_BT, mask_BT
+    )
