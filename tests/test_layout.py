@@ -143,3 +143,29 @@ def test_no_module_reaches_into_another_objects_private_state():
     found = _private_reach()
     assert found - PRIVATE_REACH_ALLOWED.keys() == set(), "use the owner's public interface"
     assert PRIVATE_REACH_ALLOWED.keys() - found == set(), "an allowed place is gone: drop it from the list"
+
+
+def test_the_paths_from_before_the_folders_keep_working():
+    import subprocess
+    import sys
+
+    # in a fresh interpreter: the lazy package attributes must work without the modules loaded first
+    code = """
+import grpo_lab, grpo_lab.config, grpo_lab.session, grpo_lab.trainer, grpo_lab.state, grpo_lab.cli
+from grpo_lab.config import GRPOConfig
+from grpo_lab.session import GRPOSession
+from grpo_lab.trainer import GRPOTrainer
+from grpo_lab.state import FORMAT_VERSION
+from grpo_lab.cli import main
+import grpo_lab.live_config, grpo_lab.what_if, grpo_lab.ownership
+from grpo_lab.config import live
+from grpo_lab.session import ownership, what_if
+from grpo_lab.state import run_state
+from grpo_lab.cli import commands
+assert (GRPOConfig, GRPOSession, GRPOTrainer) == (grpo_lab.GRPOConfig, grpo_lab.GRPOSession, grpo_lab.GRPOTrainer)
+assert FORMAT_VERSION == run_state.FORMAT_VERSION and main is commands.main
+assert (grpo_lab.live_config, grpo_lab.what_if, grpo_lab.ownership) == (live, what_if, ownership)
+assert grpo_lab.live_config.CHANGE_KINDS is live.CHANGE_KINDS
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-m", "grpo_lab.cli", "--version"], check=True, capture_output=True)
