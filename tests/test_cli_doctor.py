@@ -81,3 +81,34 @@ def test_train_with_doctor_stop_ends_with_the_findings_and_the_cli_fix(tmp_path,
     err = capsys.readouterr().err
     assert status == 1 and "grpo-lab train: doctor='stop'" in err and "[error] truncation:" in err
     assert "pass --doctor warn" in err and not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_script_that_catches_exceptions_around_train_runs_nothing_after_it(tmp_path, capsys):
+    # grpo-lab doctor stops a script at train(): an `except Exception` there does not catch it, so the
+    # script's code after train() (here, a save over the user's model) does not run; a finally block that
+    # saves is refused too
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "model.safetensors").write_bytes(b"the user's trained weights")
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "from grpo_lab import GRPOConfig, GRPOTrainer\n"
+        "from grpo_lab.tasks import default_task\n"
+        "task = default_task()\n"
+        f"trainer = GRPOTrainer(task.model, task.reward_funcs, train_dataset=task.train_dataset,\n"
+        f"                      args=task.config(output_dir={str(tmp_path / 'run')!r}, max_steps=2))\n"
+        "try:\n"
+        "    try:\n"
+        "        trainer.train()\n"
+        "    except Exception as error:\n"
+        f"        Path({str(tmp_path / 'caught.txt')!r}).write_text(repr(error))\n"
+        f"    trainer.save_model({str(saved)!r})\n"
+        "finally:\n"
+        f"    trainer.save_model({str(saved)!r})\n"
+    )
+    assert main(["doctor", str(script), "--json"]) in (0, 1)
+    assert _report(capsys)["summary"]
+    assert not (tmp_path / "caught.txt").exists()
+    assert [p.name for p in saved.iterdir()] == ["model.safetensors"]
+    assert (saved / "model.safetensors").read_bytes() == b"the user's trained weights"

@@ -484,10 +484,32 @@ def test_the_end_of_training_is_always_checkpointed(task, tmp_path):
         warnings.filterwarnings("error", message=".*from an earlier run")
         again.train(resume_from_checkpoint=True)
     assert again.session.global_step == 3
+
+
+def test_a_fresh_run_never_replaces_or_rotates_away_another_runs_checkpoints(task, tmp_path):
+    earlier = _trainer(task, tmp_path, max_steps=2, save_steps=1)
+    earlier.train()
+    written = {p.name: (p / "COMPLETE").stat().st_mtime_ns for p in tmp_path.glob("checkpoint-*")}
+    assert sorted(written) == ["checkpoint-1", "checkpoint-2"]
     fresh = _trainer(task, tmp_path, max_steps=1)
-    with pytest.warns(UserWarning, match=r"already holds checkpoint-2, checkpoint-3, metrics.jsonl "
-                                         r"from an earlier run.*resume_from_checkpoint=True"):
+    with pytest.raises(FileExistsError, match=r"already holds checkpoint-1, checkpoint-2 from an earlier run.*"
+                                              r"resume_from_checkpoint=True.*overwrite_output_dir=True"):
         fresh.train()
+    assert fresh.session.global_step == 0
+    assert {p.name: (p / "COMPLETE").stat().st_mtime_ns for p in tmp_path.glob("checkpoint-*")} == written
+    # asked for, a new run trains there: it replaces the steps it saves and rotates its own checkpoints alone,
+    # never the earlier run's later one
+    foreign = tmp_path / "checkpoint-500"
+    (tmp_path / "checkpoint-2").rename(foreign)
+    again = _trainer(task, tmp_path, max_steps=3, save_steps=1, save_total_limit=1, overwrite_output_dir=True)
+    with pytest.warns(UserWarning, match=r"already holds checkpoint-1, checkpoint-500, metrics.jsonl from an "
+                                         r"earlier run.*replaces checkpoints of the same step"):
+        again.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-500"]
+    # resumed in the same folder, the run counts the checkpoints up to the one it resumed from as its own
+    resumed = _trainer(task, tmp_path, max_steps=5, save_steps=1, save_total_limit=2)
+    resumed.train(resume_from_checkpoint=tmp_path / "checkpoint-3")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5", "checkpoint-500"]
 
 
 def test_close_frees_the_model_optimizer_and_accelerators_references_and_a_closed_trainer_says_so(task, tmp_path):

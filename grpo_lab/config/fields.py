@@ -297,8 +297,12 @@ class GRPOFields:
     logging_dir: str | None = setting(None, "live", """TensorBoard directory; None uses output_dir/runs.""")
     save_steps: float = setting(500, "live", """Optimizer steps between two checkpoints of the trainer; below 1, a
         fraction of the run, rounded up (``save_steps=0.25`` checkpoints four times).""")
-    save_total_limit: int | None = setting(None, "live", """Keep at most this many checkpoints (oldest deleted
-        first); None keeps all.""")
+    save_total_limit: int | None = setting(None, "live", """Keep at most this many of the run's checkpoints (oldest
+        deleted first; another run's checkpoints in output_dir are neither counted nor deleted); None keeps all.""")
+    overwrite_output_dir: bool = setting(False, "live", """Let a fresh run train in an output_dir that holds an
+        earlier run's checkpoints, replacing those of the steps it saves (TRL's field, from transformers'
+        TrainingArguments). False refuses such a run before its first step, naming the way to resume the earlier
+        run instead.""")
     bf16: bool | None = built(None, "process", """bfloat16 mixed precision. None (the default) picks it where the
         hardware supports it (a GPU with bf16) and float32 otherwise; TRL instead turns it on and fails on a CPU.""")
     fp16: bool = built(False, "process", """float16 mixed precision (needs a GPU).""")

@@ -182,14 +182,22 @@ class GRPOConfig(TrainingArgumentsFields):
         defaults = _defaults()
         return {k: v for k, v in self.to_dict().items() if v != defaults[k]}
 
+    def shareable_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` without credentials (:mod:`grpo_lab.credentials.config_values`), as every
+        copy that leaves the process is written: saves, checkpoints, trackers. Warns once per entry."""
+        from grpo_lab.credentials.config_values import shareable
+
+        return shareable(self.to_dict())
+
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
-        """The full config as YAML; also written to ``path`` when given."""
+        """The full config as YAML, without credentials (:meth:`shareable_dict`); also written to
+        ``path`` when given."""
         import yaml
 
         # transformers' other TrainingArguments fields only where set: they differ between transformers
         # versions, and a file that names none at their default loads under any of them
         defaults = _defaults()
-        values = {k: v for k, v in self.to_dict().items()
+        values = {k: v for k, v in self.shareable_dict().items()
                   if not (rule_of(_fields()[k]).trainer_argument and v == defaults[k])}
         text = yaml.safe_dump(stored_value(values), sort_keys=False)
         if path is not None:

@@ -286,6 +286,13 @@ neither gives ``include_num_input_tokens_seen=False`` (transformers' ``"no"``) a
 (its ``""``)."""
 
 
+def _shown(name: str, value) -> str:
+    """``value`` as an error message shows it: a credential (``hub_token="hf_..."``) never in full."""
+    from grpo_lab.credentials.recognition import secret_in
+
+    return "<a credential, not shown>" if secret_in(value, name) is not None else repr(value)
+
+
 def check_trainer_arguments(config, defaults: dict) -> None:
     """Apply the rules to ``config``'s ``TrainingArguments`` fields (see the module's docstring)."""
     added = [field.name for field in dataclasses.fields(config) if rule_of(field).trainer_argument]
@@ -304,12 +311,12 @@ def check_trainer_arguments(config, defaults: dict) -> None:
                 )
         elif name in REFUSED:
             raise NotImplementedError(
-                f"{name}={plain!r} is accepted for compatibility with TRL but not supported by grpo_lab: "
+                f"{name}={_shown(name, plain)} is accepted for compatibility with TRL but not supported by grpo_lab: "
                 f"{REFUSED[name]}."
             )
         elif name not in _warned:
             _warned.add(name)
-            notices.warn(f"{name}={plain!r} has no effect in grpo_lab: {INERT.get(name, GENERIC_REASON)}.")
+            notices.warn(f"{name}={_shown(name, plain)} has no effect in grpo_lab: {INERT.get(name, GENERIC_REASON)}.")
     _check_best_model(config)
 
 

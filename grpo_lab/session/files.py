@@ -23,6 +23,7 @@ from grpo_lab.state.checkpoint import (
     safe_batch,
     save_engine,
 )
+from grpo_lab.credentials.config_values import shareable, without_secrets
 from grpo_lab.config.grpo_config import GRPOConfig, read_yaml_mapping
 from grpo_lab.parallel.dist import (
     gather_to_main, launched_processes, on_main,
@@ -87,7 +88,7 @@ def load(cls, path, *, model, reward_funcs, train_dataset, eval_dataset, trust_r
     saved = per_process_states(state)
     half_used = len(saved) == launched_processes() and saved[0]["pending"][0] is not None  # else it is dropped
     built = rebuilt_fields(
-        directory, extra["applied_config"], kwargs["args"].to_dict(), own_optimizer, own_scheduler,
+        directory, extra["applied_config"], without_secrets(kwargs["args"].to_dict())[0], own_optimizer, own_scheduler,
         given_model=model is not None, half_used=half_used,
     )
     model = _saved_model(directory / MODEL_DIR, model, kwargs["args"])
@@ -96,6 +97,14 @@ def load(cls, path, *, model, reward_funcs, train_dataset, eval_dataset, trust_r
     session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
     _restore(session, state, built)
     return session
+
+
+def _with_given_secrets(applied: dict, given: dict) -> dict:
+    """The saved applied config with the credentials the loading config holds put back where the
+    save left them out (:mod:`grpo_lab.credentials.config_values`): a token passed again in args is
+    not an edit of its field."""
+    return {name: given[name] if name in given and without_secrets({name: given[name]})[0][name] == value else value
+            for name, value in applied.items()}
 
 
 def _checkpoint_records(session) -> dict:
@@ -107,7 +116,7 @@ def _checkpoint_records(session) -> dict:
         "evaluations": plain_values(record.evaluations),
         "completion_log": plain_values(record.completion_log),
         "config_changes": plain_values(record.config_changes),
-        "applied_config": plain_values(record.applied_config),
+        "applied_config": plain_values(shareable(record.applied_config)),
         "batch_step": session.batch_step,
         "last_stage": record.last_stage,
         "findings": plain_values(session.findings_record.state_dict()),
@@ -224,7 +233,8 @@ def _restore(session, state: dict, built: dict) -> None:
                      for name, (old, new) in built.items()]
     session.record.load_state_dict({
         **extra, "config_changes": extra["config_changes"] + built_changes,
-        "applied_config": {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}},
+        "applied_config": _with_given_secrets(
+            {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}, session.config.to_dict()),
     })
     session.batch_step = extra["batch_step"]
     session.findings_record.load_state_dict(extra.get("findings"), session.record.last_step)  # absent before kept

@@ -19,10 +19,15 @@ from grpo_lab.doctor import Finding, Findings
 
 FINDINGS_FILE = "findings.jsonl"
 _probe_only = False  # set by probe_only(): train() runs the probe and stops, whatever GRPOConfig.doctor says
+_probed: Findings | None = None  # inside probe_only(), once the probe ran: its findings
 
 
-class ProbeDone(Exception):
-    """Raised by ``train()`` inside :func:`probe_only` once the probe ran: it carries the findings."""
+class ProbeDone(BaseException):
+    """Raised by ``train()`` inside :func:`probe_only` once the probe ran: it carries the findings.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: a script's ``except Exception`` around
+    ``train()`` does not catch it, so the script's code after ``train()`` (a save over the user's
+    model, say) does not run."""
 
     def __init__(self, findings: Findings):
         super().__init__("the doctor's probe ran; training was not started")
@@ -33,12 +38,20 @@ class ProbeDone(Exception):
 def probe_only():
     """Within it, ``GRPOTrainer.train()`` runs ``session.doctor()`` in place of training and raises
     :class:`ProbeDone` with the findings (what ``grpo-lab doctor script.py`` runs a script under)."""
-    global _probe_only
-    _probe_only = True
+    global _probe_only, _probed
+    _probe_only, _probed = True, None
     try:
         yield
     finally:
-        _probe_only = False
+        _probe_only, _probed = False, None
+
+
+def refuse_after_probe() -> None:
+    """Inside :func:`probe_only`, once the probe ran, raise :class:`ProbeDone` again: what a script
+    does while the stop unwinds (a ``finally`` block that saves the model, a second ``train()``)
+    writes nothing."""
+    if _probed is not None:
+        raise ProbeDone(_probed)
 
 
 class DoctorStop(RuntimeError):
@@ -59,8 +72,10 @@ def preflight(trainer) -> None:
     "warn" or "stop", print and record its findings on the main process, and, for "stop", raise
     :class:`DoctorStop` on every process where the main process's probe found an error."""
     mode = trainer.args.doctor
+    global _probed
     if _probe_only:
-        raise ProbeDone(trainer.session.doctor())
+        _probed = trainer.session.doctor()
+        raise ProbeDone(_probed)
     if mode == "off":
         return
     findings = trainer.session.doctor()

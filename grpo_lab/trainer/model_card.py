@@ -24,12 +24,16 @@ TRL's `GRPOTrainer`.
 
 def write_training_files(directory: Path, config, base_model: str | None) -> None:
     """``training_args.bin`` and ``README.md`` in ``directory`` (a saved model's folder)."""
+    import copy
     import importlib.metadata
 
     import torch
     import yaml
 
-    torch.save(config, directory / "training_args.bin")
+    shared = copy.copy(config)  # the run's own config keeps its credentials
+    for name, value in config.shareable_dict().items():
+        setattr(shared, name, value)
+    torch.save(shared, directory / "training_args.bin")
     front = {"library_name": "transformers", "tags": ["generated_from_trainer", "grpo", "grpo_lab"]}
     if base_model and not Path(base_model).is_dir():  # a hub id, as TRL names the base model
         front["base_model"] = base_model

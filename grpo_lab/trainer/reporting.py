@@ -109,12 +109,12 @@ class WandbReporter(_Reporter):
             directory = Path(os.environ.get("WANDB_DIR") or output_dir)
             directory.mkdir(parents=True, exist_ok=True)
             self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), name=config.run_name, config=config.to_dict(),
-                dir=str(directory),
+                project=os.environ.get("WANDB_PROJECT", "grpo_lab"), name=config.run_name,
+                config=config.shareable_dict(), dir=str(directory),
             )
         else:
             self.run = wandb.run
-            self.run.config.update(config.to_dict(), allow_val_change=True)
+            self.run.config.update(config.shareable_dict(), allow_val_change=True)
         self.run.define_metric(self.STEP)
         self.run.define_metric("*", step_metric=self.STEP, step_sync=True)
 
@@ -143,7 +143,7 @@ class TrackioReporter(_Reporter):
         self.trackio = trackio
         self.run = trackio.init(
             project=config.project, name=config.run_name, space_id=config.trackio_space_id,
-            config=config.to_dict(), embed=False,
+            config=config.shareable_dict(), embed=False,
         )
 
     def log(self, row: dict) -> None:
@@ -186,7 +186,7 @@ class MLflowReporter(_Reporter):
                     f"{error} Set MLFLOW_TRACKING_URI to your tracking server (http://host:5000) or to a local store "
                     "(sqlite:///mlflow.db needs the full mlflow package, not mlflow-skinny)."
                 ) from error
-            params = [(key, str(value)) for key, value in config.to_dict().items()]
+            params = [(key, str(value)) for key, value in config.shareable_dict().items()]
             for start in range(0, len(params), self.PARAMS_PER_CALL):
                 mlflow.log_params(dict(params[start:start + self.PARAMS_PER_CALL]), run_id=active.info.run_id)
         self.run_id = active.info.run_id
@@ -228,7 +228,7 @@ class CometReporter(_Reporter):
         self.owns_experiment = self.experiment is None
         if self.owns_experiment:
             self.experiment = comet_ml.start(experiment_config=comet_ml.ExperimentConfig(name=config.run_name))
-        self.experiment.log_parameters(config.to_dict())
+        self.experiment.log_parameters(config.shareable_dict())
 
     def log(self, row: dict) -> None:
         self.experiment.log_metrics({key: value for key, value in row.items() if key != "step"}, step=row["step"])

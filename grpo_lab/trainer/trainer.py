@@ -24,14 +24,14 @@ from grpo_lab.parallel import dist
 from grpo_lab.accel import release_freed_memory
 from grpo_lab.state.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config.grpo_config import GRPOConfig, resolved_eval_steps, steps_between
-from grpo_lab.parallel.dist import on_main
+from grpo_lab.parallel.dist import from_main, on_main
 from grpo_lab.trainer.model_card import write_training_files
 from grpo_lab.progress import progress_bar
 from grpo_lab.trainer.reporting import open_reporters, reporter_names
 from grpo_lab.state.safe_write import check_writable, first_process, remove_partial_writes
 from grpo_lab.session.session import GRPOSession
 from grpo_lab.state.run_logs import drop_rows_after
-from grpo_lab.trainer.doctor import FINDINGS_FILE, log_live_findings, preflight
+from grpo_lab.trainer.doctor import FINDINGS_FILE, log_live_findings, preflight, refuse_after_probe
 from grpo_lab.trainer.evaluation import TrainerEvaluation
 from grpo_lab.trainer.events import TrainerEvents, TrainOutput
 from grpo_lab.trainer.results import TrainerResults
@@ -72,6 +72,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                                    **self._resume_kwargs)
         self.args = self.session.config
         self.output_dir = Path(self.args.output_dir)
+        self._own_checkpoints: set[str] = set()  # the checkpoint-N this run wrote or resumed from: rotation's
         self.session.engine.layout.check_savable()  # the run ends with a checkpoint: refused now, not after training
         self._events = TrainerEvents(self.args, callbacks, is_world_process_zero=self.accelerator.is_main_process,
                                      is_local_process_zero=self.accelerator.is_local_main_process)
@@ -125,14 +126,15 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         ``resume_from_checkpoint``: a checkpoint directory, or True for the newest one in
         ``output_dir``.
         """
+        refuse_after_probe()  # grpo-lab doctor SCRIPT: a script that calls train() again trains nothing
         if self.session is None and not resume_from_checkpoint:
             raise RuntimeError(
                 "This trainer has no model: it was closed, or it released its model for a resume that failed (see "
                 "that error). Call train(resume_from_checkpoint=...), or build a new GRPOTrainer."
             )
         fresh = not resume_from_checkpoint and self.session.global_step == 0  # not this trainer's own run, continued
-        if fresh and self.accelerator.is_main_process:
-            self._warn_about_an_earlier_run()
+        if fresh:
+            self._check_no_earlier_run()
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         total = self.session.engine.total_steps()
@@ -159,17 +161,27 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         self._events.train_begin(global_step=self.session.global_step, max_steps=total, logging_steps=logging_steps,
                                  save_steps=save_steps, eval_steps=eval_steps)
 
-    def _warn_about_an_earlier_run(self) -> None:
-        """Warn when a fresh run starts in an ``output_dir`` where an earlier run left checkpoints or metrics."""
-        earlier = [p.name for p in trainer_checkpoints(self.output_dir)] + [
-            name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()
-        ]
-        if earlier:
+    def _check_no_earlier_run(self) -> None:
+        """A fresh run never writes over an earlier run's checkpoints: refused, on every process, where
+        ``output_dir`` holds some, unless ``overwrite_output_dir``; an earlier ``metrics.jsonl`` is
+        appended to, with a warning."""
+        checkpoints = from_main(self.accelerator, [p.name for p in trainer_checkpoints(self.output_dir)])
+        if checkpoints and not self.args.overwrite_output_dir:
+            raise FileExistsError(
+                f"{self.output_dir} already holds {', '.join(checkpoints)} from an earlier run, which this fresh run "
+                "would replace step by step. To continue that run, pass resume_from_checkpoint=True (a script: "
+                "--resume_from with its newest checkpoint-N); to keep it, give a new output_dir; to train a new run "
+                "there anyway, set overwrite_output_dir=True (its checkpoints of the same steps are then replaced, "
+                "and save_total_limit counts this run's own alone)."
+            )
+        earlier = checkpoints + [name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()]
+        if earlier and self.accelerator.is_main_process:
             notices.warn(
                 f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
-                "metrics.jsonl and replaces checkpoints of the same step. To continue that run, pass "
-                "resume_from_checkpoint=True (a script: --resume_from with its newest checkpoint-N); else give a "
-                "new output_dir.",
+                "metrics.jsonl" + (" and replaces checkpoints of the same step (overwrite_output_dir=True)"
+                                   if checkpoints else "") + ". To continue that run instead, pass "
+                "resume_from_checkpoint=True (a script: --resume_from with its newest checkpoint-N); else give a new "
+                "output_dir.",
             )
 
     def _resume(self, resume_from_checkpoint: str | bool) -> None:
@@ -184,6 +196,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             self.session = kept  # None where the model was released: only a resume can follow
             raise
         self._events.resumed(path / TRAINER_STATE_FILE, self.session)
+        if path.parent.resolve() == self.output_dir.resolve():  # the run goes on where it left its checkpoints
+            step = int(path.name.removeprefix(CHECKPOINT_PREFIX)) if path.name.startswith(CHECKPOINT_PREFIX) else -1
+            self._own_checkpoints |= {p.name for p in trainer_checkpoints(self.output_dir)
+                                      if int(p.name.removeprefix(CHECKPOINT_PREFIX)) <= step}
 
     def _train_steps(self, total: int) -> TrainOutput:
         """Step until ``total`` (or a callback's ``should_training_stop``), logging every step and
@@ -292,6 +308,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         self._note_best_checkpoint(path)
         # every process: each one's random state goes into the checkpoint
         self.session.save(path, trainer_state=self._events.state_json())
+        self._own_checkpoints.add(path.name)
         on_main(self.accelerator, "remove checkpoints beyond save_total_limit", self._rotate_checkpoints)
         self._events.saved()
         return path
@@ -345,10 +362,14 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         return checkpoints[-1]
 
     def _rotate_checkpoints(self) -> None:
+        """Keep at most ``save_total_limit`` of this run's checkpoints (those it wrote, and after a
+        resume in the same ``output_dir`` those up to the step it resumed from), the best one always;
+        another run's checkpoints in the folder are neither counted nor deleted."""
         limit = self.args.save_total_limit
         if limit:
             best = self.state.best_model_checkpoint  # never deleted; the newest are kept beside it
-            others = [p for p in self._checkpoints() if best is None or p.name != Path(best).name]
+            others = [p for p in self._checkpoints()
+                      if p.name in self._own_checkpoints and (best is None or p.name != Path(best).name)]
             for old in others[:-max(limit - (best is not None), 1)]:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -373,6 +394,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         For a PEFT model the adapter alone is saved, or with ``merged=True`` a full model with the
         adapter merged into a copy of the weights (the training model is left as it is).
         """
+        refuse_after_probe()  # grpo-lab doctor SCRIPT: no untrained model over the user's saved one
         target = Path(path or self.output_dir)
         layout = self.session.engine.layout
         layout.check_savable()
