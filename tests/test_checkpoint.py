@@ -3,6 +3,7 @@
 import os
 import pickle
 import shutil
+import sys
 
 import pytest
 import torch
@@ -247,10 +248,38 @@ def test_a_function_reference_is_never_imported_from_inside_the_checkpoint(make_
     state["extra"]["reward_funcs"]["functions"] = ["shipped_rewards:reward"]
     torch.save(state, target / STATE_FILE)
     monkeypatch.syspath_prepend(str(target / "code"))  # e.g. a notebook started inside the checkpoint
-    with pytest.raises(ValueError, match=r"cannot be found .*imported from inside the checkpoint.*"
+    with pytest.raises(ValueError, match=r"cannot be found .*beside or inside the checkpoint.*"
                                          r"reward_funcs=\[\.\.\.\]"):
         GRPOSession.load(target)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("reference", ["run.shipped:reward", "beside:reward"])
+def test_a_function_reference_is_never_imported_from_the_folder_holding_the_checkpoint(make_session, tmp_path,
+                                                                                       monkeypatch, reference):
+    # the checkpoint's own folder reached as a namespace package (run.shipped), or a module beside it
+    # (beside.py): a process started in the folder that holds the checkpoint has it on sys.path
+    target = make_session().save(tmp_path / "run")
+    marker = tmp_path / "imported"
+    code = f"open({str(marker)!r}, 'w').close()\n\n\ndef reward(completions, **kwargs):\n    return [0.0]\n"
+    (target / "shipped.py").write_text(code)
+    (tmp_path / "beside.py").write_text(code)
+    state = torch.load(target / STATE_FILE, weights_only=True)
+    state["extra"]["reward_funcs"]["functions"] = [reference]
+    torch.save(state, target / STATE_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"beside or inside the checkpoint.*reward_funcs=\[\.\.\.\]"):
+        GRPOSession.load(target)
+    assert not marker.exists()
+    # imported by the process itself first (a notebook's own reward module), the reference is taken
+    import beside
+
+    try:
+        state["extra"]["reward_funcs"]["functions"] = ["beside:reward"]
+        torch.save(state, target / STATE_FILE)
+        assert GRPOSession.load(target).engine.reward_names == ["reward"]
+    finally:
+        del sys.modules[beside.__name__]
 
 
 def test_a_checkpoint_config_cannot_fetch_code_through_model_init_kwargs(make_session, tmp_path):

@@ -296,26 +296,45 @@ def _unreferenced(saved, directory: Path, what: str, argument: str):
 
 
 def _import_reference(reference: str, directory: Path | None = None):
-    """The function a ``module:name`` reference names. A module that would be imported from inside
-    the checkpoint ``directory`` is refused: loading must not run code the checkpoint carries."""
+    """The function a ``module:name`` reference names. A module not imported yet that would be
+    imported from the checkpoint ``directory``, from inside it, or from a folder above it (the
+    folder holding the checkpoint, reached as a module or as a namespace package) is refused:
+    loading must not run code that arrived with the checkpoint. A module the process has imported
+    already (the notebook's own reward module) is taken as it is."""
     import importlib
-    import importlib.util
     import sys
 
     module_name, _, qualname = reference.partition(":")
     if not module_name or not qualname:
         raise ValueError(f"{reference!r} is not a 'module:name' reference")
     if directory is not None and module_name not in sys.modules:
-        spec = importlib.util.find_spec(module_name.partition(".")[0])
-        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-        if origin is not None and Path(directory).resolve() in origin.parents:
-            raise ImportError(f"{module_name} would be imported from inside the checkpoint ({origin})")
+        source = _checkpoint_side_source(module_name.partition(".")[0], Path(directory).resolve())
+        if source is not None:
+            raise ImportError(f"{module_name} would be imported from {source}, beside or inside the checkpoint")
     found = importlib.import_module(module_name)
     for part in qualname.split("."):
         found = getattr(found, part)
     if not callable(found):
         raise ValueError(f"{reference} is not callable")
     return found
+
+
+def _checkpoint_side_source(top_module: str, directory: Path) -> Path | None:
+    """Where ``top_module`` would be imported from (its file, or a package's or namespace package's
+    folders) when that is ``directory``, inside it, or a file or folder in one of the folders above
+    it; else None. Finding the module imports nothing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(top_module)
+    if spec is None:
+        return None
+    places = [Path(spec.origin)] if spec.origin and spec.has_location else []
+    places += [Path(location) for location in spec.submodule_search_locations or ()]
+    above = {directory, *directory.parents}
+    for place in (p.resolve() for p in places):
+        if place == directory or directory in place.parents or place.parent in above:
+            return place
+    return None
 
 
 def _referenced(funcs) -> dict | None:
