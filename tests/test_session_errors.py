@@ -39,8 +39,17 @@ def test_an_offloaded_cache_on_a_cpu_is_refused_with_the_fix(make_session):
 
 def test_empty_dataset(task):
     empty = task.train_dataset.select([])
-    with pytest.raises(ValueError, match="train_dataset is empty"):
+    with pytest.raises(ValueError, match="train_dataset is empty.*split, filter or select"):
         GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=empty)
+
+
+def test_a_dataset_dict_is_refused_with_the_split_to_pick(task):
+    from datasets import DatasetDict
+
+    splits = DatasetDict({"train": task.train_dataset, "test": task.train_dataset.select(range(4))})
+    with pytest.raises(TypeError, match=r"train_dataset is a DatasetDict of splits \('train', 'test'\).*"
+                                        r"train_dataset=dataset\['train'\]"):
+        GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=splits)
 
 
 def test_model_path_that_does_not_exist(task):

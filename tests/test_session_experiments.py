@@ -166,6 +166,8 @@ def test_what_if_refuses_bad_settings_and_changes_nothing(make_session):
         session.what_if(loss_type=["dapo", "cispo"])
     with pytest.raises(TypeError, match="list of settings or keyword values"):
         session.what_if([{"loss_type": "grpo"}], beta=0.1)
+    with pytest.raises(ValueError, match=r"what_if\(beta=\[\]\).*holds none"):
+        session.what_if(beta=[], epsilon=[0.2])
     assert _same_tensors(_weights(session), weights) and session.next_stage == "advantages"
 
 

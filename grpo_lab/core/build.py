@@ -53,6 +53,12 @@ def check_dataset(dataset, name: str, *, needs_prompt: bool = True) -> None:
     'prompt' column where it ``needs_prompt`` (an environment may supply the prompts instead)."""
     if dataset is None:
         raise ValueError(f"{name} is required: give a datasets.Dataset with a 'prompt' column.")
+    if isinstance(dataset, dict):  # a DatasetDict or IterableDatasetDict: the splits of a load_dataset() call
+        splits = list(dataset)
+        raise TypeError(
+            f"{name} is a {type(dataset).__name__} of splits ({', '.join(map(repr, splits))}), not one dataset: "
+            f"pick the split to train on, e.g. {name}=dataset[{splits[0] if splits else 'train'!r}]."
+        )
     if is_stream(dataset):
         check_stream(dataset, name, needs_prompt=needs_prompt)
         return
@@ -68,7 +74,8 @@ def check_dataset(dataset, name: str, *, needs_prompt: bool = True) -> None:
             "to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
         )
     if len(dataset) == 0:
-        raise ValueError(f"{name} is empty: it needs at least one prompt.")
+        raise ValueError(f"{name} is empty: it needs at least one prompt. Check the split, filter or select() "
+                         "that built it.")
 
 
 def check_stream(dataset, name: str, *, needs_prompt: bool = True) -> None:

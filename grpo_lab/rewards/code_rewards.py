@@ -32,9 +32,9 @@ class CodeReward:
 
     def __init__(self, timeout: float, memory_mb: int, tests_column: str, max_workers: int | None,
                  max_file_mb: int, network_namespace: bool):
-        if not timeout > 0 or memory_mb < 16 or max_file_mb < 1:
-            raise ValueError(f"need timeout > 0, memory_mb >= 16 and max_file_mb >= 1; got timeout={timeout}, "
-                             f"memory_mb={memory_mb}, max_file_mb={max_file_mb}")
+        if not 0 < timeout < float("inf") or memory_mb < 16 or max_file_mb < 1:  # inf: no deadline to wait for
+            raise ValueError(f"need a finite timeout > 0 (seconds), memory_mb >= 16 and max_file_mb >= 1; got "
+                             f"timeout={timeout}, memory_mb={memory_mb}, max_file_mb={max_file_mb}")
         if os.name != "posix":
             raise OSError("code_reward needs a POSIX system (resource limits, process groups)")
         self.timeout, self.memory_mb, self.max_file_mb = timeout, memory_mb, max_file_mb

@@ -16,12 +16,25 @@ from grpo_lab.rewards.math_rewards import accuracy_reward
 __all__ = ["get_cosine_scaled_reward", "get_soft_overlong_punishment", "target_length_penalty"]
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class SoftOverlongPunishment:
     """DAPO's soft overlong punishment (see ``get_soft_overlong_punishment``)."""
 
     __name__ = "soft_overlong_punishment_reward"
 
     def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        if not _whole(max_completion_len) or max_completion_len <= 0:
+            raise ValueError(f"max_completion_len must be a positive whole number of tokens, got "
+                             f"{max_completion_len!r}: give the run's max_completion_length.")
+        if not _whole(soft_punish_cache) or not 0 <= soft_punish_cache <= max_completion_len:
+            raise ValueError(
+                f"soft_punish_cache must be a whole number of tokens from 0 to max_completion_len "
+                f"({max_completion_len}), got {soft_punish_cache!r}: it is the stretch before the limit where the "
+                "punishment grows (DAPO: 4096 of 20480)."
+            )
         self.max_completion_len = max_completion_len
         self.soft_punish_cache = soft_punish_cache
 
@@ -65,6 +78,12 @@ class CosineScaledReward:
 
     def __init__(self, max_len: int, min_value_wrong: float, max_value_wrong: float, min_value_correct: float,
                  max_value_correct: float):
+        if not _whole(max_len) or max_len <= 0:
+            raise ValueError(f"max_len must be a positive whole number of tokens, got {max_len!r}: the length at which "
+                             "the scaling reaches its long end (e.g. the run's max_completion_length).")
+        values = (min_value_wrong, max_value_wrong, min_value_correct, max_value_correct)
+        if not all(isinstance(value, (int, float)) and math.isfinite(value) for value in values):
+            raise ValueError(f"the four reward values must be finite numbers, got {values!r}")
         self.max_len = max_len
         self.min_value_wrong, self.max_value_wrong = min_value_wrong, max_value_wrong
         self.min_value_correct, self.max_value_correct = min_value_correct, max_value_correct
@@ -118,8 +137,9 @@ class TargetLengthPenalty:
 
     def __init__(self, target: int, scale: float | None):
         scale = target if scale is None else scale
-        if not target > 0 or not scale > 0:
-            raise ValueError(f"target and scale must be positive, got target={target!r}, scale={scale!r}")
+        if not (target > 0 and scale > 0 and math.isfinite(target) and math.isfinite(scale)):
+            raise ValueError(f"target and scale must be positive finite numbers of tokens, got target={target!r}, "
+                             f"scale={scale!r}")
         self.target, self.scale = target, float(scale)
 
     def __call__(self, completion_ids: list[list[int]], **kwargs) -> list[float]:

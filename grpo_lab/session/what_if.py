@@ -48,6 +48,10 @@ def settings_grid(cases, settings: dict) -> list[dict]:
         raise TypeError("what_if needs settings to try, e.g. what_if(loss_type=['dapo', 'grpo'], epsilon=[0.2, 0.28]).")
     names = list(settings)
     values = [value if isinstance(value, list) else [value] for value in settings.values()]
+    empty = [name for name, tried in zip(names, values) if not tried]
+    if empty:
+        raise ValueError(f"what_if({empty[0]}=[]): a list holds the values to try, and this one holds none; give at "
+                         f"least one, e.g. what_if({empty[0]}=[...]).")
     return [dict(zip(names, combination)) for combination in itertools.product(*values)]
 
 

@@ -4,7 +4,12 @@ import pickle
 
 import pytest
 
-from grpo_lab.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment, target_length_penalty
+from grpo_lab.rewards import (
+    get_cosine_scaled_reward,
+    get_repetition_penalty_reward,
+    get_soft_overlong_punishment,
+    target_length_penalty,
+)
 
 
 def ids(length):
@@ -36,6 +41,20 @@ def test_target_length_penalty():
         target_length_penalty(target=0)
     with pytest.raises(ValueError):
         target_length_penalty(target=10, scale=-1)
+    with pytest.raises(ValueError, match="positive finite"):
+        target_length_penalty(target=float("inf"))
+
+
+@pytest.mark.parametrize("factory, message", [
+    (lambda: get_cosine_scaled_reward(max_len=0), "max_len must be a positive whole number"),
+    (lambda: get_cosine_scaled_reward(max_len=10, max_value_correct=float("nan")), "finite numbers"),
+    (lambda: get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=20), "from 0 to max_completion_len"),
+    (lambda: get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=-1), "from 0 to max_completion_len"),
+    (lambda: get_soft_overlong_punishment(max_completion_len=0, soft_punish_cache=0), "max_completion_len must be"),
+])
+def test_length_reward_factories_refuse_impossible_values_when_built(factory, message):
+    with pytest.raises(ValueError, match=message):
+        factory()
 
 
 def test_repetition_penalty_on_a_hand_counted_text():
