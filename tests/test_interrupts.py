@@ -53,8 +53,8 @@ class InterruptOnce:
     """Sends SIGINT the first time a torch function whose name starts with one of ``prefixes`` is
     called inside the block."""
 
-    def __init__(self, *prefixes: str):
-        self.prefixes, self.sent = prefixes, False
+    def __init__(self, *prefixes: str, times: int = 1):
+        self.prefixes, self.sent, self.times = prefixes, False, times
 
     def mode(self):
         outer = self
@@ -63,7 +63,8 @@ class InterruptOnce:
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 if not outer.sent and getattr(func, "__name__", "").startswith(outer.prefixes):
                     outer.sent = True
-                    ctrl_c()
+                    for _ in range(outer.times):
+                        ctrl_c()
                 return func(*args, **(kwargs or {}))
 
         return Mode()
@@ -210,3 +211,173 @@ def test_a_weight_hand_over_that_fails_after_the_update_leaves_the_step_recorded
     finish(session, STEPS)  # the next generation hands the weights over first
     assert calls == [2, 2, 3]
     _assert_same(session, reference)
+
+
+class InterruptAt:
+    """Sends SIGINT (``times`` of them in a row) at the ``at``-th torch function called inside the
+    block; ``calls`` counts them, so a first pass with ``at=None`` measures an operation's length."""
+
+    def __init__(self, at: int | None, times: int = 1):
+        self.at, self.times, self.calls = at, times, 0
+
+    def mode(self):
+        outer = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                outer.calls += 1
+                if outer.calls == outer.at:
+                    for _ in range(outer.times):
+                        ctrl_c()
+                return func(*args, **(kwargs or {}))
+
+        return Mode()
+
+
+def _points(length: int, count: int = 10) -> list[int]:
+    """``count`` call indices over an operation of ``length`` torch calls: one drawn in each of ``count``
+    equal stretches of it (seeded: the same points on every run), the first and last calls included."""
+    import random
+
+    draw = random.Random(length)
+    edges = [1 + length * k // count for k in range(count + 1)]
+    inner = [draw.randrange(low, max(low + 1, high)) for low, high in zip(edges[1:-2], edges[2:-1])]
+    return sorted({1, *inner, length})
+
+
+def _interrupted_everywhere(prepare, operation, check, count: int = 10) -> None:
+    """Measure ``operation(session)``'s torch calls, then interrupt it at ``count`` points spread over
+    them, each on a session from ``prepare()``; ``check(session, raised)`` holds after each."""
+    counting = InterruptAt(None)
+    session = prepare()
+    with counting.mode():
+        operation(session)
+    for at in _points(counting.calls, count):
+        session = prepare()
+        raised = False
+        try:
+            with InterruptAt(at).mode():
+                operation(session)
+        except KeyboardInterrupt:
+            raised = True
+        check(session, raised)
+
+
+def test_ctrl_c_anywhere_in_undo_returns_whole_to_the_step_before(make_session, reference):
+    def prepare():
+        session = make_session(num_iterations=2)
+        session.run(STEPS, progress=False)
+        return session
+
+    def check(session, raised):
+        assert raised
+        if session.global_step == STEPS:  # stopped before the undo began: nothing moved
+            assert len(session.history) == STEPS
+        else:
+            assert session.global_step == STEPS - 1 and len(session.history) == STEPS - 1
+            finish(session, STEPS)
+        _assert_same(session, reference)
+
+    _interrupted_everywhere(prepare, lambda session: session.undo(1), check)
+
+
+def _update_with_interrupted_undo_point(session, at: int | None) -> InterruptAt:
+    """``session.update()``, with Ctrl-C at the ``at``-th torch call of the undo point it keeps after
+    the optimizer step (None: none, the calls counted)."""
+    ring, keep, interrupt = session.undo_ring, session.undo_ring.keep, InterruptAt(at)
+
+    def interrupted_keep(target):
+        with interrupt.mode():
+            keep(target)
+
+    ring.keep = interrupted_keep
+    try:
+        session.update()
+    finally:
+        del ring.keep
+    return interrupt
+
+
+def test_ctrl_c_anywhere_in_the_undo_point_after_update_leaves_the_step_whole(make_session, reference):
+    def prepare():
+        session = make_session(num_iterations=2)
+        session.step()
+        while session.next_stage != "update":
+            getattr(session, session.next_stage)()
+        return session
+
+    for at in _points(_update_with_interrupted_undo_point(prepare(), None).calls):
+        session = prepare()
+        with pytest.raises(KeyboardInterrupt):
+            _update_with_interrupted_undo_point(session, at)
+        assert torch.is_grad_enabled() and session.global_step == 2 and len(session.history) == 2
+        session.step()
+        assert session.undo(1) == 2  # the point kept after step 2 is whole
+        finish(session, STEPS)
+        _assert_same(session, reference)
+
+
+def test_ctrl_c_anywhere_in_a_lookahead_what_if_leaves_the_session_bitwise(make_session, reference):
+    def prepare():
+        session = make_session(num_iterations=2)
+        session.step()
+        while session.next_stage != "loss":
+            getattr(session, session.next_stage)()
+        return session
+
+    def check(session, raised):
+        assert session.global_step == 1 and len(session.history) == 1 and session.next_stage == "loss"
+        assert session.engine.scheduler.last_epoch == 1
+        finish(session, STEPS)
+        _assert_same(session, reference)
+
+    # 16 points: the two stretches that put the run back after each lookahead are a fifth of the calls
+    _interrupted_everywhere(prepare, lambda session: session.what_if(epsilon=[0.1, 0.3], lookahead=True), check,
+                            count=16)
+
+
+def test_ctrl_c_anywhere_in_fork_leaves_the_session_continuing_bitwise(make_session, reference):
+    def prepare():
+        session = make_session(num_iterations=2)
+        session.step()
+        return session
+
+    def check(session, raised):
+        assert session.global_step == 1
+        finish(session, STEPS)
+        _assert_same(session, reference)
+
+    _interrupted_everywhere(prepare, lambda session: session.fork("other", learning_rate=1e-3), check)
+
+
+def test_a_second_ctrl_c_inside_the_optimizer_step_is_named_and_undo_repairs_it(make_session, reference):
+    session = make_session(num_iterations=2)
+    session.step()
+    while session.next_stage != "update":
+        getattr(session, session.next_stage)()
+    twice = InterruptOnce("_fused_adam", "_foreach_", times=2)  # the second goes through, mid-AdamW
+    with twice.mode(), pytest.raises(KeyboardInterrupt):
+        session.update()
+    assert twice.sent
+    with pytest.raises(RuntimeError, match=r"A second Ctrl-C stopped the optimizer step at step 1 midway.*"
+                                           r"session.undo\(1\)"):
+        session.step()
+    assert session.undo(1) == 1
+    finish(session, STEPS)
+    _assert_same(session, reference)
+
+
+def test_grad_mode_left_off_by_an_interrupt_is_restored_when_the_call_ends(make_session):
+    session = make_session()
+
+    def interrupted_inside_no_grad_entry(name, result):  # what a Ctrl-C between no_grad's two lines leaves
+        if name == "advantages":
+            torch.set_grad_enabled(False)
+            raise KeyboardInterrupt
+
+    unsubscribe = session.on(interrupted_inside_no_grad_entry)
+    with pytest.raises(KeyboardInterrupt):
+        session.step()
+    unsubscribe()
+    assert torch.is_grad_enabled()
+    assert session.run(1, progress=False)["step"].tolist() == [1]

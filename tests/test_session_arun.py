@@ -66,6 +66,32 @@ def test_a_cancel_ends_it_between_stages_with_nothing_lost(make_session):
     assert session.activity is None
 
 
+def test_a_kernel_interrupt_while_it_awaits_stops_the_worker_at_the_next_stage_boundary(make_session):
+    import os
+    import signal
+
+    session = make_session()
+    paused, resume = pause_at(session, "score", global_step=1)
+
+    async def scenario():
+        training = asyncio.ensure_future(session.arun(5, progress=False))
+        while not paused.is_set():
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # what interrupting the kernel sends the main thread
+        await asyncio.sleep(0.05)  # delivered to the handler while the loop awaits, no KeyboardInterrupt
+        resume.set()
+        return await training
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rows = asyncio.run(scenario())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back when it ends
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(rows["step"]) == [1] and (session.global_step, session.next_stage) == (1, "advantages")
+    assert session.activity is None
+
+
 @pytest.mark.parametrize("n", [-1, 1.5, True])
 def test_arun_refuses_a_step_count_that_is_not_a_whole_number(make_session, n):
     with pytest.raises(ValueError, match=r"arun\(n\) takes a whole number of optimizer steps >= 0"):

@@ -44,6 +44,7 @@ from grpo_lab.rewards.preparation import weights_tensor
 from grpo_lab.state.run_state import engine_counters, load_engine_counters, rng_state, set_rng_state
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 from grpo_lab.core.stream_sampler import first_row
+from grpo_lab.interrupts import deferred_interrupts
 
 
 class Engine:
@@ -106,6 +107,7 @@ class Engine:
         )
         self.published_version = 0  # a backend starts from the policy it is built with
         self.step_events: Callable[[str], None] | None = None  # see step_event
+        self.torn: str | None = None  # what a second Ctrl-C stopped midway, or None: see mark_torn
         note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
                                  main_process=self.accelerator.is_main_process)
 
@@ -153,15 +155,22 @@ class Engine:
         try:
             yield
         finally:
-            random, grads, self.step_events, trained, entropy.pending_step_entropy, self.published_version = saved
-            self.config = saved_config
-            if environments is not None:
-                environments.pool, environments.batch = pool
-            load_engine_counters(self, counters)
-            self.trained_parameter_names = trained
-            for parameter, grad in zip(parameters, grads):
-                parameter.grad = grad
-            set_rng_state(random)
+            with deferred_interrupts(torn=lambda: self.mark_torn("putting the run back after a what-if or probe")):
+                random, grads, self.step_events, trained, entropy.pending_step_entropy, self.published_version = saved
+                self.config = saved_config
+                if environments is not None:
+                    environments.pool, environments.batch = pool
+                load_engine_counters(self, counters)
+                self.trained_parameter_names = trained
+                for parameter, grad in zip(parameters, grads):
+                    parameter.grad = grad
+                set_rng_state(random)
+
+    def mark_torn(self, what: str) -> None:
+        """Note that a second Ctrl-C stopped ``what`` (an optimizer step, a state being put back) midway,
+        leaving weights, optimizer, schedule and counters that may disagree. A session refuses to run a
+        stage while ``torn`` is set; loading a whole state (undo, load_state_dict) clears it."""
+        self.torn = f"{what} at step {self.global_step}"
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:

@@ -16,11 +16,13 @@ would not fit in free memory. Each session keeps its own random state from its f
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from grpo_lab import notices
+from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.session.stages import StageOrderError
 from grpo_lab.state.run_state import load_session_state_dict, on_device, rng_state, session_state_dict, set_rng_state
 from grpo_lab.session.what_if import WhatIf, run_what_if, settings_grid
@@ -199,9 +201,10 @@ class UndoRing:
         snapshot = self.snapshots[index]
         state = snapshot.state
         device = session.engine.accelerator.device
-        load_session_state_dict(session, {**state, "engine": on_device(state["engine"], device)})
-        del self.snapshots[index + 1:]
-        self._stages_at_snapshot = session.record.stages_run
+        with deferred_interrupts(torn=functools.partial(session.engine.mark_torn, f"undo({n})")):
+            load_session_state_dict(session, {**state, "engine": on_device(state["engine"], device)})
+            del self.snapshots[index + 1:]
+            self._stages_at_snapshot = session.record.stages_run
         return snapshot.step
 
 

@@ -10,7 +10,10 @@ messages while an async cell awaits, so the page, its buttons and a reload are a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import numbers
+import signal
+import threading
 from collections.abc import Callable
 
 import pandas as pd
@@ -95,10 +98,36 @@ async def arun(session, n: int, *, progress: bool) -> pd.DataFrame:
                 bar.note(f"stopped after {done} step(s); next stage: {session.next_stage}()")
 
     work = asyncio.ensure_future(asyncio.to_thread(train))
-    while not work.done():
-        try:
-            await asyncio.shield(work)
-        except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
-            cancelled.append(True)
+    with _interrupts_request_a_stop(cancelled):
+        while not work.done():
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
+                cancelled.append(True)
     work.result()  # the worker's own error, if it failed
     return pd.DataFrame(record.history[first:])
+
+
+@contextlib.contextmanager
+def _interrupts_request_a_stop(requests: list):
+    """While ``arun`` awaits on the main thread, a Ctrl-C (a kernel interrupt) asks the worker to stop
+    at the next stage boundary, as in ``run``: raised in the event loop instead, it would end the cell
+    and leave the worker training. A second Ctrl-C goes to the handler that was in place. Nothing
+    changes off the main thread or where SIGINT is ignored."""
+    previous = signal.getsignal(signal.SIGINT)
+    usable = callable(previous) and previous is not signal.SIG_IGN and previous is not signal.SIG_DFL
+    if threading.current_thread() is not threading.main_thread() or not usable:
+        yield
+        return
+
+    def request_stop(signum, frame):
+        if requests:  # pressed again
+            signal.signal(signal.SIGINT, previous)
+            previous(signum, frame)
+        requests.append(True)
+
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from grpo_lab import notices
 from grpo_lab.session import files as session_files, loops as session_loops
@@ -241,10 +243,14 @@ class GRPOSession:
         return unsubscribe
 
     def _emit(self, stage: str, result) -> None:
+        self._finish_stage(stage)
+        self._notify(stage, result)
+
+    def _finish_stage(self, stage: str) -> None:
+        """Record ``stage`` as run; after ``update()``, keep the undo point of the new step."""
         self.record.stage_done(stage)
         if stage == "update":
             self.undo_ring.keep(self)
-        self._notify(stage, result)
 
     def random_state(self) -> dict:
         """This session's random states (Python, numpy, torch, CUDA), which its stages draw from: the
@@ -263,13 +269,23 @@ class GRPOSession:
         another thread's call raises SessionBusyError at once. The outermost call swaps in the
         session's own random state and keeps it when it ends (:class:`grpo_lab.session.stages.OwnRandomState`)."""
         now = f"stage {name}()" if name in STAGES else None
-        with self._owner.hold(call_text(name, args, kwargs), now=now, finishes_step=name == "update"), \
-                self.own_random.drawing():
-            yield
+        grad_mode = torch.is_grad_enabled()
+        try:
+            with self._owner.hold(call_text(name, args, kwargs), now=now, finishes_step=name == "update"), \
+                    self.own_random.drawing():
+                yield
+        finally:  # an interrupt inside torch.no_grad()'s own entry or exit would leave it off process-wide
+            torch.set_grad_enabled(grad_mode)
 
     def _start_stage(self, stage: str) -> None:
         """What every stage does first: refuse it out of order, keep the undo point of the run's start
         (before the first stage), and apply the config edits made since the last stage."""
+        if self.engine.torn is not None:
+            raise RuntimeError(
+                f"A second Ctrl-C stopped {self.engine.torn} midway, so the weights, optimizer, schedule and step "
+                "counter may not agree. Return to a whole state first: session.undo(1) (the last undo point) or "
+                "GRPOSession.load(<a checkpoint>); then step on."
+            )
         check_stage_order(self, stage)
         self.undo_ring.keep_start(self)
         self.apply_config_edits()
@@ -353,13 +369,18 @@ class GRPOSession:
         with self._driving("update"):
             self._start_stage("update")
             row = None
+            torn = functools.partial(self.engine.mark_torn, "the optimizer step")
             try:
-                with deferred_interrupts():  # the optimizer, scheduler, counters and history move together
+                # the optimizer, scheduler, counters, history and the undo point move together
+                with deferred_interrupts(torn=torn):
                     row = self._update()
-                    self.engine.publish_weights()  # last: if it fails, the step is recorded and generate() retries it
+                    try:  # last: if it fails, the step is recorded and generate() retries it
+                        self.engine.publish_weights()
+                    finally:
+                        self._finish_stage("update")
             finally:  # outside the block: a view's callback must not hold up an interrupt
                 if row is not None:
-                    self._emit("update", row)
+                    self._notify("update", row)
                     self._read_live_findings()  # after the views' update: a finding is shown beside the step it read
             return row
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 
 import pandas as pd
 import torch
 
+from grpo_lab.interrupts import deferred_interrupts
 from grpo_lab.ops.registry import LossSettings
 
 EQUAL_GRADIENTS = 1e-6
@@ -190,7 +192,8 @@ def _lookahead(engine, rollout, result, advantages, before_BT: torch.Tensor, sta
         with torch.no_grad():
             after_BT = engine.batch_logprobs(engine.model, rollout).float().cpu()
     finally:
-        load_engine_state_dict(engine, state)
+        with deferred_interrupts(torn=functools.partial(engine.mark_torn, "putting the run back after a lookahead")):
+            load_engine_state_dict(engine, state)
     index_B = result.sample_index_B
     mask_BT = rollout.generated_mask_BT[index_B].float().cpu()
     change_B = ((after_BT[index_B] - before_BT[index_B]) * mask_BT).sum(1)
