@@ -48,7 +48,11 @@ def test_a_directory_holding_other_files_or_a_file_is_never_saved_over(make_sess
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (session.save(empty) / "COMPLETE").exists()
-    session.save(empty)  # its own earlier save is replaced
+    session.save(empty)  # its own earlier save is replaced: every entry its COMPLETE marker lists
+    (empty / "notes.md").write_text("added beside the save")
+    with pytest.raises(FileExistsError, match=r"holds a grpo_lab save and other files \(notes.md\)"):
+        session.save(empty)
+    assert (empty / "notes.md").exists()
     session.save(folder, overwrite=True)
     assert not (folder / "thesis.tex").exists() and GRPOSession.load(folder).global_step == 1
 
@@ -294,3 +298,60 @@ def test_a_checkpoint_config_cannot_fetch_code_through_model_init_kwargs(make_se
                                          r"model_init_kwargs\['attn_implementation'\]"):
         loaded = GRPOSession.load(target)
     assert loaded.config.model_init_kwargs == {"dtype": "float32"}
+
+
+FULL_DISK_SCRIPT = """
+import shutil, sys
+from pathlib import Path
+from grpo_lab import GRPOSession, GRPOTrainer
+from grpo_lab.tasks import default_task
+
+disk, output = Path(sys.argv[1]), sys.argv[2]
+task = default_task()
+config = task.config(max_steps=4, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                     output_dir=output)
+session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
+session.step()
+session.save(disk / "save")
+(disk / "ballast").write_bytes(bytes(shutil.disk_usage(disk).free - (256 << 10)))  # the disk nearly full
+session.step()
+for name, save in (("session.save", lambda: session.save(disk / "save")),
+                   ("save_model", lambda: GRPOTrainer(task.model, task.reward_funcs, args=config,
+                                                      train_dataset=task.train_dataset).save_model(disk / "model"))):
+    try:
+        save()
+        print(name, "saved")
+    except OSError as error:
+        print(name, "refused:", error)
+print("entries:", sorted(p.name for p in disk.iterdir()))
+print("loaded step:", GRPOSession.load(disk / "save").global_step)
+"""
+
+
+@pytest.mark.slow
+def test_a_save_on_a_full_disk_names_the_disk_and_the_fix_and_keeps_the_earlier_save(tmp_path):
+    """On a real full file system: a 24 MB tmpfs mounted in a user and mount namespace of its own."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "full_disk.py").write_text(FULL_DISK_SCRIPT)
+    run = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         'mount -t tmpfs -o size=24m tmpfs "$1" && exec "$2" "$3" "$1" "$4"', "sh",
+         str(disk), sys.executable, str(tmp_path / "full_disk.py"), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    saved, model, entries, loaded = lines[-4:]
+    assert saved.startswith(f"session.save refused: [Errno 28] Cannot save to {disk}/save: the disk or quota is "
+                            "full (a save there takes about "), saved
+    assert f"the save already at {disk}/save is kept as it was). Free space on that disk or save to one" in saved
+    assert "unexpected pos" not in run.stdout and "enforce fail" not in run.stdout
+    assert model.startswith(f"save_model refused: [Errno 28] Cannot save to {disk}/model: the disk or quota is "
+                            "full ("), model
+    assert "the files written there are incomplete. Free space on that disk" in model
+    assert entries == "entries: ['ballast', 'model', 'save']"  # no partial copy of the save left behind
+    assert loaded == "loaded step: 1"  # the earlier save is whole

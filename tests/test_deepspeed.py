@@ -84,15 +84,17 @@ def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resume
     assert (whole["distributed_type"], whole["zero_stage"], whole["engine"]) == (
         "DistributedType.DEEPSPEED", stage, "DeepSpeedEngine")
     checkpoint = runs_dir / "whole" / "checkpoint-2"
-    from grpo_lab.state.checkpoint import SAVE_ENTRIES, load_state
+    from grpo_lab.state.checkpoint import load_state
 
-    assert {p.name for p in checkpoint.iterdir()} <= SAVE_ENTRIES  # grpo_lab's files alone, none of DeepSpeed's
+    names = {p.name for p in checkpoint.iterdir()}  # grpo_lab's files alone, none of DeepSpeed's
+    assert {"trainer_state.pt", "optimizer.pt", "model.safetensors", "COMPLETE"} <= names
+    assert not {n for n in names if n.startswith("global_step") or n in ("latest", "zero_to_fp32.py")}
 
     # every weight whole (under ZeRO-3 each process holds a part of each), trained, a tied weight once
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(task.model).state_dict()
-    saved = _weights(checkpoint / "model")
+    saved = _weights(checkpoint)
     assert {name: t.shape for name, t in saved.items()} == {
         name: t.shape for name, t in original.items() if name != "lm_head.weight"}
     assert {t.dtype for t in saved.values()} == {torch.bfloat16 if bf16 else torch.float32}
@@ -150,7 +152,7 @@ def test_a_zero_run_checkpoints_the_whole_model_and_optimizer_state_and_a_resume
 @pytest.mark.slow
 def test_a_zero_3_bf16_lora_run_checkpoints_the_adapter_alone_and_a_resumed_run_finishes_bitwise(zero3_runs):
     runs_dir = zero3_runs["folder"] / "lora"
-    saved = _weights(runs_dir / "whole" / "checkpoint-2" / "model")
+    saved = _weights(runs_dir / "whole" / "checkpoint-2")
     assert len(saved) == 16 and all(  # rank 8 on the 128-wide query and value projections of 4 layers
         t.shape == ((8, 128) if ".lora_A." in name else (128, 8)) for name, t in saved.items())
     assert all(t.abs().sum() > 0 for name, t in saved.items() if ".lora_B." in name)  # trained from zeros

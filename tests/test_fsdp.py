@@ -69,7 +69,7 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(task.model).state_dict()
-    saved = _weights(runs_dir / "whole" / "checkpoint-2" / "model")
+    saved = _weights(runs_dir / "whole" / "checkpoint-2")
     if lora:  # the adapter alone: rank 8 on the 128-wide query and value projections of 4 layers
         assert len(saved) == 16 and all(
             t.shape == ((8, 128) if ".lora_A." in name else (128, 8)) for name, t in saved.items()
@@ -113,7 +113,7 @@ def test_an_fsdp_run_checkpoints_the_whole_model_and_a_resumed_run_finishes_iden
     from grpo_lab import GRPOSession
 
     checkpoint = runs_dir / "whole" / "checkpoint-2"
-    by_name = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["optimizer"]
+    by_name = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     session = GRPOSession.load(checkpoint, reward_funcs=task.reward_funcs)
     names = {p: n for n, p in session.model.named_parameters()}
     loaded = session.engine.optimizer.optimizer.state

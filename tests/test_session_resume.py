@@ -90,7 +90,7 @@ def test_a_checkpoint_that_pickled_its_state_is_refused_with_how_to_go_on(make_s
     state["per_process"][0]["rng"]["numpy"] = np.random.get_state()
     torch.save(state, target / STATE_FILE)
     with pytest.raises(ValueError, match=r"holds objects other than tensors.*numpy.*"
-                                         r"GRPOSession\('.*old/model', \.\.\.\)"):
+                                         r"GRPOSession\('.*old', \.\.\.\)"):
         GRPOSession.load(target)
 
 
@@ -112,7 +112,7 @@ def test_save_is_atomic_and_load_rejects_incomplete_checkpoints(make_session, tm
 def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_session, task, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from grpo_lab.state.checkpoint import MODEL_DIR, _copy_saved_tensors
+    from grpo_lab.state.checkpoint import _copy_saved_tensors
 
     uninterrupted = make_session()
     uninterrupted.run(3, progress=False)
@@ -148,8 +148,8 @@ def test_load_into_a_given_model_copies_the_saved_weights_into_that_model(make_s
         _copy_saved_tensors(tied, untied_dir)
     assert all(torch.equal(value, before[name]) for name, value in tied.state_dict().items())
     # Saved tied, loaded untied: the file lacks lm_head.weight, so transformers' loading fills it in.
-    assert not _copy_saved_tensors(untied, tmp_path / "checkpoint" / MODEL_DIR)
-    load_saved_weights(untied, tmp_path / "checkpoint" / MODEL_DIR)
+    assert not _copy_saved_tensors(untied, tmp_path / "checkpoint")
+    load_saved_weights(untied, tmp_path / "checkpoint")
     saved_embedding = first.model.model.embed_tokens.weight
     for weight in (untied.model.embed_tokens.weight, untied.lm_head.weight):
         torch.testing.assert_close(weight, saved_embedding, rtol=0, atol=0)

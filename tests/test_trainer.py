@@ -1,6 +1,7 @@
 """GRPOTrainer runs the session's own steps: same numbers, plus logs, checkpoints and resume."""
 
 import json
+import shutil
 import warnings
 import weakref
 from pathlib import Path
@@ -42,6 +43,16 @@ def test_metrics_jsonl_checkpoint_rotation_and_save_model(task, tmp_path, capsys
     assert ([line.strip() for line in printed if "completions at step" in line]
             == [f"completions at step {n}" for n in (1, 2, 3, 4)])
     assert sum(line.startswith("│") for line in printed) == 4 * 2
+    # every completion of each step in TRL's completions_<step>.parquet, TRL's columns first
+    log = trainer.session.completions_log
+    names = [f.__name__ for f in task.reward_funcs]
+    for step in (1, 2, 3, 4):
+        table = pd.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
+        assert list(table.columns[:3 + len(names) + 1]) == ["step", "prompt", "completion", *names, "advantage"]
+        expected = log[log["step"] == step].reset_index(drop=True)
+        assert table["completion"].tolist() == expected["completion"].tolist()
+        assert table["advantage"].tolist() == expected["advantage"].tolist()
+        assert table[names[0]].tolist() == expected[f"rewards/{names[0]}"].tolist()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1] == last
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
@@ -308,6 +319,60 @@ def test_save_and_logging_steps_below_one_are_fractions_of_the_run_rounded_up(ta
     assert len(list((tmp_path / "tenth").glob("checkpoint-*"))) == 4  # ceil(0.1 * 4) = every step
 
 
+def _as_format_1(checkpoint: Path) -> None:
+    """Rewrite a checkpoint in the layout grpo_lab wrote before format version 2: the model's and
+    tokenizer's files in model/, the optimizer and schedule inside trainer_state.pt."""
+    from grpo_lab.state.checkpoint import STATE_FILE
+
+    state = torch.load(checkpoint / STATE_FILE, weights_only=True)
+    state["optimizer"] = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    state["scheduler"] = torch.load(checkpoint / "scheduler.pt", weights_only=True)
+    state["format_version"] = 1
+    torch.save(state, checkpoint / STATE_FILE)
+    (checkpoint / "model").mkdir()
+    for entry in list(checkpoint.iterdir()):
+        if entry.suffix in {".safetensors", ".jinja"} or entry.name in {"config.json", "generation_config.json"} \
+                or entry.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            entry.rename(checkpoint / "model" / entry.name)
+        elif entry.name in {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "README.md"}:
+            entry.unlink()
+    (checkpoint / "COMPLETE").write_text("ok\n")
+
+
+def test_a_checkpoint_is_trls_model_folder_with_its_files_and_an_older_layout_resumes_alike(task, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = _trainer(task, tmp_path / "run", max_steps=3, save_steps=2)
+    trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    # what TRL's checkpoint-N holds, each readable by the tool a TRL user reads it with
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    AutoTokenizer.from_pretrained(checkpoint)
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert set(optimizer) == {"state", "param_groups"} and len(optimizer["state"]) == len(list(model.parameters()))
+    assert torch.load(checkpoint / "scheduler.pt", weights_only=True)["last_epoch"] == 2
+    rng = torch.load(checkpoint / "rng_state.pth", weights_only=False)
+    assert {"python", "numpy", "cpu"} <= set(rng) and rng["numpy"][0] == "MT19937"
+    assert torch.load(checkpoint / "training_args.bin", weights_only=False).max_steps == 3
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    assert (checkpoint / "README.md").read_text().startswith("---")
+    listed = json.loads((checkpoint / "COMPLETE").read_text())["entries"]
+    assert sorted(listed) == sorted(entry.name for entry in checkpoint.iterdir() if entry.name != "COMPLETE")
+
+    # the same run resumed from this checkpoint and from it rewritten in the format-1 layout: alike
+    resumed = _trainer(task, tmp_path / "new", max_steps=3)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    older = tmp_path / "older" / "checkpoint-2"
+    shutil.copytree(checkpoint, older)
+    _as_format_1(older)
+    from_older = _trainer(task, tmp_path / "older_resumed", max_steps=3)
+    from_older.train(resume_from_checkpoint=older)
+    pd.testing.assert_frame_equal(_no_time(from_older.session.history), _no_time(resumed.session.history))
+    pd.testing.assert_frame_equal(_no_time(resumed.session.history), _no_time(trainer.session.history))
+    for name, value in trainer.model.state_dict().items():
+        torch.testing.assert_close(from_older.model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task, tmp_path, capsys, offline_wandb,
                                                                           mlflow_store):
     reference = _trainer(task, tmp_path / "ref", max_steps=4)
@@ -399,7 +464,7 @@ def test_a_run_with_its_own_optimizer_resumes_into_the_model_that_optimizer_hold
     pd.testing.assert_frame_equal(_no_time(resumed.session.history), _no_time(reference.session.history))
     for (name, a), (_, b) in zip(reference.model.state_dict().items(), resumed.model.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2" / "model").state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2").state_dict()
     assert any(not torch.equal(saved[name], value)
                for name, value in resumed.model.state_dict().items() if name in saved)
     expected = [1e-2 * 0.5**step for step in range(4)] if own_scheduler else [1e-2] * 4

@@ -118,7 +118,7 @@ def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(task, tmp_path):
     assert trainer.state.best_metric == max(score for score, _ in scores)
     kept = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
     assert kept == sorted({best.name, "checkpoint-4"})  # save_total_limit=1 never deletes the best
-    saved = load_file(str(best / "model" / "model.safetensors"))
+    saved = load_file(str(best / "model.safetensors"))
     for name, tensor in trainer.model.state_dict().items():
         if name in saved:
             torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=name)

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from grpo_lab.state.checkpoint import MODEL_DIR
+from grpo_lab.state.checkpoint import saved_model_dir
 from grpo_lab.config.grpo_config import GRPOConfig
 from grpo_lab.config.field_rules import rule_of
 
@@ -202,7 +202,7 @@ def _refuse_rebuilt(directory: Path, changed: dict, saved: dict, built: dict, ow
             f"{', '.join(f'{name}={changed[name][1]!r}' for name in carried)}: {directory} was saved with "
             f"{', '.join(f'{name}={changed[name][0]!r}' for name in carried)}, which its random state, prompt order "
             "and optimizer state carry, so a loaded run cannot change them. Load it with the saved values, or start a "
-            f"new run from its weights ({directory / MODEL_DIR})."
+            f"new run from its weights ({saved_model_dir(directory)})."
         )
     kept = sorted(set(changed) & fields_of("build", "model")) if given_model else []
     if kept:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from grpo_lab import notices
 from grpo_lab.state.checkpoint import (
-    MODEL_DIR,
     SAVE_ENTRIES,
     TRAINER_STATE_FILE,
     check_save_target,
@@ -22,6 +21,7 @@ from grpo_lab.state.checkpoint import (
     restore_engine,
     safe_batch,
     save_engine,
+    saved_model_dir,
 )
 from grpo_lab.credentials.config_values import shareable, without_secrets
 from grpo_lab.config.grpo_config import GRPOConfig, read_yaml_mapping
@@ -91,9 +91,10 @@ def load(cls, path, *, model, reward_funcs, train_dataset, eval_dataset, trust_r
         directory, extra["applied_config"], without_secrets(kwargs["args"].to_dict())[0], own_optimizer, own_scheduler,
         given_model=model is not None, half_used=half_used,
     )
-    model = _saved_model(directory / MODEL_DIR, model, kwargs["args"])
+    model_dir = saved_model_dir(directory)
+    model = _saved_model(model_dir, model, kwargs["args"])
     remote_code = kwargs["args"].model_kwargs()["trust_remote_code"]
-    kwargs.setdefault("processing_class", load_tokenizer(str(directory / MODEL_DIR), trust_remote_code=remote_code))
+    kwargs.setdefault("processing_class", load_tokenizer(str(model_dir), trust_remote_code=remote_code))
     session = cls(model, reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
     _restore(session, state, built)
     return session

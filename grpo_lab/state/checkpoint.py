@@ -5,6 +5,13 @@ Under ``accelerate launch`` each process has its own random state (and its own s
 half-finished batch): the caller gathers them into ``per_process``, one entry per rank, and each
 process takes its own back on restore.
 
+The layout is TRL's ``checkpoint-N``: the model's (or adapter's) files and the tokenizer's at the
+top, so that ``from_pretrained(checkpoint)`` loads it, beside ``optimizer.pt``, ``scheduler.pt``,
+``rng_state.pth`` (``rng_state_<rank>.pth`` for several processes), ``training_args.bin`` and a model
+card; the rest of the run's state (counters, sampler position, reference model, records, each
+process's random state and half-used batch) is in ``trainer_state.pt``. Checkpoints of format version
+1 and before hold the model in ``model/``; they load as they did.
+
 Writes are atomic (``grpo_lab.state.safe_write``): files go to a temporary sibling directory that
 replaces the target only once complete, so a crash mid-save leaves the previous checkpoint intact.
 Loading reads the state with ``weights_only=True``: nothing in a checkpoint is unpickled as code.
@@ -34,6 +41,9 @@ from grpo_lab.state.run_state import (
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+"""Where checkpoints of format version 1 and before keep the model (:func:`saved_model_dir`)."""
+OWN_FILES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt"}
+"""The state entries kept in files of their own, under the names transformers' Trainer gives them."""
 CHECKPOINT_PREFIX = "checkpoint-"
 """A trainer's checkpoints are ``<output_dir>/checkpoint-<step>``."""
 
@@ -84,6 +94,14 @@ def _batch_types():
     from grpo_lab.types import Advantages, Rollout, Scores
 
     return torch.serialization.safe_globals([Rollout, Scores, Advantages])
+
+
+def saved_model_dir(directory: Path) -> Path:
+    """The folder of a checkpoint or save that holds its model: the checkpoint itself, or its
+    ``model/`` for one written before format version 2."""
+    directory = Path(directory)
+    return directory / MODEL_DIR if (directory / MODEL_DIR / "config.json").exists() \
+        or (directory / MODEL_DIR / "adapter_config.json").exists() else directory
 
 
 def load_saved_weights(model, model_dir: Path) -> None:
@@ -153,29 +171,57 @@ def _copy_saved_tensors(model, model_dir: Path) -> bool:
 
 
 def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], gathered: tuple) -> None:
-    """Write the engine's state into ``directory`` (which must exist); ``extra`` is pickled as is, and
-    so is ``per_process``, each process's own state (its random state under "rng") in rank order.
-    ``gathered``: the model's, optimizer's and reference model's whole state dicts when they are
-    sharded (from the layout's ``full_model_state``, ``full_optimizer_state`` and ``full_state``),
-    else None in their places."""
+    """Write the engine's state into ``directory`` (which must exist), in the layout the module
+    docstring gives; ``extra`` is pickled as is, and so is ``per_process``, each process's own state
+    (its random state under "rng") in rank order. ``gathered``: the model's, optimizer's and
+    reference model's whole state dicts when they are sharded (from the layout's ``full_model_state``,
+    ``full_optimizer_state`` and ``full_state``), else None in their places."""
+    from grpo_lab.state.model_card import write_training_files
+
     model_state, optimizer_state, ref_state = gathered
     if ref_state is None and engine.ref_model is not None:
         ref_state = engine.ref_model.state_dict()
-    engine.unwrapped_model.save_pretrained(directory / MODEL_DIR, safe_serialization=True, state_dict=model_state)
-    engine.tokenizer.save_pretrained(directory / MODEL_DIR)
+    engine.unwrapped_model.save_pretrained(directory, safe_serialization=True, state_dict=model_state)
+    engine.tokenizer.save_pretrained(directory)
+    write_training_files(directory, engine.config, engine.model_reference)
     engine.config.to_yaml(directory / "config.yaml")
+    counters = engine_counters(engine)
+    own_files = {
+        "optimizer": engine.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+        "scheduler": counters.pop("scheduler"),
+    }
+    for key, value in own_files.items():
+        torch.save(value, directory / OWN_FILES[key])
+    for rank, process in enumerate(per_process):
+        name = "rng_state.pth" if len(per_process) == 1 else f"rng_state_{rank}.pth"
+        torch.save(_transformers_rng_state(process["rng"]), directory / name)
     state = {
         "format_version": FORMAT_VERSION,
-        "optimizer": engine.optimizer.state_dict() if optimizer_state is None else optimizer_state,
         "optimizer_by_name": optimizer_state is not None,
         "per_process": per_process,
-        **engine_counters(engine),
+        **counters,
         "ref_model": ref_state,
         "extra": extra,
     }
     torch.save(state, directory / STATE_FILE)
     summary = {"format_version": FORMAT_VERSION, "global_step": engine.global_step, "is_peft": engine.is_peft}
     (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _transformers_rng_state(rng: dict) -> dict:
+    """A process's random state (:func:`grpo_lab.state.run_state.rng_state`) in the layout of
+    transformers' ``rng_state.pth``, for tools that read TRL's checkpoints; grpo_lab resumes from its
+    own copy in ``trainer_state.pt``."""
+    numpy = rng["numpy"]
+    state = {
+        "python": rng["python"],
+        "numpy": (numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["position"], numpy["has_gauss"],
+                  numpy["cached_gaussian"]),
+        "cpu": rng["torch"],
+    }
+    if "cuda" in rng:
+        state["cuda"] = rng["cuda"]
+    return state
 
 
 def trainer_checkpoints(output_dir: Path) -> list[Path]:
@@ -192,7 +238,8 @@ TRAINER_STATE_FILE = "trainer_state.json"
 
 SAVE_ENTRIES = frozenset({"COMPLETE", STATE_FILE, MODEL_DIR, "config.yaml", "summary.json", "train_dataset",
                           "eval_dataset", TRAINER_STATE_FILE, PARTIAL_MARKER})
-"""What a save directory holds: replacing a directory that holds anything else would delete it."""
+"""What a save directory of format version 1 held; a newer one lists its entries in its COMPLETE
+marker. Replacing a directory that holds anything else would delete what grpo_lab did not write."""
 
 
 def check_save_target(target: Path, *, overwrite: bool = False) -> None:
@@ -248,7 +295,11 @@ def _read_state(directory: Path, *, mmap: bool) -> dict:
     try:
         with _batch_types():
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        check_format_version(state, str(path))
+            check_format_version(state, str(path))
+            for key, name in OWN_FILES.items():  # format version 2 keeps them beside the state
+                if key not in state:
+                    path = directory / name
+                    state[key] = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         return state
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))
@@ -257,7 +308,7 @@ def _read_state(directory: Path, *, mmap: bool) -> dict:
             f"{f' ({found.group(1)})' if found else ''}. "
             "grpo_lab does not unpickle them, since unpickling can run code. Either the file was written by a grpo_lab "
             "version that pickled its state, or it was altered. To go on from such a checkpoint you trust, start a new "
-            f"run from its weights, GRPOSession('{Path(directory) / MODEL_DIR}', ...), which starts the optimizer, "
+            f"run from its weights, GRPOSession('{saved_model_dir(directory)}', ...), which starts the optimizer, "
             "schedule and step count afresh; or load it with the grpo_lab version that wrote it."
         ) from None
 

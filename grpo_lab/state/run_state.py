@@ -20,9 +20,12 @@ import random
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Version of the state layout (in memory and in a checkpoint's ``trainer_state.pt``). Version 0 is
-the layout of checkpoints written before the version was recorded: the same keys, no version."""
+the layout of checkpoints written before the version was recorded: the same keys, no version.
+Version 2 puts a checkpoint's model at its top (it was in ``model/``) and its optimizer and schedule
+in ``optimizer.pt`` and ``scheduler.pt`` (they were in ``trainer_state.pt``), as TRL's checkpoints
+hold them; every version loads."""
 
 
 def rng_state() -> dict:
@@ -168,6 +171,7 @@ def load_engine_state_dict(engine, state: dict) -> None:
     engine.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
     load_engine_counters(engine, copy.deepcopy({k: v for k, v in state.items()
                                                 if k not in ("model", "optimizer", "ref_model")}))
+    engine.torn = None  # a whole state again
     engine.publish_weights()
 
 

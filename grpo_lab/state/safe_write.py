@@ -5,6 +5,9 @@ leave behind is recognised by a marker and removed."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import shutil
 import tempfile
@@ -39,6 +42,13 @@ def _listing(names: list[str], most: int = 3) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+def named(path) -> Path:
+    """``path`` with a last part that names the folder itself ("." and ".." made absolute): the partial
+    and moved-aside copies of a save are its siblings, named after it."""
+    path = Path(path)
+    return Path(os.path.abspath(path)) if path.name in ("", "..") else path
+
+
 def _previous(target: Path) -> Path:
     return target.with_name(f".{target.name}.old")
 
@@ -47,7 +57,7 @@ def recover_interrupted_write(target: Path) -> None:
     """Finish what an interrupted replacement of ``target`` left: the previous save, moved aside to
     ``.NAME.old`` just before the new one took its place, is put back where the new one never
     arrived, and removed where it did; leftover partial directories of ``target`` are removed."""
-    target = Path(target)
+    target = named(target)
     old = _previous(target)
     if old.is_dir() and (old / "COMPLETE").exists():
         if not target.exists():
@@ -104,7 +114,7 @@ def atomic_directory_write(target: Path, write, *, own_entries: frozenset[str], 
     allows any directory). Replacing a save moves the old one aside first; an interruption between
     the two renames puts it back, here or at the next save or load (:func:`recover_interrupted_write`).
     """
-    target = Path(target)
+    target = named(target)
     recover_interrupted_write(target)
     check_target(target, own_entries, overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +124,8 @@ def atomic_directory_write(target: Path, write, *, own_entries: frozenset[str], 
     try:
         (tmp / PARTIAL_MARKER).write_text("a save being written; removed once complete\n")
         write(tmp)
-        (tmp / "COMPLETE").write_text("ok\n")
+        written = sorted(entry.name for entry in tmp.iterdir() if entry.name != PARTIAL_MARKER)
+        (tmp / "COMPLETE").write_text(json.dumps({"entries": written}, indent=1) + "\n")
         (tmp / PARTIAL_MARKER).unlink()
         _fsync_tree(tmp)
         if target.exists():
@@ -126,22 +137,79 @@ def atomic_directory_write(target: Path, write, *, own_entries: frozenset[str], 
         else:
             os.replace(tmp, target)
         _fsync(target.parent)
-    except BaseException:
+    except BaseException as error:
         if moved_aside and not target.exists() and old.exists():
             os.replace(old, target)
+        written = _size(tmp)
+        full = isinstance(error, Exception) and _disk_full(error, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise _disk_full_error(target, written) from error
         raise
     return target
 
 
+@contextlib.contextmanager
+def full_disk_named(target: Path):
+    """Turn a write into ``target`` (not atomic: a model saved in place) that fails on a full disk into
+    an error that says so, with the fix."""
+    try:
+        yield
+    except Exception as error:
+        if not _disk_full(error, Path(target)):
+            raise
+        free = _megabytes(shutil.disk_usage(target).free)
+        raise OSError(
+            errno.ENOSPC, f"Cannot save to {target}: the disk or quota is full ({free} free now), so the files "
+            "written there are incomplete. Free space on that disk or save to one with more room, then save again."
+        ) from error
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+
+
+def _disk_full(error: BaseException, where: Path) -> bool:
+    """Whether a write failed because the disk (or a quota) is full: an ENOSPC/EDQUOT in its causes, or
+    no room left where it wrote (torch's writer reports a full disk as "unexpected pos")."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        return shutil.disk_usage(where).free < 1 << 20
+    except OSError:
+        return False
+
+
+def _disk_full_error(target: Path, written: int) -> OSError:
+    free = shutil.disk_usage(target.parent).free
+    earlier = f"; the save already at {target} is kept as it was" if (target / "COMPLETE").exists() else ""
+    needed = _size(target) if earlier else 0
+    need = (f"a save there takes about {_megabytes(needed)}" if needed > written
+            else f"it had written {_megabytes(written)} when the disk filled")
+    return OSError(
+        errno.ENOSPC,
+        f"Cannot save to {target}: the disk or quota is full ({need}, {_megabytes(free)} free now{earlier}). "
+        "Free space on that disk or save to one with more room.",
+    )
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 2**20:,.1f} MB"
+
+
 def check_target(target: Path, own_entries: frozenset[str], *, overwrite: bool = False) -> None:
     """Refuse to save onto a file, or into an existing directory that holds anything but
-    ``own_entries`` (unless ``overwrite``): replacing it would delete what grpo_lab did not write."""
+    ``own_entries`` and what its COMPLETE marker lists (unless ``overwrite``): replacing it would delete
+    what grpo_lab did not write."""
     target = Path(target)
     if target.is_file() or (target.exists() and not target.is_dir()):
         raise FileExistsError(
             f"{target} is a file; a save is a directory. Give a path that does not exist yet (e.g. {target}_save)."
         )
+    own_entries = own_entries | written_entries(target)
     foreign = sorted(p.name for p in target.iterdir() if p.name not in own_entries) if target.is_dir() else []
     if foreign and not overwrite:
         held = ("a grpo_lab save and other files" if (target / "COMPLETE").exists()
@@ -154,6 +222,16 @@ def check_target(target: Path, own_entries: frozenset[str], *, overwrite: bool =
     blocked = _unwritable(target.parent)  # where the new save is built, then renamed into place
     if blocked is not None:
         raise PermissionError(f"Cannot save to {target}: {blocked} is not writable. Give a directory you can write to.")
+
+
+def written_entries(directory: Path) -> frozenset[str]:
+    """The entries a complete save wrote into ``directory``, as its COMPLETE marker lists them (none
+    for a marker written before it listed them, or for no marker)."""
+    try:
+        listed = json.loads((Path(directory) / "COMPLETE").read_text())["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return frozenset()
+    return frozenset(name for name in listed if isinstance(name, str)) | {"COMPLETE"}
 
 
 def first_process() -> bool:

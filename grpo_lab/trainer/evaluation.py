@@ -14,7 +14,7 @@ import time
 
 from transformers.trainer_utils import speed_metrics
 
-from grpo_lab.state.checkpoint import MODEL_DIR, load_saved_weights
+from grpo_lab.state.checkpoint import load_saved_weights, saved_model_dir
 from grpo_lab.parallel.dist import on_main
 from grpo_lab.core.build import eval_sets, named_eval_dataset
 
@@ -114,5 +114,5 @@ class TrainerEvaluation:
         if not (self.args.load_best_model_at_end and best):
             return
         engine = self.session.engine
-        load_saved_weights(engine.unwrapped_model, type(self.output_dir)(best) / MODEL_DIR)
+        load_saved_weights(engine.unwrapped_model, saved_model_dir(best))
         engine.published_version = None  # a generation backend holding weights takes the loaded ones

@@ -25,10 +25,10 @@ from grpo_lab.accel import release_freed_memory
 from grpo_lab.state.checkpoint import CHECKPOINT_PREFIX, TRAINER_STATE_FILE, check_complete, trainer_checkpoints
 from grpo_lab.config.grpo_config import GRPOConfig, resolved_eval_steps, steps_between
 from grpo_lab.parallel.dist import from_main, on_main
-from grpo_lab.trainer.model_card import write_training_files
+from grpo_lab.state.model_card import write_training_files
 from grpo_lab.progress import progress_bar
 from grpo_lab.trainer.reporting import open_reporters, reporter_names
-from grpo_lab.state.safe_write import check_writable, first_process, remove_partial_writes
+from grpo_lab.state.safe_write import check_writable, first_process, full_disk_named, remove_partial_writes
 from grpo_lab.session.session import GRPOSession
 from grpo_lab.state.run_logs import drop_rows_after
 from grpo_lab.trainer.doctor import FINDINGS_FILE, log_live_findings, preflight, refuse_after_probe
@@ -276,6 +276,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         if self.args.log_completions and row["step"] % completions_every == 0:
             log = self.session.completions_log
             rows = log[log["step"] == log["step"].max()]
+            self._write_completions_file(row["step"], rows)
             if self.args.log_unique_prompts:
                 rows = rows.drop_duplicates(subset="prompt")
             if self.args.num_completions_to_print:
@@ -283,6 +284,20 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             self._print_completions(row["step"], rows)
             for sink in sinks:
                 sink.log_completions(row["step"], rows)
+
+    def _write_completions_file(self, step: int, rows) -> None:
+        """``output_dir/completions/completions_<step>.parquet``: the step's scored completions as
+        TRL writes them (``step``, ``prompt``, ``completion``, a column per reward function named by
+        it, ``advantage``), with grpo_lab's further columns (``group``, ``reward``, ...) after them; a
+        function named like one of those keeps its ``rewards/`` prefix."""
+        columns = {name: name.removeprefix("rewards/") for name in rows.columns
+                   if name.startswith("rewards/") and name.removeprefix("rewards/") not in rows.columns}
+        first = ["step", "prompt", "completion", *columns.values(), "advantage"]
+        table = rows.rename(columns=columns)
+        table = table[first + [name for name in table.columns if name not in first]]
+        folder = self.output_dir / "completions"
+        folder.mkdir(parents=True, exist_ok=True)
+        table.reset_index(drop=True).to_parquet(folder / f"completions_{step:05d}.parquet")
 
     def _print_completions(self, step: int, rows) -> None:
         from rich.console import Console
@@ -411,9 +426,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
 
         def write() -> None:
             saved = copy.deepcopy(model).merge_and_unload() if merge else model
-            saved.save_pretrained(target, state_dict=state)
-            self.session.tokenizer.save_pretrained(target)
-            write_training_files(target, self.args, engine.model_reference)
+            with full_disk_named(target):
+                saved.save_pretrained(target, state_dict=state)
+                self.session.tokenizer.save_pretrained(target)
+                write_training_files(target, self.args, engine.model_reference)
 
         on_main(self.accelerator, f"save the model to {target}", write)
         return target
