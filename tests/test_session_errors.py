@@ -4,6 +4,7 @@ import functools
 import inspect
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,16 +53,39 @@ def test_a_dataset_dict_is_refused_with_the_split_to_pick(task):
         GRPOSession(task.model, task.reward_funcs, args=task.config(**SMALL), train_dataset=splits)
 
 
-def test_model_path_that_does_not_exist(task):
+def test_model_path_that_does_not_exist_or_is_a_file(task):
     with pytest.raises(FileNotFoundError, match="does not exist as a local path"):
         GRPOSession("./no/such/model", task.reward_funcs, args=task.config(**SMALL), train_dataset=task.train_dataset)
+    weights = Path(task.model) / "model.safetensors"
+    with pytest.raises(FileNotFoundError, match=rf"model.safetensors is a file; a model is the directory "
+                                                rf"save_pretrained writes.*Give the folder that holds it "
+                                                rf"\({Path(task.model)}, if"):
+        GRPOSession(str(weights), task.reward_funcs, args=task.config(**SMALL), train_dataset=task.train_dataset)
 
 
-def test_a_saved_session_given_as_model_or_a_missing_one_to_load_is_explained(make_session, tmp_path):
-    saved = make_session().save(tmp_path / "saved")
+def test_a_save_is_a_model_folder_an_older_one_given_as_model_and_a_missing_one_are_explained(make_session, tmp_path,
+                                                                                             monkeypatch):
+    import shutil
+
+    first = make_session()
+    first.step()
+    saved = first.save(tmp_path / "saved")
+    fresh = make_session(model=str(saved))  # a new run from the saved weights, as from TRL's checkpoint-N
+    assert fresh.global_step == 0
+    for name, value in first.model.state_dict().items():
+        torch.testing.assert_close(fresh.model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    older = tmp_path / "older"  # the layout of format version 1: the model in model/
+    (older / "model").mkdir(parents=True)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(saved / file, older / "model" / file)
     with pytest.raises(FileNotFoundError, match=r"is a grpo_lab checkpoint or saved session.*"
-                                                r"its model is in .*saved/model"):
-        make_session(model=str(saved))
+                                                r"its model is in .*older/model"):
+        make_session(model=str(older))
+    monkeypatch.chdir(saved)  # the save as the working directory
+    assert GRPOSession.load(".").global_step == 1
+    monkeypatch.chdir(older / "model")
+    with pytest.raises(FileNotFoundError, match=r"is not a complete grpo_lab checkpoint"):
+        GRPOSession.load(".")
     with pytest.raises(FileNotFoundError, match=r"no_such_run does not exist\. "
                                                 r"Give a directory written by session.save"):
         GRPOSession.load(tmp_path / "no_such_run")
@@ -375,7 +399,8 @@ def test_a_schedule_rebuilt_over_a_users_optimizer_keeps_each_groups_rate(task, 
     session.step()
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([2e-3 * 16 / 20, 2e-4 * 16 / 20])
     session.config.lr_scheduler_kwargs = {"no_such_argument": 1}
-    with pytest.raises(TypeError, match="no_such_argument"):
+    with pytest.raises(ValueError, match=r"the 'linear' schedule takes no 'no_such_argument'; it takes no arguments "
+                                         r"of its own\. Remove the others"):
         session.generate()
     assert session.config.lr_scheduler_kwargs is None or session.config.lr_scheduler_kwargs == {}
     session.step()  # the old schedule stays in force

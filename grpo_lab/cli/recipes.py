@@ -104,7 +104,7 @@ def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...], *, evaluat
         if path.suffix not in FILE_BUILDERS or {"name", "split"} & set(spec):
             raise ValueError(f"{where}: {path} is a local file, read as one split: give a "
                              f"{'/'.join(FILE_BUILDERS)} file without 'name' or 'split'.")
-        dataset = load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+        dataset = _local_file(path, where)
     elif path is not None:
         dataset = _saved_dataset(path, spec, where, evaluation)
     else:
@@ -124,6 +124,42 @@ def _mapped_dataset(spec: dict, where: str, search: tuple[Path, ...], *, evaluat
                          "give 'map: module:function' returning a dict with a prompt (and the columns your reward "
                          "functions read) for each row.")
     return dataset
+
+
+def _local_file(path: Path, where: str):
+    """A local .jsonl/.json/.csv/.parquet file as one split, refused with the file's problem (a broken
+    line, no rows) instead of ``datasets``' traceback."""
+    from datasets import load_dataset
+
+    if path.stat().st_size == 0:
+        raise ValueError(f"{where}: {path} is empty; give a file with one row per prompt.")
+    try:
+        dataset = load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+    except Exception as error:  # datasets wraps the reader's error (e.g. a JSON line cut short) in its own
+        if _holds_no_rows(path):  # datasets refuses a split with no rows (a CSV with only its header) vaguely
+            raise ValueError(f"{where}: {path} holds no rows; give a file with one row per prompt.") from None
+        cause = error
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        problem = " ".join(str(cause).split())[:300]
+        form = "one JSON object per line" if path.suffix == ".jsonl" else f"a valid {path.suffix[1:]} file"
+        raise ValueError(f"{where}: {path} could not be read ({type(cause).__name__}: {problem}). Check that it is "
+                         f"{form}.") from None
+    if len(dataset) == 0:
+        raise ValueError(f"{where}: {path} holds no rows; give a file with one row per prompt.")
+    return dataset
+
+
+def _holds_no_rows(path: Path) -> bool:
+    """Whether a CSV file that ``datasets`` could not read is a header without rows."""
+    import pandas as pd
+
+    if path.suffix != ".csv":
+        return False
+    try:
+        return pd.read_csv(path).empty
+    except Exception:  # unreadable for another reason: the caller reports that one
+        return False
 
 
 def _saved_dataset(path: Path, spec: dict, where: str, evaluation: bool):
@@ -173,6 +209,12 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
     from grpo_lab.trainer.trainer import GRPOTrainer
 
     recipe = read_yaml_mapping(recipe_path, "GRPOConfig fields and recipe keys")
+    if not recipe:
+        raise ValueError(
+            f"{recipe_path} is empty, so it would train the embedded default task with its defaults. Write the "
+            "fields and recipe keys to set (examples/recipe.yaml shows them), or `train_dataset: default_task` with "
+            "the fields you change to train the default task on purpose."
+        )
     fields = {field.name for field in dataclasses.fields(GRPOConfig)}
     near = {key: difflib.get_close_matches(key, RECIPE_KEYS, n=1, cutoff=0.75) for key in recipe if key not in fields}
     misspelled = {key: match[0] for key, match in near.items() if match and key not in RECIPE_KEYS}

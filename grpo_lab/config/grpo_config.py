@@ -52,6 +52,18 @@ class Batching:
     steps_per_generation: int
 
 
+REMOVED_TRL_FIELDS = {
+    "max_prompt_length": (
+        "it cut prompts to their last max_prompt_length tokens. grpo_lab keeps every prompt whole, as TRL 1.16 does "
+        "(a prompt that leaves no room for max_completion_length in the model's context is refused, naming its "
+        "row); to train on shorter prompts, filter the dataset first, e.g. dataset.filter(lambda row: "
+        "len(tokenizer.apply_chat_template(row['prompt'])) <= 512) for conversational prompts."
+    ),
+    "wandb_log_unique_prompts": "use log_unique_prompts=True, which took its place.",
+}
+"""Fields of earlier TRL versions' GRPOConfig that TRL 1.16 no longer has, with what to do instead."""
+
+
 @dataclass(repr=False)
 class GRPOConfig(TrainingArgumentsFields):
     """Configuration of a GRPO run, shared by ``GRPOSession`` and ``GRPOTrainer``.
@@ -66,6 +78,8 @@ class GRPOConfig(TrainingArgumentsFields):
         if args:
             raise TypeError("GRPOConfig takes keyword arguments only, e.g. GRPOConfig(learning_rate=1e-5).")
         for name in values:
+            if name in REMOVED_TRL_FIELDS:
+                raise TypeError(f"GRPOConfig got {name!r}, a field TRL removed before 1.16: {REMOVED_TRL_FIELDS[name]}")
             if name not in _field_names():
                 raise TypeError(f"GRPOConfig got an unknown field {name!r}{suggestion(cls, name)}")
         return super().__new__(cls)

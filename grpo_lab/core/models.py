@@ -41,6 +41,12 @@ def check_model_reference(name: str, *, model: bool = True, subfolder: str | Non
             f"{name} is a grpo_lab checkpoint or saved session, not a model directory: its model is in "
             f"{path / 'model'}. Pass that directory, or continue the run with resume_from_checkpoint / --resume_from."
         )
+    if model and path.is_file():
+        raise FileNotFoundError(
+            f"{name} is a file; a model is the directory save_pretrained writes (config.json, the weights and the "
+            f"tokenizer's files), or a hub id. Give the folder that holds it"
+            f"{f' ({path.parent}, if those files are there)' if (path.parent / 'config.json').exists() else ''}."
+        )
     if path.exists():
         if model and path.is_dir():
             check_model_files(path / subfolder if subfolder else path)

@@ -77,6 +77,30 @@ class EntropyWeight:
         self.coef, self.last_step_entropy = state["coef"], state["last_step_entropy"]
 
 
+def check_schedule_kwargs(scheduler_type, kwargs: dict) -> None:
+    """Refuse ``lr_scheduler_kwargs`` that transformers' schedule function for ``scheduler_type`` does
+    not take, naming those it does take (the ones grpo_lab passes itself left out)."""
+    import inspect
+
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+    from transformers.trainer_utils import SchedulerType
+
+    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler_type)]
+    given = {"optimizer", "num_warmup_steps", "num_training_steps"}
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    takes = [name for name in parameters if name not in given | {"last_epoch"}]
+    unknown = sorted(set(kwargs) - set(takes) - {"last_epoch"})
+    if unknown:
+        offered = f"the arguments it takes are {', '.join(takes)}" if takes else "it takes no arguments of its own"
+        raise ValueError(
+            f"lr_scheduler_kwargs={kwargs!r}: the {SchedulerType(scheduler_type).value!r} schedule takes no "
+            f"{', '.join(map(repr, unknown))}; {offered}. Remove the others, or pick the lr_scheduler_type they "
+            "belong to."
+        )
+
+
 class Optimization:
     """The optimizer, its schedule and the entropy weight. ``owns_optimizer`` / ``owns_scheduler``:
     whether grpo_lab built them from the config (else they were passed in ``optimizers=``, and keep
@@ -92,9 +116,11 @@ class Optimization:
         """The learning-rate schedule of ``lr_scheduler_type`` over ``total_steps``, at step 0."""
         fraction = config.warmup_steps if 0 < config.warmup_steps < 1 else config.warmup_ratio
         warmup = int(config.warmup_steps) if config.warmup_steps >= 1 else math.ceil(fraction * total_steps)
+        kwargs = config.lr_scheduler_kwargs or {}
+        check_schedule_kwargs(config.lr_scheduler_type, kwargs)
         return get_scheduler(
             config.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-            scheduler_specific_kwargs=config.lr_scheduler_kwargs or {},
+            scheduler_specific_kwargs=kwargs,
         )
 
     def rebuild_schedule(self, config, total_steps: int) -> None:

@@ -40,7 +40,16 @@ def fill_config(plugin, config) -> None:
         value = ds_config.get(key, "auto")
         if value == "auto":
             ds_config[key] = wanted[key]
-        elif float(value) != float(wanted[key]):
+            continue
+        whole = key != "gradient_clipping"
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            kind = "a whole number" if whole else "a number (0 for no clipping)"
+            raise ValueError(
+                f"The DeepSpeed config sets {key}={value!r} ({type(value).__name__}); it takes \"auto\" or {kind}. "
+                f"Set it to \"auto\" (grpo_lab fills in {wanted[key]!r} from its config), or write the number "
+                "without quotes."
+            )
+        if float(value) != float(wanted[key]):
             source = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
                       "gradient_accumulation_steps": "gradient_accumulation_steps (grpo_lab accumulates itself; "
                                                      "DeepSpeed's must be 1)",

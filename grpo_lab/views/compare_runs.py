@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from grpo_lab import notices
 from grpo_lab.views.compare_data import Run, run_names
 
 ACCEPTED = (
@@ -89,18 +90,28 @@ def _saved_config(directory: Path) -> dict | None:
 
 
 def _metric_rows(path: Path) -> list[dict]:
-    """The rows of a trainer's ``metrics.jsonl``. A line cut short (a run stopped mid-write) is left
-    out; where the steps start again from a lower one, a fresh run was appended to the file (the
-    trainer warns that it does so) and only the last run's rows are kept."""
+    """The rows of a trainer's ``metrics.jsonl``. A line that is not a row (cut short by a run stopped
+    mid-write, or not written by grpo_lab) is left out, with a warning naming it; where the steps
+    start again from a lower one, a fresh run was appended to the file (the trainer warns that it does
+    so) and only the last run's rows are kept."""
     rows: list[dict] = []
-    for line in path.read_text().splitlines():
+    skipped: list[int] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            continue
-        if not isinstance(row, dict) or "step" not in row:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            if line.strip():
+                skipped.append(number)
             continue
         if rows and row["step"] <= rows[-1]["step"]:
             rows = []
         rows.append(row)
+    if skipped:
+        shown = ", ".join(map(str, skipped[:5])) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        notices.warn(
+            f"{path}: line(s) {shown} are not metric rows (a JSON object with an integer \"step\"): cut short by a "
+            "run stopped while writing, or written by something else. They are left out of the comparison."
+        )
     return rows

@@ -92,8 +92,10 @@ def test_saved_sessions_and_trainer_output_dirs_are_read_without_building_a_mode
     # a fresh run appended to the same metrics.jsonl (the trainer warns that it appends), ending in a cut line
     lines = (trained / "metrics.jsonl").read_text()
     appended = _metrics_dir(tmp_path / "appended", [])
-    (appended / "metrics.jsonl").write_text(lines + lines + lines.splitlines()[0][:20])
-    (again,) = compare_runs.read_runs([appended])
+    (appended / "metrics.jsonl").write_text(lines + "not json\n[1, 2]\n" + lines + lines.splitlines()[0][:20])
+    with pytest.warns(UserWarning, match=r"metrics.jsonl: line\(s\) 3, 4, 7 are not metric rows.*cut short by a run "
+                                         r"stopped while writing.*left out of the comparison"):
+        (again,) = compare_runs.read_runs([appended])
     assert again.rows == logged and again.config is None
 
 
