@@ -469,6 +469,8 @@ def test_the_example_recipe_trains(tmp_path):
     ("learning_rate: [1e-4,\n", "r.yaml is not valid YAML: "),
     ("reward_funcs:\n  - no_such_rewards:f\n", "Cannot import 'no_such_rewards:f': No module named 'no_such_rewards' "
                                                "(looked in {folder} and on sys.path)"),
+    ("", "r.yaml is empty, so it would train the embedded default task with its defaults"),
+    ("# only a comment\n", "r.yaml is empty"),
 ])
 def test_recipe_mistakes_are_named_before_the_model_loads(tmp_path, monkeypatch, recipe, message):
     from grpo_lab.cli.recipes import build_trainer
@@ -480,18 +482,37 @@ def test_recipe_mistakes_are_named_before_the_model_loads(tmp_path, monkeypatch,
     assert message.format(folder=tmp_path) in str(refused.value)
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("data.jsonl", '{"prompt": "1+1="}\n{"prompt": "2+', r"data.jsonl could not be read \(.*\)\. Check that it is one "
+                                                        r"JSON object per line\."),
+    ("data.jsonl", "", r"data.jsonl is empty; give a file with one row per prompt\."),
+    ("data.csv", "prompt\n", r"data.csv holds no rows; give a file with one row per prompt\."),
+])
+def test_a_recipe_dataset_file_that_is_broken_or_empty_is_named_with_its_problem(tmp_path, name, content, message):
+    from grpo_lab.cli.recipes import build_trainer
+
+    (tmp_path / name).write_text(content)
+    (tmp_path / "r.yaml").write_text(f"train_dataset:\n  path: {name}\nmax_steps: 1\n")
+    with pytest.raises(ValueError, match=r"r.yaml: train_dataset: .*" + message):
+        build_trainer(tmp_path / "r.yaml")
+
+
 # Credentials of the forms the export recognises, made up for the tests.
 OPENAI_KEY = "sk-test-0123456789abcdefghijklmn"
 HF_TOKEN = "hf_0123456789abcdefghijklmnopq"
 TOKENIZER_KEY = "sk-tokenizer-0123456789abcdefghij"
 
+SIGNING_KEY = "sk-signing-0123456789abcdefghij"
+COLUMN_KEY = "sk-column-0123456789abcdefghijk"
+
 KEYED_REWARD = f'''
 OPENAI_API_KEY = "{OPENAI_KEY}"  # as a notebook cell defines it
+SIGNING_KEY = b"{SIGNING_KEY}"  # a key held as bytes
 
 
 def judged_reward(completions, **kwargs):
-    """Stands in for a reward that calls an API with the key: the score depends on the key."""
-    return [len(OPENAI_API_KEY) / 100 + len(str(c)) / 50 for c in completions]
+    """Stands in for a reward that calls an API with the keys: the score depends on them."""
+    return [(len(OPENAI_API_KEY) + SIGNING_KEY.count(b"-")) / 100 + len(str(c)) / 50 for c in completions]
 '''
 
 
@@ -507,22 +528,26 @@ def test_session_export_writes_no_secret_and_its_script_reads_them_from_the_envi
     (tmp_path / "cell.py").write_text(KEYED_REWARD)
     cell = _notebook_cell(tmp_path / "cell.py")
     tokenizer = AutoTokenizer.from_pretrained(task.model, api_key=TOKENIZER_KEY)  # saved among its init arguments
+    keyed_rows = task.train_dataset.add_column("api_key", [COLUMN_KEY] * len(task.train_dataset))
     session = make_session(reward_funcs=[cell.judged_reward, *task.reward_funcs], processing_class=tokenizer,
-                           max_steps=1, model_init_kwargs={"token": HF_TOKEN})
+                           max_steps=1, model_init_kwargs={"token": HF_TOKEN}, train_dataset=keyed_rows)
     with pytest.warns(UserWarning, match="train.py holds no secrets") as caught:
         script = session.export_script(tmp_path / "export" / "train.py")
     message = str(next(w.message for w in caught if "holds no secrets" in str(w.message)))
     assert "OPENAI_API_KEY (a global that judged_reward uses): from $OPENAI_API_KEY" in message
     assert "config model_init_kwargs['token']: from $HF_TOKEN" in message
     assert "api_key in tokenizer/tokenizer_config.json: left out" in message
-    assert "Set HF_TOKEN, OPENAI_API_KEY in the environment where the script runs." in message
+    assert "SIGNING_KEY (a global that judged_reward uses): from $SIGNING_KEY" in message
+    assert "column 'api_key' of the train dataset (row 0 first): left out of its copy" in message
+    assert "Set HF_TOKEN, OPENAI_API_KEY, SIGNING_KEY in the environment where the script runs." in message
     written = _files_under(tmp_path / "export")
     assert script in written and any(p.name == "tokenizer_config.json" for p in written)
-    for secret in (OPENAI_KEY, HF_TOKEN, TOKENIZER_KEY, "0123456789abcdefghij"):
+    for secret in (OPENAI_KEY, HF_TOKEN, TOKENIZER_KEY, SIGNING_KEY, COLUMN_KEY, "0123456789abcdefghij"):
         assert secret not in message
         assert not [p for p in written if secret.encode() in p.read_bytes()], secret
     text = script.read_text()
     assert 'OPENAI_API_KEY = os.environ["OPENAI_API_KEY"]' in text and "import os\n" in text
+    assert 'SIGNING_KEY = os.environ["SIGNING_KEY"].encode()' in text
     assert "model_init_kwargs={'token': os.environ.get(\"HF_TOKEN\")}," in text
     first = session.step()
     # without the variables the script stops at once, naming the one it reads
@@ -532,7 +557,50 @@ def test_session_export_writes_no_secret_and_its_script_reads_them_from_the_envi
     assert failed.returncode != 0 and "KeyError: 'OPENAI_API_KEY'" in failed.stderr
     monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    monkeypatch.setenv("SIGNING_KEY", SIGNING_KEY)
     assert run_exported_step(script, tmp_path) == {k: v for k, v in first.items() if k != "step_time"}
+
+
+def test_a_credential_in_a_bytes_literal_of_copied_code_is_read_from_the_environment(tmp_path):
+    (tmp_path / "cell.py").write_text(
+        "def signed_reward(completions, **kwargs):\n"
+        f"    key = b'Bearer {HF_TOKEN}'\n"
+        "    return [float(len(key)) for _ in completions]\n"
+    )
+    cell = _notebook_cell(tmp_path / "cell.py")
+    with pytest.warns(UserWarning, match=r"key \(function signed_reward, line 2\): from \$HF_TOKEN"):
+        imports, definitions, _ = reward_function_code([cell.signed_reward])
+    code = "\n".join([*imports, *definitions])
+    assert HF_TOKEN not in code and "key = ('Bearer ' + os.environ[\"HF_TOKEN\"]).encode()" in code
+    names = {}
+    os.environ["HF_TOKEN"] = HF_TOKEN
+    try:
+        exec(code, names)
+        assert names["signed_reward"](["a"]) == cell.signed_reward(["a"])
+    finally:
+        del os.environ["HF_TOKEN"]
+
+
+def test_an_export_is_refused_before_writing_for_a_prompt_with_a_credential_or_a_folder_as_target(
+        make_session, task, tmp_path):
+    prompts = list(task.train_dataset["prompt"])
+    leaking = task.train_dataset.remove_columns("prompt").add_column(
+        "prompt", [*prompts[:3], [{"role": "user", "content": f"use the key {COLUMN_KEY}"}], *prompts[4:]])
+    session = make_session(train_dataset=leaking)
+    with pytest.raises(ExportError, match=r"Row 3 of the train dataset's prompt column holds what looks like a "
+                                          r"credential.*Remove it from the prompts"):
+        session.export_script(tmp_path / "export" / "train.py")
+    assert not (tmp_path / "export" / "train.data").exists() and not (tmp_path / "export" / "train.py").exists()
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    with pytest.raises(ExportError, match=rf"{folder} is a folder; the export writes one script file: give "
+                                          rf"session.export_script a file name, e.g. {folder}/train.py"):
+        make_session().export_script(folder)
+    notebook = nbformat.v4.new_notebook()
+    nbformat.write(notebook, tmp_path / "n.ipynb")
+    with pytest.raises(ExportError, match=rf"is a folder; the export writes one script file: give -o {folder}/train"):
+        export_notebook(tmp_path / "n.ipynb", folder)
+    assert not any(folder.iterdir()) and not (tmp_path / "scripts.data").exists()
 
 
 @pytest.mark.parametrize("value, name, secret", [

@@ -57,11 +57,14 @@ def scrub_code(secrets: Secrets, code: str, where) -> str:
     lines = code.split("\n")
     _scrub_comments(secrets, code, lines, where)  # a comment ends its line: string positions stay true
     replacements = []
-    strings = [node for node in nodes if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    strings = [node for node in nodes if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes))]
     for node in sorted(strings, key=lambda node: (node.lineno, node.col_offset)):  # named in the order of the code
         name = names.get(id(node))
+        text = _text_of(node)
+        if text is None:
+            continue
         if id(node) in in_fstrings:
-            if secret_in(node.value, name) is not None:
+            if secret_in(text, name) is not None:
                 raise CredentialInCodeError(
                     f"An f-string ({where(node.lineno)}) holds what looks like a credential, which the script "
                     "must not contain. Assign it to a variable and use the variable in the f-string: the export "
@@ -69,12 +72,22 @@ def scrub_code(secrets: Secrets, code: str, where) -> str:
                 )
             continue
         label = f"{name} ({where(node.lineno)})" if name else f"a string in {where(node.lineno)}"
-        text = secrets.expression(node.value, name, label)
-        if text is not None:
-            replacements.append((node, text))
+        read = secrets.expression(text, name, label)
+        if read is not None:
+            replacements.append((node, read if isinstance(node.value, str) else f"{read}.encode()"))
     for node, text in sorted(replacements, key=lambda r: (r[0].lineno, r[0].col_offset), reverse=True):
         _replace_string(lines, node, text)
     return "\n".join(lines)
+
+
+def _text_of(node: ast.Constant) -> str | None:
+    """The text of a string literal, or of a bytes literal that holds UTF-8 text (None: binary data)."""
+    if isinstance(node.value, str):
+        return node.value
+    try:
+        return node.value.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _replace_string(lines: list[str], node: ast.Constant, text: str) -> None:
@@ -126,7 +139,7 @@ def _string_names(nodes: list[ast.AST]) -> dict[int, str]:
 def _name_values(names: dict[int, str], node: ast.AST, name: str | None) -> None:
     """Give ``name`` to the string constants of ``node`` (a string, or a list, tuple, set or dict of
     them, a dict's values named by their string keys) that have none yet."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
         names.setdefault(id(node), name)
     elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         for element in node.elts:

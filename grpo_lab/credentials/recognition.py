@@ -167,6 +167,12 @@ def _not_a_credential(value: str) -> bool:
 
 
 def contains_secret(value, name: str | None = None) -> bool:
+    """Whether ``value`` (a string, UTF-8 bytes, or a dict, list, tuple or set of them) holds a credential."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode()
+        except UnicodeDecodeError:  # binary data, not text a credential is written in
+            return False
     if isinstance(value, dict):
         return any(contains_secret(v, k if isinstance(k, str) else name) for k, v in value.items())
     if isinstance(value, (list, tuple, set)):

@@ -66,6 +66,8 @@ class Secrets:
             return repr(value)
         if isinstance(value, str):
             return self.expression(value, name, label + context, optional)
+        if isinstance(value, bytes):
+            return f"{self.expression(value.decode(), name, label + context)}.encode()"
         if isinstance(value, dict):
             return "{" + ", ".join(
                 f"{k!r}: {self.render(v, k if isinstance(k, str) else name, f'{label}[{k!r}]', optional, context)}"

@@ -21,7 +21,7 @@ from grpo_lab.export.config_edits import (
 from grpo_lab.export.errors import ExportError, scrubbed_code
 from grpo_lab.export.notebook_cells import ExportedCells, exported_cells
 from grpo_lab.export.scopes import undefined_names
-from grpo_lab.export.script_file import HEADER, writing
+from grpo_lab.export.script_file import HEADER, check_script_target, writing
 
 
 def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
@@ -29,6 +29,7 @@ def export_notebook(notebook_path: str | Path, path: str | Path) -> Path:
     import nbformat
 
     notebook_path, path = Path(notebook_path), Path(path)
+    check_script_target(path, f"give -o {path / 'train.py'}")
     cells = exported_cells(nbformat.read(notebook_path, as_version=4), notebook_path)
     # A string that holds a credential (API_KEY = "sk-...", token="hf_...") becomes a read of the
     # environment, on the same lines: positions in cells stay true.

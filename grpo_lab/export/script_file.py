@@ -33,3 +33,9 @@ def writing(path: Path, fix: str):
             f"Cannot write {error.filename or path} ({(error.strerror or 'permission denied').lower()}): {fix}, "
             f"or make {folder} writable."
         ) from None
+
+
+def check_script_target(path: Path, fix: str) -> None:
+    """Refuse, before anything is written, a script path that is a folder (``fix`` says what to give)."""
+    if path.is_dir():
+        raise ExportError(f"{path} is a folder; the export writes one script file: {fix}.")

@@ -1,12 +1,15 @@
 """What an exported session script loads beside it, in ``<script>.data/``: the session's datasets
 (``save_to_disk``), its tokenizer with what was set on it in the session, and a PEFT adapter's
-config. An entry of the tokenizer's or adapter's JSON files that holds a credential is left out."""
+config. An entry of the tokenizer's or adapter's JSON files that holds a credential is left out, and
+so is a dataset column that holds one (a prompt column that does is refused)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from grpo_lab.credentials import Secrets
+from grpo_lab.credentials.recognition import contains_secret
+from grpo_lab.export.errors import ExportError
 from grpo_lab.core.stream_sampler import is_stream
 
 
@@ -17,11 +20,31 @@ def save_session_data(engine, data_dir: Path, secrets: Secrets) -> None:
             "export cannot carry a streamed train_dataset (an IterableDataset): the script would have no prompts. "
             "Export a session built on a datasets.Dataset, or edit the exported script to build the stream."
         )
-    engine.train_dataset.save_to_disk(str(data_dir / "train"))
+    _without_secrets(engine.train_dataset, "train", secrets).save_to_disk(str(data_dir / "train"))
     if engine.eval_dataset is not None:
-        engine.eval_dataset.save_to_disk(str(data_dir / "eval"))
+        _without_secrets(engine.eval_dataset, "eval", secrets).save_to_disk(str(data_dir / "eval"))
     engine.tokenizer.save_pretrained(str(data_dir / "tokenizer"))  # with what was set on it in the session
     if engine.is_peft:
         engine.unwrapped_model.peft_config["default"].save_pretrained(str(data_dir / "peft"))
     for folder in ("tokenizer", "peft"):  # e.g. an api_key given to the tokenizer's from_pretrained
         secrets.scrub_json(data_dir / folder)
+
+
+def _without_secrets(dataset, split: str, secrets: Secrets):
+    """``dataset`` without its columns that hold a credential in any row (judged by the column's name
+    and the value's form, as config values are), each named in ``secrets``' warning. The prompt
+    column is what the script trains on: one that holds a credential is refused."""
+    leaking = {}
+    for column in dataset.column_names:
+        row = next((i for i, value in enumerate(dataset[column]) if contains_secret(value, column)), None)
+        if row is not None:
+            leaking[column] = row
+    if "prompt" in leaking:
+        raise ExportError(
+            f"Row {leaking['prompt']} of the {split} dataset's prompt column holds what looks like a credential, "
+            "which the export must not write. Remove it from the prompts (dataset.filter or dataset.map), build the "
+            "session on that dataset, and export again."
+        )
+    for column, row in leaking.items():
+        secrets.found.append((f"column {column!r} of the {split} dataset (row {row} first)", "left out of its copy"))
+    return dataset.remove_columns(list(leaking)) if leaking else dataset

@@ -15,7 +15,7 @@ from grpo_lab.credentials import Secrets
 from grpo_lab.export.errors import ExportError
 from grpo_lab.export.functions import is_importable, reward_function_code
 from grpo_lab.export.local_imports import warn_local_imports
-from grpo_lab.export.script_file import HEADER, writing
+from grpo_lab.export.script_file import HEADER, check_script_target, writing
 from grpo_lab.export.session_data import save_session_data
 from grpo_lab.rollout.environments import user_reward_funcs
 
@@ -25,6 +25,7 @@ def export_session(session, path: str | Path) -> Path:
     from grpo_lab import __version__
 
     path = Path(path)
+    check_script_target(path, f"give session.export_script a file name, e.g. {path / 'train.py'}")
     engine = session.engine
     secrets = Secrets()
     imports, definitions, names, generation = _copied_functions(engine, secrets)
@@ -44,7 +45,7 @@ def export_session(session, path: str | Path) -> Path:
     fix = "pass session.export_script a path in a folder you can write to"
     with writing(path, fix):
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_session_data(engine, data_dir, secrets)
+        _save_data_or_nothing(engine, data_dir, secrets)
     body = _script_lines(
         header=HEADER.format(version=__version__, source=f"a GRPOSession at step {session.global_step}",
                              script=path.name),
@@ -55,6 +56,20 @@ def export_session(session, path: str | Path) -> Path:
         path.write_text("\n".join(body))
     secrets.warn(path)
     return path
+
+
+def _save_data_or_nothing(engine, data_dir: Path, secrets: Secrets) -> None:
+    """``save_session_data``; where it fails (a refused prompt column, a full disk) a ``data_dir`` that
+    it created is removed again, so that no half-written copy is left (one there before is kept)."""
+    import shutil
+
+    created = not data_dir.exists()
+    try:
+        save_session_data(engine, data_dir, secrets)
+    except BaseException:
+        if created:
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
 
 
 def _copied_functions(engine, secrets: Secrets) -> tuple[list[str], list[str], list[str], list[str]]:

@@ -55,13 +55,16 @@ class GenerationService:
             "accepts_full_weights": on_gpu(),
         }
 
-    def generate(self, request: dict) -> dict:
-        try:
-            prompts, settings, seeds = request["prompt_token_ids"], request["settings"], request["seeds"]
-        except KeyError as missing:
-            raise BadRequest(
-                f"/generate needs 'prompt_token_ids', 'settings' and 'seeds'; {missing} is missing."
-            ) from None
+    def generate(self, request) -> dict:
+        _check_fields(request, "/generate", {"prompt_token_ids": list, "settings": dict, "seeds": list})
+        prompts, settings, seeds = request["prompt_token_ids"], request["settings"], request["seeds"]
+        vocab = self.engine.vocab_size()
+        for index, ids in enumerate(prompts):
+            if not isinstance(ids, list) or not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+                raise BadRequest(f"/generate: prompt_token_ids[{index}] must be a non-empty list of token ids in "
+                                 f"[0, {vocab}), got {_shown(ids)}.")
+        if not all(_is_int(seed) for seed in seeds):
+            raise BadRequest(f"/generate: seeds must be whole numbers, got {_shown(seeds)}.")
         if len(seeds) != len(prompts):
             raise BadRequest(f"{len(prompts)} prompts but {len(seeds)} seeds: give one seed per prompt.")
         with self.lock:
@@ -73,15 +76,26 @@ class GenerationService:
         if not self.max_lora_rank:
             raise BadRequest("This server was started without LoRA: "
                              "restart it with --max-lora-rank R (R >= the adapter's rank).")
+        _check_fields(request, "/adapter", {"version": int, "files": dict})
+        files, run = request["files"], request.get("run")
+        if run is not None and not isinstance(run, str):
+            raise BadRequest(f"/adapter: 'run' must be a string or null, got {_shown(run)}.")
+        for name, content in files.items():
+            if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+                raise BadRequest(f"/adapter: file names must be plain names (adapter_config.json), got {name!r}.")
+            if not isinstance(content, str):
+                raise BadRequest(f"/adapter: files[{name!r}] must be a base64 string, got {_shown(content)}.")
         directory = Path(tempfile.mkdtemp(prefix="grpo_lab_upload_"))
         try:
-            for name, content in request["files"].items():
-                if Path(name).name != name:
-                    raise BadRequest(f"Adapter file names must be plain names, got {name!r}.")
-                (directory / name).write_bytes(base64.b64decode(content))
+            for name, content in files.items():
+                try:
+                    data = base64.b64decode(content, validate=True)
+                except ValueError:
+                    raise BadRequest(f"/adapter: files[{name!r}] is not valid base64.") from None
+                (directory / name).write_bytes(data)
             with self.lock:
-                self.engine.load_adapter(directory, int(request["version"]))
-                self.run = request.get("run")
+                self.engine.load_adapter(directory, request["version"])
+                self.run = run
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return {"version": self.engine.version}
@@ -93,6 +107,39 @@ class GenerationService:
             self.engine.load_weights(load(body).items(), version)
             self.run = run
         return {"version": self.engine.version}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """``value`` for an error message, cut short (a request may carry megabytes)."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_fields(request, endpoint: str, fields: dict[str, type]) -> None:
+    """Refuse a request body that is not an object holding ``fields`` of their types (400, naming the field)."""
+    if not isinstance(request, dict):
+        raise BadRequest(f"{endpoint} takes a JSON object, got {_shown(request)}.")
+    missing = [name for name in fields if name not in request]
+    if missing:
+        raise BadRequest(f"{endpoint} needs {', '.join(map(repr, fields))}; {', '.join(map(repr, missing))} missing.")
+    for name, kind in fields.items():
+        value = request[name]
+        if not isinstance(value, kind) or kind is int and isinstance(value, bool):
+            kind_name = {int: "a whole number", list: "a list", dict: "an object"}[kind]
+            raise BadRequest(f"{endpoint}: {name!r} must be {kind_name}, got {_shown(value)}.")
+
+
+def _weights_query(query: str) -> tuple[int, str | None]:
+    """(version, run) of ``POST /weights?version=N&run=ID``."""
+    values = parse_qs(query)
+    version = values.get("version", ["0"])[0]
+    if not version.isdigit():
+        raise BadRequest(f"/weights: version must be a whole number >= 0, got {version!r}.")
+    return int(version), values.get("run", [None])[0]
 
 
 def make_handler(service: GenerationService):
@@ -108,8 +155,10 @@ def make_handler(service: GenerationService):
         def _serve(self, action) -> None:
             try:
                 self._answer(200, action())
-            except (BadRequest, KeyError, json.JSONDecodeError) as error:
-                self._answer(400, {"error": f"{type(error).__name__}: {error}"})
+            except BadRequest as error:
+                self._answer(400, {"error": str(error)})
+            except json.JSONDecodeError as error:
+                self._answer(400, {"error": f"The request body is not JSON ({error})."})
             except Exception as error:  # the client shows the message; the server keeps serving
                 traceback.print_exc()
                 self._answer(500, {"error": f"{type(error).__name__}: {error}"})
@@ -130,9 +179,7 @@ def make_handler(service: GenerationService):
             elif url.path == "/adapter":
                 self._serve(lambda: service.load_adapter(json.loads(self._body())))
             elif url.path == "/weights":
-                query = parse_qs(url.query)
-                version, run = int(query.get("version", ["0"])[0]), query.get("run", [None])[0]
-                self._serve(lambda: service.load_weights(self._body(), version, run))
+                self._serve(lambda: service.load_weights(self._body(), *_weights_query(url.query)))
             else:
                 self._answer(404, {"error": f"No endpoint POST {url.path}; try /generate, /adapter or /weights."})
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -273,6 +274,44 @@ def test_server_errors_are_reported_with_the_fix(task, server, tmp_path):
     assert isinstance(backend, VLLMServerBackend)
     with pytest.raises(ServerError, match=r"HTTP 400.*one seed per prompt"):
         backend._call("/generate", {"prompt_token_ids": [[5, 6]], "settings": {"max_tokens": 2}, "seeds": []})
+
+
+def _post(port: int, path: str, body: bytes) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read()).get("error", "")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())["error"]
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/generate", b"[1, 2]", "/generate takes a JSON object, got [1, 2]."),
+    ("/generate", b"{not json", "The request body is not JSON"),
+    ("/generate", b'{"prompt_token_ids": [[5]], "settings": {}}', "'seeds' missing"),
+    ("/generate", b'{"prompt_token_ids": "5 6", "settings": {}, "seeds": [1]}',
+     "'prompt_token_ids' must be a list, got \"5 6\"."),
+    ("/generate", b'{"prompt_token_ids": [[5, "x"]], "settings": {}, "seeds": [1]}',
+     "prompt_token_ids[0] must be a non-empty list of token ids in [0, "),
+    ("/generate", b'{"prompt_token_ids": [[5, 99999999]], "settings": {}, "seeds": [1]}',
+     "prompt_token_ids[0] must be a non-empty list of token ids in [0, "),
+    ("/generate", b'{"prompt_token_ids": [[5]], "settings": [], "seeds": [1]}', "'settings' must be an object"),
+    ("/generate", b'{"prompt_token_ids": [[5]], "settings": {}, "seeds": [1.5]}', "seeds must be whole numbers"),
+    ("/adapter", b'{"version": 1, "files": ["adapter_config.json"]}', "'files' must be an object"),
+    ("/adapter", b'{"version": "2", "files": {}}', "'version' must be a whole number, got \"2\"."),
+    ("/adapter", b'{"version": 1, "files": {"..": "e30="}}', "file names must be plain names"),
+    ("/adapter", b'{"version": 1, "files": {"a/../../x": "e30="}}', "file names must be plain names"),
+    ("/adapter", b'{"version": 1, "files": {"adapter_config.json": 7}}', "must be a base64 string, got 7."),
+    ("/adapter", b'{"version": 1, "files": {"adapter_config.json": "not base64!"}}', "is not valid base64"),
+    ("/weights?version=abc", b"", "/weights: version must be a whole number >= 0, got 'abc'."),
+])
+def test_a_bad_request_is_answered_400_naming_the_field_and_the_server_serves_on(server, path, body, message):
+    status, error = _post(server, path, body)
+    assert status == 400 and message in error, error
+    assert "Traceback" not in error
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server}/health", timeout=10).read())
+    assert health["status"] == "ok"
 
 
 def test_transformers_generation_kwargs_fail_at_construction_with_vllms_names(task, tmp_path):
