@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from grpo_lab.rewards.code_sandbox import SandboxResult, run_in_sandbox, split_tests
+from grpo_lab.rewards.code_sandbox import SandboxResult, check_isolation, run_in_sandbox, split_tests
 from grpo_lab.rewards.extraction import completion_text
 
 __all__ = ["code_reward", "python_code"]
@@ -31,14 +31,16 @@ class CodeReward:
     __name__ = "code_reward"
 
     def __init__(self, timeout: float, memory_mb: int, tests_column: str, max_workers: int | None,
-                 max_file_mb: int, network_namespace: bool):
+                 max_file_mb: int, network_namespace: bool, isolation: str):
         if not 0 < timeout < float("inf") or memory_mb < 16 or max_file_mb < 1:  # inf: no deadline to wait for
             raise ValueError(f"need a finite timeout > 0 (seconds), memory_mb >= 16 and max_file_mb >= 1; got "
                              f"timeout={timeout}, memory_mb={memory_mb}, max_file_mb={max_file_mb}")
         if os.name != "posix":
             raise OSError("code_reward needs a POSIX system (resource limits, process groups)")
         self.timeout, self.memory_mb, self.max_file_mb = timeout, memory_mb, max_file_mb
+        check_isolation(isolation, network_namespace)  # now, not at the first reward call
         self.tests_column, self.max_workers, self.network_namespace = tests_column, max_workers, network_namespace
+        self.isolation = isolation
 
     def _run(self, job: tuple[str, list]) -> SandboxResult | None:
         code, statements = job
@@ -46,7 +48,8 @@ class CodeReward:
             return None
         try:
             return run_in_sandbox(code, statements, timeout=self.timeout, memory_mb=self.memory_mb,
-                                  max_file_mb=self.max_file_mb, network_namespace=self.network_namespace)
+                                  max_file_mb=self.max_file_mb, network_namespace=self.network_namespace,
+                                  isolation=self.isolation)
         except Exception as error:  # the sandbox itself failed (no process could start...): 0, and go on
             return SandboxResult(None, notes=[f"{type(error).__name__}: {error}"])
 
@@ -85,7 +88,7 @@ def _shown(result: SandboxResult | None) -> str:
 
 
 def code_reward(timeout: float = 5.0, memory_mb: int = 512, tests_column: str = "tests", max_workers: int | None = None,
-                max_file_mb: int = 16, network_namespace: bool = True) -> CodeReward:
+                max_file_mb: int = 16, network_namespace: bool = True, isolation: str = "os") -> CodeReward:
     """A reward function that runs each completion's Python against its row's tests in a sandboxed
     child process, and returns the share of the tests it passes.
 
@@ -102,11 +105,15 @@ def code_reward(timeout: float = 5.0, memory_mb: int = 512, tests_column: str = 
     The sandbox (``grpo_lab.rewards.code_sandbox``, whose docstring lists what it does and does not
     stop): isolated interpreter in a fresh temporary folder removed afterwards, no inherited
     environment variables, resource limits, Python-level guards against forks, subprocesses,
-    sockets, writes outside the folder and reads of other processes' ``/proc/<pid>/`` files (the
-    trainer's startup environment), network and PID namespaces where ``unshare`` allows them
-    (``network_namespace=False`` uses none), the process group killed at the end. Reads of any
-    other file this user can read are not restricted. It is not a container: for untrusted models,
-    train inside one. Needs a POSIX system.
+    sockets and writes outside the folder, the process group killed at the end; and, with
+    ``isolation="os"`` (the default), the operating system's own isolation, which holds against
+    code that undoes those guards: a root of its own (the folder writable, the system's programs
+    and libraries and the interpreter read-only, nothing else: no home folder, /etc, /tmp or
+    project), mount, network and PID namespaces, every capability dropped, and ``nobody`` as its
+    user when the trainer runs as root (so the process limit binds). Where that cannot run (not
+    Linux, no user namespaces, no ``unshare``/``setpriv``) this refuses at once, naming
+    ``isolation="python"``, which accepts the Python-level guards with the namespaces that work
+    (``network_namespace=False``: none). Needs a POSIX system.
 
     Logs: the column ``tests_passed`` ("3/4", "timeout", "no result", "no tests") and the metrics
     ``code_sandbox/timeouts`` and ``code_sandbox/no_result`` (counts per call).
@@ -114,4 +121,4 @@ def code_reward(timeout: float = 5.0, memory_mb: int = 512, tests_column: str = 
     Source: the execution-based test-pass reward of code RL (e.g. CodeRL, Le et al. 2022,
     arXiv:2207.01780; DeepSeek-R1's rule-based code rewards); grpo_lab's own implementation.
     """
-    return CodeReward(timeout, memory_mb, tests_column, max_workers, max_file_mb, network_namespace)
+    return CodeReward(timeout, memory_mb, tests_column, max_workers, max_file_mb, network_namespace, isolation)

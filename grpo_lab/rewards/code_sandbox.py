@@ -10,12 +10,27 @@ runs the code and each test statement, and reports per-test results in a result 
 prefixed by a random nonce it received on stdin. This process waits at most ``timeout`` seconds
 (wall clock), then kills the child's whole process group, reads the result and removes the folder.
 
-On Linux, where ``unshare`` works without privileges, the child runs in namespaces of its own
-(``network_namespace=True``, the default; the first that works of): a user, network and PID
-namespace with its own ``/proc`` (``unshare --user --net --pid --fork --mount-proc``); else a user
-and network namespace (``unshare --user --net``: where ``/proc`` may not be mounted again, as in
-some containers); else none. ``SandboxResult.notes`` names them ("network namespace",
-"pid namespace"). These hold even against code that gets around the Python-level guards.
+**OS isolation** (``isolation="os"``, the default) is what holds against code written to get out:
+the child runs in mount, network and PID namespaces of its own (and a user namespace when the
+trainer is not root), in a root of its own built on a 1 MB tmpfs, which holds the sandbox folder
+(writable), the system's programs and libraries and the interpreter's installation (bound
+read-only), a ``/proc`` of the PID namespace and the null, zero and random devices: no home
+folder, no ``/etc``, no ``/tmp``, no project, no other process. It runs with every capability
+dropped (``setpriv --bounding-set=-all --no-new-privs``) and, when the trainer is root, as
+``nobody`` (65534), so that ``RLIMIT_NPROC`` binds and no file of root's is writable. Where this
+cannot run (not Linux, no user namespaces for an unprivileged user, no ``unshare``/``setpriv``
+from util-linux), ``run_in_sandbox`` and ``code_reward`` refuse at once, naming the setting that
+accepts the weaker guard, ``isolation="python"``.
+
+With ``isolation="python"`` the child runs in the namespaces that work here without privileges
+(``network_namespace=True``; the first that works of): a user, network and PID namespace with its
+own ``/proc`` (``unshare --user --net --pid --fork --mount-proc``); else a user and network
+namespace (``unshare --user --net``: where ``/proc`` may not be mounted again, as in some
+containers); else none; ``network_namespace=False`` uses none. ``SandboxResult.notes`` names them
+("os isolation", "network namespace", "pid namespace").
+
+The Python-level guards below run under both; under ``isolation="python"`` they are most of the
+protection.
 
 What it protects against (an accident or a careless solution, the usual case in RL on code):
 
@@ -45,18 +60,22 @@ What it protects against (an accident or a careless solution, the usual case in 
 - the network: creating a socket raises; in the network namespace no interface is up;
 - forged results: the result line needs the nonce, which the solution is never given.
 
-What it does NOT protect against: it is not a security boundary like a container or a VM. The
-guards are Python-level replacements that deliberately malicious code can undo (the originals are
-reachable through closures and ``object.__subclasses__()``, C extensions do their own I/O, the
-nonce lies in a caller's frame), after which only the resource limits, the timeout, the process
-group kill and, where available, the namespaces remain. Reads are NOT restricted beyond
-``/proc/<pid>/`` of other processes: the code can read every other file this user can read (a
-token saved in ``~/.cache/huggingface/token``, ``~/.netrc``, SSH keys, ``.env`` files, the
-project), with or without the namespaces. ``RLIMIT_NPROC`` does nothing for root. Without the
-PID namespace, a double-forked process that leaves the process group survives the kill. Solutions
-that game their tests (an object whose ``__eq__`` is always true, redefining a name the tests use)
-pass. For untrusted models or shared machines, run training inside a container or VM without
-credentials, or use a remote sandbox service.
+What remains possible under OS isolation: the solution and the tests run in one process, so
+code that finds the result's nonce in a caller's frame can report tests as passed that failed
+(a forged score, not an escape); so can solutions that game their tests (an object whose
+``__eq__`` is always true, redefining a name the tests use). The child can read what the
+read-only paths hold (the system's and the interpreter's files, which hold no secrets on a usual
+machine: a token kept inside the Python installation would be readable) and use the CPU and
+memory its limits allow. It shares the kernel: a kernel exploit is not stopped (a VM stops that).
+
+Under ``isolation="python"``, also: the guards are Python-level replacements that deliberately
+malicious code can undo (a fresh copy of a built-in module such as ``posix`` holds the original
+functions; the originals are reachable through closures), after which only the resource limits,
+the timeout, the process group kill and, where available, the namespaces remain. Reads are not
+restricted beyond ``/proc/<pid>/`` of other processes: the code can read every other file this
+user can read (a token saved in ``~/.cache/huggingface/token``, ``~/.netrc``, SSH keys, ``.env``
+files, the project). ``RLIMIT_NPROC`` does nothing for root. Without the PID namespace, a
+double-forked process that leaves the process group survives the kill.
 """
 
 from __future__ import annotations
@@ -77,7 +96,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SandboxResult", "network_namespace_available", "pid_namespace_available", "run_in_sandbox", "split_tests"]
+__all__ = ["ISOLATIONS", "SandboxResult", "check_isolation", "network_namespace_available", "os_isolation_problem",
+           "pid_namespace_available", "run_in_sandbox", "split_tests"]
 
 _CHILD = Path(__file__).with_name("code_sandbox_child.py")
 _RESULT = "result"
@@ -179,6 +199,123 @@ def pid_namespace_available() -> bool:
     return "--pid" in _namespace_options()
 
 
+ISOLATIONS = ("os", "python")
+
+UNPRIVILEGED_ID = 65534
+"""The uid and gid (``nobody``) the child runs as when the trainer is root, under OS isolation."""
+
+# Run by ``sh`` as the first process of new mount, network and PID namespaces (and a user namespace
+# where the trainer is not root): builds a root of its own on a small tmpfs, the system's programs
+# and libraries and the interpreter's installation bound read-only, the sandbox folder bound
+# writable, a /proc of the PID namespace (where the kernel allows one) and four device files; then
+# enters it and runs the command there. Arguments: the tmpfs folder, the sandbox folder, then pairs
+# (bind PATH | link PATH), then --, then the command.
+_BUILD_ROOT = r"""
+set -e
+fs=$1; work=$2; shift 2
+mount -t tmpfs -o size=1m,mode=755 grpo_lab_sandbox "$fs"
+while [ "$1" != "--" ]; do
+  if [ "$1" = link ]; then
+    mkdir -p "$fs$(dirname "$2")"; ln -s "$(readlink "$2")" "$fs$2"
+  else
+    mkdir -p "$fs$2"; mount --bind -o ro "$2" "$fs$2"
+  fi
+  shift 2
+done
+shift
+mkdir -p "$fs/dev" "$fs/proc" "$fs$work"
+for device in null zero random urandom; do
+  touch "$fs/dev/$device"; mount --bind "/dev/$device" "$fs/dev/$device"
+done
+mount --bind "$work" "$fs$work"
+mount -t proc proc "$fs/proc" 2>/dev/null || true
+mount -o remount,bind,ro "$fs"
+exec unshare --root="$fs" --wd="$work" "$@"
+"""
+
+
+def _system_paths() -> list[tuple[str, str]]:
+    """What the child sees of this machine under OS isolation, each ("bind", path) (read-only) or
+    ("link", path) (the same symbolic link): the system's programs and libraries, and the
+    interpreter's installation and virtual environment. Not /etc, /home, /root, /tmp, the project."""
+    entries, bound = [], []
+    for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", sys.base_prefix, sys.prefix):
+        if os.path.islink(path) and os.path.dirname(path) == "/":
+            entries.append(("link", path))
+        elif os.path.isdir(path):
+            real = os.path.realpath(path)
+            if not any(real == b or real.startswith(b + os.sep) for b in bound):
+                bound.append(real)
+                entries.append(("bind", real))
+    return entries
+
+
+def _os_isolation_command(root: str, fs: str, command: list[str]) -> list[str]:
+    """``command`` run inside its own root (see ``_BUILD_ROOT``), with every capability dropped and,
+    when the trainer is root, as ``nobody``: nothing outside the folder is writable, nothing but
+    the system's programs and libraries and the interpreter is visible."""
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    namespaces = ["--mount", "--net", "--pid", "--fork", "--kill-child"]
+    drop = ["setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"]
+    if os.geteuid() == 0:
+        drop += [f"--reuid={UNPRIVILEGED_ID}", f"--regid={UNPRIVILEGED_ID}", "--clear-groups"]
+    else:  # an unprivileged user builds the root in a user namespace of its own, where it has the capabilities
+        namespaces = ["--user", "--map-root-user", *namespaces]
+    if unshare is None or setpriv is None:
+        raise OSError("unshare and setpriv (util-linux) are not installed")
+    paths = [part for kind, path in _system_paths() for part in (kind, path)]
+    return [unshare, *namespaces, "/bin/sh", "-c", _BUILD_ROOT, "sh", fs, root, *paths, "--", *drop, *command]
+
+
+@functools.lru_cache(maxsize=1)
+def os_isolation_problem() -> str | None:
+    """Why OS isolation cannot run here (tried once per process), or None where it can."""
+    if not sys.platform.startswith("linux"):
+        return f"it needs Linux's namespaces, and this is {sys.platform}"
+    check = "import os; raise SystemExit(os.path.exists('/etc') or os.path.exists('/home'))"
+    root = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_"))
+    fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_root_"))
+    try:
+        _prepare_folder(root)
+        command = _os_isolation_command(root, fs, [sys.executable, "-I", "-c", check])
+        done = subprocess.run(command, env=_environment(root), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=_PROBE_TIMEOUT)
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    finally:
+        _remove(root)
+        os.rmdir(fs)
+    if done.returncode != 0:
+        said = " ".join((done.stderr or "").split())[-300:]
+        return f"building the sandbox's own root failed ({said or f'exit status {done.returncode}'})"
+    return None
+
+
+def _prepare_folder(root: str) -> None:
+    """Hand the sandbox folder to the user the child runs as (``nobody`` when the trainer is root)."""
+    if os.geteuid() == 0:
+        os.chown(root, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
+
+
+def check_isolation(isolation: str, network_namespace: bool) -> None:
+    """Refuse an isolation that is unknown or cannot run here, naming the setting that accepts less."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {', '.join(map(repr, ISOLATIONS))}, got {isolation!r}.")
+    if isolation == "python":
+        return
+    if not network_namespace:
+        raise ValueError("network_namespace=False takes the namespaces away, which isolation='os' is built on: "
+                         "pass isolation='python' with it.")
+    problem = os_isolation_problem()
+    if problem is not None:
+        raise OSError(
+            f"The code sandbox cannot isolate the code by the operating system here: {problem}. It needs Linux with "
+            "user namespaces (or root), and unshare and setpriv from util-linux. Run training where they are, or "
+            "pass isolation='python' to accept the weaker guards (Python-level, which deliberately malicious code "
+            "can undo; see grpo_lab.rewards.code_sandbox)."
+        )
+
+
 def _limits(timeout: float, memory_mb: int, max_file_mb: int) -> dict[str, int]:
     return {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": memory_mb * 2**20, "RLIMIT_FSIZE": max_file_mb * 2**20,
             "RLIMIT_NPROC": 0, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
@@ -265,28 +402,39 @@ def _run_child(command: list[str], root: str, payload: bytes, timeout: float) ->
 
 
 def run_in_sandbox(code: str, statements: list[tuple[str, bool]], *, timeout: float = 5.0, memory_mb: int = 512,
-                   max_file_mb: int = 16, network_namespace: bool = True) -> SandboxResult:
+                   max_file_mb: int = 16, network_namespace: bool = True, isolation: str = "os") -> SandboxResult:
     """Run ``code``, then ``statements`` (from ``split_tests``), in a sandboxed child process (see
     the module docstring for what that does and does not protect against). Each statement runs on
     its own, so a failing test does not stop the others. Never raises for anything the code does;
-    a run that ends without a valid result has ``passed=None``. ``network_namespace=False`` runs it
-    in no namespace at all (neither the network nor the PID one)."""
+    a run that ends without a valid result has ``passed=None``. ``isolation="os"`` (the default)
+    refuses to run where the operating system cannot isolate the child; ``"python"`` runs it with
+    the Python-level guards and the namespaces that work here, none with ``network_namespace=False``."""
     if os.name != "posix":
         raise OSError("the code sandbox needs a POSIX system (resource limits, process groups)")
+    check_isolation(isolation, network_namespace)
     count = sum(is_test for _, is_test in statements)
     root = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_"))
     nonce = secrets.token_hex(16)
     job = {"nonce": nonce, "code": code, "statements": statements, "result": _RESULT,
            "limits": _limits(timeout, memory_mb, max_file_mb)}
     command = [sys.executable, "-I", "-B", "-c", _child_source()]
-    options = _namespace_options() if network_namespace else ()
-    if options:
-        command = [shutil.which("unshare") or "unshare", *options, *command]
+    fs = None
+    if isolation == "os":
+        fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_root_"))
+        _prepare_folder(root)
+        command, notes = _os_isolation_command(root, fs, command), ["os isolation", "network namespace",
+                                                                      "pid namespace"]
+    else:
+        options = _namespace_options() if network_namespace else ()
+        if options:
+            command = [shutil.which("unshare") or "unshare", *options, *command]
+        notes = (["network namespace"] if options else []) + (["pid namespace"] if "--pid" in options else [])
     start = time.monotonic()
     try:
         exited = _run_child(command, root, json.dumps(job).encode(), timeout)
         passed = _read_result(root, nonce, count) if exited else None
     finally:
         _remove(root)
-    notes = (["network namespace"] if options else []) + (["pid namespace"] if "--pid" in options else [])
+        if fs is not None:
+            os.rmdir(fs)  # the tmpfs was mounted in the child's namespace alone: here it is an empty folder
     return SandboxResult(passed, timed_out=not exited, seconds=time.monotonic() - start, notes=notes)

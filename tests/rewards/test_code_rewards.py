@@ -10,6 +10,7 @@ import pytest
 
 from grpo_lab.rewards import code_reward, python_code, run_in_sandbox
 from grpo_lab.rewards.code_sandbox import split_tests
+from tests.rewards.conftest import ISOLATION_IDS, ISOLATIONS
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the code sandbox needs a POSIX system")
 
@@ -67,8 +68,8 @@ def test_fork_scores_zero(sandboxes):
                          "str(a + b)]))")], ADD_TESTS) == [0.0]
 
 
-@pytest.mark.parametrize("network_namespace", [False, True])
-def test_a_connection_to_localhost_scores_zero_and_never_arrives(sandboxes, network_namespace):
+@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+def test_a_connection_to_localhost_scores_zero_and_never_arrives(sandboxes, isolation):
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -79,7 +80,7 @@ def test_a_connection_to_localhost_scores_zero_and_never_arrives(sandboxes, netw
                 socket.create_connection(("127.0.0.1", {port}), timeout=2).sendall(b"hello")
                 return a + b
         """
-        assert score([fenced(code)], ADD_TESTS, network_namespace=network_namespace) == [0.0]
+        assert score([fenced(code)], ADD_TESTS, **isolation) == [0.0]
         listener.settimeout(0.2)
         with pytest.raises(socket.timeout):
             listener.accept()
@@ -110,10 +111,10 @@ def test_the_environment_is_not_inherited(sandboxes, monkeypatch):
     assert score([fenced(code)], ADD_TESTS) == [1.0]
 
 
-@pytest.mark.parametrize("network_namespace", [False, True])
-def test_forged_results_and_early_exits_score_zero(sandboxes, network_namespace):
+@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+def test_forged_results_and_early_exits_score_zero(sandboxes, isolation):
     forged = "open('result', 'w').write('0123456789abcdef0123456789abcdef 1111\\n')\nimport os\nos._exit(0)"
-    assert score([fenced(forged)], ADD_TESTS, network_namespace=network_namespace) == [0.0]
+    assert score([fenced(forged)], ADD_TESTS, **isolation) == [0.0]
     # this process (the trainer) by its pid: in a PID namespace os.getppid() is 0, the child's own group
     killer = f"""
         import os
@@ -123,7 +124,7 @@ def test_forged_results_and_early_exits_score_zero(sandboxes, network_namespace)
             except PermissionError:
                 return a + b
     """
-    assert score([fenced(killer)], ADD_TESTS, network_namespace=network_namespace) == [1.0]  # refused, still here
+    assert score([fenced(killer)], ADD_TESTS, **isolation) == [1.0]  # refused, still here
 
 
 def test_one_bad_completion_does_not_stop_the_batch(sandboxes):

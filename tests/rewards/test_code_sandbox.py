@@ -14,6 +14,7 @@ import pytest
 
 from grpo_lab.rewards import code_sandbox, run_in_sandbox
 from grpo_lab.rewards.code_sandbox import split_tests
+from tests.rewards.conftest import ISOLATION_IDS, ISOLATIONS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guards read Linux's /proc")
 
@@ -40,19 +41,20 @@ def passed(code: str, tests: list[str], **options) -> list[bool] | None:
     return run_in_sandbox(code, split_tests(tests), **options).passed
 
 
-@pytest.mark.parametrize("network_namespace", [False, True])
-def test_io_level_openers_cannot_write_outside(sandboxes, tmp_path, network_namespace):
+@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+def test_io_level_openers_cannot_write_outside(sandboxes, tmp_path, isolation):
     target = tmp_path / "escaped.txt"
     code = REFUSED + f"import _io, io\nTARGET = {str(target)!r}\n"
     tests = ["assert refused(_io.FileIO, TARGET, 'w')", "assert refused(_io.FileIO, TARGET, 'a')",
              "assert refused(_io.open, TARGET, 'w')", "assert refused(io.FileIO, TARGET, 'x')",
              "assert refused(_io.FileIO, TARGET, 'r+')",
              "_io.FileIO('inside.txt', 'w').write(b'x')"]  # its own folder: allowed
-    assert passed(code, tests, network_namespace=network_namespace) == [True] * len(tests)
+    assert passed(code, tests, **isolation) == [True] * len(tests)
     assert not target.exists()
 
 
 def test_descriptor_calls_cannot_change_files_outside(sandboxes, tmp_path):
+    """The Python-level guards on descriptors (under OS isolation the file is not even there)."""
     target = tmp_path / "outside.txt"
     target.write_text("keep")
     target.chmod(0o644)
@@ -69,7 +71,7 @@ def test_descriptor_calls_cannot_change_files_outside(sandboxes, tmp_path):
              "assert refused(os.chmod, os.devnull, 0o666)",  # opened for writing, never changed
              "assert not refused(os.fchmod, mine, 0o600)", "assert not refused(os.ftruncate, mine, 4)",
              "assert not refused(os.utime, mine, (0, 0))", "assert os.stat('mine.txt').st_size == 4"]
-    assert passed(code, tests) == [True] * len(tests)
+    assert passed(code, tests, isolation="python") == [True] * len(tests)
     after = target.stat()
     assert (after.st_mode, after.st_mtime_ns, after.st_size) == (before.st_mode, before.st_mtime_ns, before.st_size)
 
@@ -129,13 +131,15 @@ code, statements, namespace, options = json.loads(sys.argv[1])
 if options is not None:  # as where only these namespaces work
     sandbox._namespace_options = lambda: tuple(options)
 code = code.replace("TRAINER_PID", str(os.getpid()))
-result = sandbox.run_in_sandbox(code, [tuple(s) for s in statements], network_namespace=namespace)
+isolation = "os" if namespace == "os" else "python"
+result = sandbox.run_in_sandbox(code, [tuple(s) for s in statements], network_namespace=namespace is not False,
+                                isolation=isolation)
 print(json.dumps([result.passed, result.notes]))
 """
 
 
-@pytest.mark.parametrize("namespace, options", [(False, None), (True, None), (True, ["--user", "--net"])],
-                         ids=["no namespace", "best namespaces", "network namespace only"])
+@pytest.mark.parametrize("namespace, options", [(False, None), (True, None), (True, ["--user", "--net"]), ("os", None)],
+                         ids=["no namespace", "best namespaces", "network namespace only", "os isolation"])
 def test_the_trainers_environment_cannot_be_read_through_proc(tmp_path, monkeypatch, namespace, options):
     if options and not code_sandbox.network_namespace_available():
         pytest.skip("unshare --user --net does not work here")
@@ -151,13 +155,13 @@ def test_the_trainers_environment_cannot_be_read_through_proc(tmp_path, monkeypa
                           text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     results, notes = json.loads(done.stdout)
-    hidden = namespace and options is None and code_sandbox.pid_namespace_available()
+    hidden = namespace == "os" or namespace and options is None and code_sandbox.pid_namespace_available()
     assert results == [True, True, hidden]
-    assert ("pid namespace" in notes) == hidden
+    assert ("pid namespace" in notes) == hidden and ("os isolation" in notes) == (namespace == "os")
 
 
-@pytest.mark.parametrize("network_namespace", [False, True])
-def test_the_folder_itself_cannot_be_locked(sandboxes, network_namespace):
+@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+def test_the_folder_itself_cannot_be_locked(sandboxes, isolation):
     code = REFUSED + textwrap.dedent("""
         for name in ("a", "b", "c"):
             open(name, "w").write("x")
@@ -168,7 +172,7 @@ def test_the_folder_itself_cannot_be_locked(sandboxes, network_namespace):
     tests = ["assert refused(os.chmod, '.', 0)", "assert refused(os.chmod, os.getcwd(), 0o500)",
              "assert refused(os.fchmod, os.open('.', os.O_RDONLY), 0)", "assert refused(os.chmod, 'sub/..', 0)",
              "assert refused(os.chown, '.', os.getuid(), -1)", "open('e', 'w').write('x')"]
-    assert passed(code, tests, network_namespace=network_namespace) == [True] * len(tests)
+    assert passed(code, tests, **isolation) == [True] * len(tests)
 
 
 REMOVE = LOAD_SANDBOX + """
