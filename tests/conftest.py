@@ -217,3 +217,27 @@ def pause_at(session, event: str, global_step: int):
 
     session.on(pause)
     return paused, resume
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch):
+    """wandb logging to local files only, its process-wide state torn down afterwards (flushing its
+    files) so that no test sees another's."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield wandb
+    wandb.teardown()
+
+
+@pytest.fixture
+def mlflow_store(monkeypatch, tmp_path):
+    """MLflow logging to a local file store (mlflow-skinny has no database store), its client."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    yield mlflow.MlflowClient()
+    while mlflow.active_run() is not None:
+        mlflow.end_run()

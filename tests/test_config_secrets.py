@@ -35,19 +35,29 @@ def test_credentials_are_left_out_by_name_and_by_form_and_the_rest_is_kept():
     assert without_secrets({"model_init_kwargs": {"token": True, "api_key": "EMPTY"}})[1] == []
 
 
-def test_a_token_in_model_init_kwargs_reaches_no_file_and_a_loaded_run_needs_it_again(task, tmp_path):
+def test_a_token_in_model_init_kwargs_reaches_no_file_and_a_loaded_run_needs_it_again(
+        task, tmp_path, offline_wandb, mlflow_store):
     args = task.config(**{**SMALL, "output_dir": str(tmp_path / "run"), "max_steps": 2, "save_steps": 1,
-                          "model_init_kwargs": {"token": TOKEN, "dtype": "float32"}})
+                          "model_init_kwargs": {"token": TOKEN, "dtype": "float32"}, "log_completions": True,
+                          "report_to": ["wandb", "mlflow", "tensorboard"]})
     trainer = GRPOTrainer(task.model, task.reward_funcs, args=args, train_dataset=task.train_dataset)
     with pytest.warns(UserWarning, match=r"model_init_kwargs\['token'\] holds a credential.*HF_TOKEN"):
         trainer.train()
     trainer.save_model(tmp_path / "run" / "final")
     trainer.session.save(tmp_path / "notebook")
+    with pytest.warns(UserWarning, match="train.py holds no secrets"):
+        trainer.session.export_script(tmp_path / "export" / "train.py")
     assert trainer.args.model_init_kwargs["token"] == TOKEN  # the run keeps what it was given
-    assert (tmp_path / "run" / "checkpoint-2" / "config.yaml").exists()
-    assert (tmp_path / "run" / "final" / "training_args.bin").exists()
-    assert _files_holding(tmp_path, TOKEN) == [] and _files_holding(tmp_path, TOKEN[3:]) == []
     trainer.close()
+    offline_wandb.teardown()  # its files flushed
+    # every file the run wrote: checkpoints, the saved model, the session save, the export and its data,
+    # and the trackers' own files (wandb offline, the MLflow file store, TensorBoard's events)
+    for written in ("run/checkpoint-2/config.yaml", "run/final/training_args.bin", "export/train.py",
+                    "export/train.data/train", "mlruns"):
+        assert (tmp_path / written).exists(), written
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert list((tmp_path / "run" / "runs").rglob("events.out.tfevents.*"))
+    assert _files_holding(tmp_path, TOKEN) == [] and _files_holding(tmp_path, TOKEN[3:]) == []
     loaded = GRPOSession.load(tmp_path / "notebook", reward_funcs=task.reward_funcs)
     assert loaded.config.model_init_kwargs == {"dtype": "float32"}
     args.max_steps = 3

@@ -146,18 +146,6 @@ def _wandb_history_and_config(run_file) -> tuple[dict, dict]:
     return history, config
 
 
-@pytest.fixture
-def offline_wandb(monkeypatch):
-    """wandb logging to local files only, its process-wide state torn down afterwards (flushing its
-    files) so that no test sees another's."""
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    yield wandb
-    wandb.teardown()
-
-
 def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, offline_wandb):
     trainer = _trainer(task, tmp_path, max_steps=2, report_to="wandb", log_completions=True, num_completions_to_print=3)
     trainer.train()
@@ -217,18 +205,6 @@ def test_trackio_receives_the_metrics_jsonl_values_the_config_and_the_printed_co
         assert [r["completion"] for r in table] == log[log["step"] == step].head(3)["completion"].tolist()
     config = SQLiteStorage.get_run_config(project, "first")
     assert config["learning_rate"] == 1e-3 and config["max_steps"] == 2
-
-
-@pytest.fixture
-def mlflow_store(monkeypatch, tmp_path):
-    """MLflow logging to a local file store (mlflow-skinny has no database store), its client."""
-    import mlflow
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    yield mlflow.MlflowClient()
-    while mlflow.active_run() is not None:
-        mlflow.end_run()
 
 
 def test_mlflow_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, mlflow_store):
