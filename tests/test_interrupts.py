@@ -350,6 +350,32 @@ def test_ctrl_c_anywhere_in_fork_leaves_the_session_continuing_bitwise(make_sess
     _interrupted_everywhere(prepare, lambda session: session.fork("other", learning_rate=1e-3), check)
 
 
+def _after_one_step(make_session):
+    session = make_session(num_iterations=2)
+    session.step()
+    return session
+
+
+def _continues_bitwise(reference):
+    def check(session, raised):  # the batch of step 1 is used once more (num_iterations=2): loss() is next
+        assert session.global_step == 1 and len(session.history) == 1 and session.next_stage == "loss"
+        finish(session, STEPS)
+        _assert_same(session, reference)
+
+    return check
+
+
+def test_ctrl_c_anywhere_in_the_doctors_probe_leaves_the_session_continuing_bitwise(make_session, reference):
+    _interrupted_everywhere(lambda: _after_one_step(make_session), lambda session: session.doctor(),
+                            _continues_bitwise(reference))
+
+
+def test_ctrl_c_anywhere_in_try_rewards_leaves_the_session_continuing_bitwise(make_session, reference, task):
+    _interrupted_everywhere(lambda: _after_one_step(make_session),
+                            lambda session: session.try_rewards(task.reward_funcs, on="history"),
+                            _continues_bitwise(reference))
+
+
 def test_a_second_ctrl_c_inside_the_optimizer_step_is_named_and_undo_repairs_it(make_session, reference):
     session = make_session(num_iterations=2)
     session.step()
