@@ -355,3 +355,17 @@ def test_a_save_on_a_full_disk_names_the_disk_and_the_fix_and_keeps_the_earlier_
     assert "the files written there are incomplete. Free space on that disk" in model
     assert entries == "entries: ['ballast', 'model', 'save']"  # no partial copy of the save left behind
     assert loaded == "loaded step: 1"  # the earlier save is whole
+
+
+def test_a_save_over_the_working_directory_or_a_folder_above_it_is_refused(make_session, tmp_path, monkeypatch):
+    session = make_session()
+    session.save(tmp_path / "save")
+    monkeypatch.chdir(tmp_path / "save")
+    for target in (".", tmp_path / "save"):
+        with pytest.raises(ValueError, match=r"it is this process's working directory \(or a folder above it\)"):
+            session.save(target)
+    (tmp_path / "save" / "notes").mkdir()
+    monkeypatch.chdir(tmp_path / "save" / "notes")
+    with pytest.raises(ValueError, match=r"working directory \(or a folder above it\)"):
+        session.save("..", overwrite=True)
+    assert (tmp_path / "save" / "COMPLETE").exists() and (tmp_path / "save" / "notes").is_dir()

@@ -538,7 +538,7 @@ def test_session_export_writes_no_secret_and_its_script_reads_them_from_the_envi
     assert "config model_init_kwargs['token']: from $HF_TOKEN" in message
     assert "api_key in tokenizer/tokenizer_config.json: left out" in message
     assert "SIGNING_KEY (a global that judged_reward uses): from $SIGNING_KEY" in message
-    assert "column 'api_key' of the train dataset (row 0 first): left out of its copy" in message
+    assert "column 'api_key' of the train dataset (row 0 first): left out of its copy (a reward function" in message
     assert "Set HF_TOKEN, OPENAI_API_KEY, SIGNING_KEY in the environment where the script runs." in message
     written = _files_under(tmp_path / "export")
     assert script in written and any(p.name == "tokenizer_config.json" for p in written)

@@ -376,7 +376,7 @@ def test_ctrl_c_anywhere_in_try_rewards_leaves_the_session_continuing_bitwise(ma
                             _continues_bitwise(reference))
 
 
-def test_a_second_ctrl_c_inside_the_optimizer_step_is_named_and_undo_repairs_it(make_session, reference):
+def test_a_second_ctrl_c_inside_the_optimizer_step_is_named_and_undo_repairs_it(make_session, reference, tmp_path):
     session = make_session(num_iterations=2)
     session.step()
     while session.next_stage != "update":
@@ -385,9 +385,14 @@ def test_a_second_ctrl_c_inside_the_optimizer_step_is_named_and_undo_repairs_it(
     with twice.mode(), pytest.raises(KeyboardInterrupt):
         session.update()
     assert twice.sent
-    with pytest.raises(RuntimeError, match=r"A second Ctrl-C stopped the optimizer step at step 1 midway.*"
-                                           r"session.undo\(1\)"):
+    torn = r"cannot run now: a second Ctrl-C stopped the optimizer step \(the step counter at [12]\) midway.*"
+    with pytest.raises(RuntimeError, match=r"^update\(\) " + torn + r"session.undo\(n\) back to an undo point"):
         session.step()
+    for call, attempt in (("save", lambda: session.save(tmp_path / "torn")), ("fork", session.fork),
+                          ("what_if", lambda: session.what_if(epsilon=[0.1]))):  # none carries the torn state on
+        with pytest.raises(RuntimeError, match=rf"^{call}\(\) " + torn):
+            attempt()
+    assert not (tmp_path / "torn").exists() and session.branches == []
     assert session.undo(1) == 1
     finish(session, STEPS)
     _assert_same(session, reference)

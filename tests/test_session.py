@@ -413,3 +413,22 @@ def test_pad_to_multiple_of_pads_the_batch_and_leaves_the_results(make_session):
     for row, again in zip(rows, [padded.update(), padded.step()], strict=True):  # same completions; rounding aside
         assert {k: v for k, v in again.items() if k != "step_time"} == pytest.approx(
             {k: v for k, v in row.items() if k != "step_time"}, rel=1e-5, abs=1e-7)
+
+
+def test_step_time_counts_the_stages_and_not_the_time_between_them(make_session):
+    import time
+
+    session = make_session(num_iterations=2)
+    started = time.perf_counter()
+    session.generate()
+    time.sleep(0.3)  # a person reading the completions
+    session.score(), session.advantages()
+    time.sleep(0.3)
+    session.loss()
+    first = session.update()
+    time.sleep(0.3)  # between steps: counts for neither
+    session.loss()
+    second = session.update()  # the batch used again: loss and update are the step
+    wall = time.perf_counter() - started
+    assert first["step_time"] > 0 and second["step_time"] > 0
+    assert first["step_time"] + second["step_time"] <= wall - 0.9  # the three pauses are in no step

@@ -92,6 +92,32 @@ def test_a_kernel_interrupt_while_it_awaits_stops_the_worker_at_the_next_stage_b
     assert session.activity is None
 
 
+def test_one_kernel_interrupt_stops_every_arun_a_cell_awaits_and_the_handler_is_put_back(make_session):
+    import os
+    import signal
+
+    first, second = make_session(), make_session()  # one process: their stages take turns
+    paused, resume = pause_at(first, "score", global_step=1)
+
+    async def scenario():
+        runs = asyncio.gather(first.arun(5, progress=False), second.arun(5, progress=False))
+        while not paused.is_set():
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(0.05)
+        resume.set()
+        return await runs
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ran_first, ran_second = asyncio.run(scenario())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(ran_first["step"]) == [1] and first.next_stage == "advantages"
+    assert len(ran_second) < 5 and second.global_step < 5  # stopped too, at its next stage boundary
+
+
 @pytest.mark.parametrize("n", [-1, 1.5, True])
 def test_arun_refuses_a_step_count_that_is_not_a_whole_number(make_session, n):
     with pytest.raises(ValueError, match=r"arun\(n\) takes a whole number of optimizer steps >= 0"):

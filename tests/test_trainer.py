@@ -397,14 +397,23 @@ def test_a_resumed_run_logs_the_steps_after_its_checkpoint_once(task, tmp_path):
     # what a run stopped after logging step 3, before checkpointing it, does
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _trainer(task, tmp_path, max_steps=3, save_steps=2, report_to="tensorboard").train()
+    import pandas as pd
+
+    logging = {"report_to": "tensorboard", "log_completions": True, "num_completions_to_print": 0}
+    _trainer(task, tmp_path, max_steps=3, save_steps=2, **logging).train()
     rows = lambda: [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     first = rows()
+    step_3 = pd.read_parquet(tmp_path / "completions" / "completions_00003.parquet")
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 4, "loss": 0.')  # a line the stop cut short
-    with pytest.warns(UserWarning, match=r"held 2 row\(s\) logged after step 2, the step this run resumes from"):
-        _trainer(task, tmp_path, max_steps=3, save_steps=2, report_to="tensorboard").train(
+    logged_after = r"held 2 row\(s\) logged after step 2, the step this run resumes from"
+    with pytest.warns(UserWarning, match=logged_after) as caught:
+        _trainer(task, tmp_path, max_steps=3, save_steps=2, **logging).train(
             resume_from_checkpoint=tmp_path / "checkpoint-2")
+    assert any("held the completions of 1 step(s) logged after step 2" in str(w.message) for w in caught)
+    assert sorted(p.name for p in (tmp_path / "completions").iterdir()) == [
+        f"completions_0000{step}.parquet" for step in (1, 2, 3)]
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "completions" / "completions_00003.parquet"), step_3)
     again = rows()
     assert [row["step"] for row in again] == [1, 2, 3]
     without_time = lambda row: {name: value for name, value in row.items() if name != "step_time"}  # noqa: E731

@@ -13,6 +13,7 @@ from grpo_lab.session.reward_trial import (
     batch_advantages,
     correlations,
     disagreements,
+    in_a_discordant_pair,
     groups_with_signal_N,
     signal_values_B,
 )
@@ -42,6 +43,16 @@ def test_rank_differences_by_hand():
     # a None (NaN) reward is left out: of the three rows left, [0, 1, 2] vs [1, 0.5, 0] ranked as [1, 0.5, 0]
     positions, difference = disagreements(np.array([1.0, np.nan, 0.5, 0.0]), np.array([0.0, 5.0, 1.0, 2.0]), k=1)
     assert positions.tolist() == [0] and difference.tolist() == [1.0]
+    # ties: scaled ranks current [1/3, 1/3, 1/3, 1], new [1/6, 1/6, 5/6, 5/6] differ everywhere, but the new
+    # reward only breaks current's tie (rows 0-2): no pair is ordered oppositely, so no disagreement
+    positions, difference = disagreements(np.array([0.0, 0.0, 1.0, 1.0]), np.array([0.0, 0.0, 0.0, 1.0]), k=5)
+    assert positions.tolist() == [] and difference.tolist() == []
+    # rows 2 and 3 swap (new 1 > 0.5, current 0 < 1); rows 0 and 1, both 0 under both, are in no such pair
+    new, current = np.array([0.0, 0.0, 1.0, 0.5]), np.array([0.0, 0.0, 0.0, 1.0])
+    assert in_a_discordant_pair(new, current).tolist() == [False, False, True, True]
+    # scaled ranks: new [1/6, 1/6, 1, 2/3], current [1/3, 1/3, 1/3, 1]
+    positions, difference = disagreements(new, current, k=5)
+    assert positions.tolist() == [2, 3] and difference == pytest.approx([2 / 3, -1 / 3])
 
 
 def test_correlations_by_hand():

@@ -170,7 +170,7 @@ class Engine:
         """Note that a second Ctrl-C stopped ``what`` (an optimizer step, a state being put back) midway,
         leaving weights, optimizer, schedule and counters that may disagree. A session refuses to run a
         stage while ``torn`` is set; loading a whole state (undo, load_state_dict) clears it."""
-        self.torn = f"{what} at step {self.global_step}"
+        self.torn = f"{what} (the step counter at {self.global_step})"
 
     # ------------------------------------------------------------------ bookkeeping
     def total_steps(self) -> int:

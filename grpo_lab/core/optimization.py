@@ -96,7 +96,7 @@ def check_schedule_kwargs(scheduler_type, kwargs: dict) -> None:
         offered = f"the arguments it takes are {', '.join(takes)}" if takes else "it takes no arguments of its own"
         raise ValueError(
             f"lr_scheduler_kwargs={kwargs!r}: the {SchedulerType(scheduler_type).value!r} schedule takes no "
-            f"{', '.join(map(repr, unknown))}; {offered}. Remove the others, or pick the lr_scheduler_type they "
+            f"{', '.join(map(repr, unknown))}; {offered}. Remove them, or pick the lr_scheduler_type they "
             "belong to."
         )
 

@@ -33,12 +33,19 @@ def save_session_data(engine, data_dir: Path, secrets: Secrets) -> None:
 def _without_secrets(dataset, split: str, secrets: Secrets):
     """``dataset`` without its columns that hold a credential in any row (judged by the column's name
     and the value's form, as config values are), each named in ``secrets``' warning. The prompt
-    column is what the script trains on: one that holds a credential is refused."""
-    leaking = {}
-    for column in dataset.column_names:
-        row = next((i for i, value in enumerate(dataset[column]) if contains_secret(value, column)), None)
-        if row is not None:
-            leaking[column] = row
+    column is what the script trains on: one that holds a credential is refused. Only columns that
+    hold text are read (images, audio and arrays are not decoded), a thousand rows at a time."""
+    text_columns = [name for name, feature in dataset.features.items() if _holds_text(feature)]
+    leaking: dict[str, int] = {}
+    if text_columns:
+        start = 0
+        for batch in dataset.select_columns(text_columns).iter(batch_size=1000):
+            for column in text_columns:
+                if column not in leaking:
+                    row = next((i for i, value in enumerate(batch[column]) if contains_secret(value, column)), None)
+                    if row is not None:
+                        leaking[column] = start + row
+            start += len(batch[text_columns[0]])
     if "prompt" in leaking:
         raise ExportError(
             f"Row {leaking['prompt']} of the {split} dataset's prompt column holds what looks like a credential, "
@@ -46,5 +53,20 @@ def _without_secrets(dataset, split: str, secrets: Secrets):
             "session on that dataset, and export again."
         )
     for column, row in leaking.items():
-        secrets.found.append((f"column {column!r} of the {split} dataset (row {row} first)", "left out of its copy"))
+        secrets.found.append((f"column {column!r} of the {split} dataset (row {row} first)",
+                              "left out of its copy (a reward function that reads it must get it another way)"))
     return dataset.remove_columns(list(leaking)) if leaking else dataset
+
+
+def _holds_text(feature) -> bool:
+    """Whether a ``datasets`` feature is, or holds, strings (a chat's messages included)."""
+    from datasets import Value
+
+    if isinstance(feature, Value):
+        return feature.dtype in ("string", "large_string")
+    if isinstance(feature, dict):
+        return any(_holds_text(inner) for inner in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_holds_text(inner) for inner in feature)
+    inner = getattr(feature, "feature", None)  # Sequence, List, LargeList
+    return inner is not None and _holds_text(inner)

@@ -60,7 +60,8 @@ def export_session(session, path: str | Path) -> Path:
 
 def _save_data_or_nothing(engine, data_dir: Path, secrets: Secrets) -> None:
     """``save_session_data``; where it fails (a refused prompt column, a full disk) a ``data_dir`` that
-    it created is removed again, so that no half-written copy is left (one there before is kept)."""
+    it created is removed again, so that no half-written copy is left (one that was there before is
+    left as the failed write leaves it: export again)."""
     import shutil
 
     created = not data_dir.exists()

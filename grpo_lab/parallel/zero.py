@@ -46,8 +46,8 @@ def fill_config(plugin, config) -> None:
             kind = "a whole number" if whole else "a number (0 for no clipping)"
             raise ValueError(
                 f"The DeepSpeed config sets {key}={value!r} ({type(value).__name__}); it takes \"auto\" or {kind}. "
-                f"Set it to \"auto\" (grpo_lab fills in {wanted[key]!r} from its config), or write the number "
-                "without quotes."
+                f"Set it to \"auto\" (grpo_lab fills in {wanted[key]!r} from its config), or write {kind} there, "
+                "unquoted."
             )
         if float(value) != float(wanted[key]):
             source = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",

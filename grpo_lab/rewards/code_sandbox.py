@@ -11,11 +11,13 @@ prefixed by a random nonce it received on stdin. This process waits at most ``ti
 (wall clock), then kills the child's whole process group, reads the result and removes the folder.
 
 **OS isolation** (``isolation="os"``, the default) is what holds against code written to get out:
-the child runs in mount, network and PID namespaces of its own (and a user namespace when the
-trainer is not root), in a root of its own built on a 1 MB tmpfs, which holds the sandbox folder
-(writable), the system's programs and libraries and the interpreter's installation (bound
-read-only), a ``/proc`` of the PID namespace and the null, zero and random devices: no home
-folder, no ``/etc``, no ``/tmp``, no project, no other process. It runs with every capability
+the child runs in mount, network, PID, IPC and UTS namespaces of its own (and a user namespace
+when the trainer is not root), in a root of its own built on a 1 MB read-only tmpfs, which holds
+the sandbox folder (a tmpfs of its own, ``4 * max_file_mb`` MB: the limit of all it writes, whose
+one link to this machine is the result file bound into it), the system's programs and libraries
+and the interpreter's installation (bound read-only), a ``/proc`` of the PID namespace and the
+null, zero and random devices: no home folder, no ``/etc``, no ``/tmp``, no project, no other
+process, no shared memory or message queue of the machine's. It runs with every capability
 dropped (``setpriv --bounding-set=-all --no-new-privs``) and, when the trainer is root, as
 ``nobody`` (65534), so that ``RLIMIT_NPROC`` binds and no file of root's is writable. Where this
 cannot run (not Linux, no user namespaces for an unprivileged user, no ``unshare``/``setpriv``
@@ -67,6 +69,8 @@ code that finds the result's nonce in a caller's frame can report tests as passe
 read-only paths hold (the system's and the interpreter's files, which hold no secrets on a usual
 machine: a token kept inside the Python installation would be readable) and use the CPU and
 memory its limits allow. It shares the kernel: a kernel exploit is not stopped (a VM stops that).
+It keeps the session keyring of the process that started training: keys held there (a training
+job rarely holds any) can be read through the ``keyctl`` system call.
 
 Under ``isolation="python"``, also: the guards are Python-level replacements that deliberately
 malicious code can undo (a fresh copy of a built-in module such as ``posix`` holds the original
@@ -88,6 +92,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -204,33 +209,38 @@ ISOLATIONS = ("os", "python")
 UNPRIVILEGED_ID = 65534
 """The uid and gid (``nobody``) the child runs as when the trainer is root, under OS isolation."""
 
-# Run by ``sh`` as the first process of new mount, network and PID namespaces (and a user namespace
-# where the trainer is not root): builds a root of its own on a small tmpfs, the system's programs
-# and libraries and the interpreter's installation bound read-only, the sandbox folder bound
-# writable, a /proc of the PID namespace (where the kernel allows one) and four device files; then
-# enters it and runs the command there. Arguments: the tmpfs folder, the sandbox folder, then pairs
-# (bind PATH | link PATH), then --, then the command.
+# Run by ``sh`` as the first process of new mount, network, PID, IPC and UTS namespaces (and a user
+# namespace where the trainer is not root): builds a root of its own on a small tmpfs, the system's
+# programs and libraries and the interpreter's installation bound read-only, the sandbox folder a
+# tmpfs of its own (its size the limit of all the code writes) whose one link to the machine is the
+# result file bound into it, a /proc of the PID namespace (where the kernel allows one) and four
+# device files; then enters it and runs the command there. Arguments: the mount and unshare
+# programs, the root's folder, the sandbox folder, its size in MB, the owner options of its tmpfs,
+# then pairs (bind PATH | link PATH), then --, then the command.
 _BUILD_ROOT = r"""
 set -e
-fs=$1; work=$2; shift 2
-mount -t tmpfs -o size=1m,mode=755 grpo_lab_sandbox "$fs"
+umask 022
+mount=$1; unshare=$2; fs=$3; work=$4; size=$5; owner=$6; shift 6
+"$mount" -t tmpfs -o size=1m,mode=755 grpo_lab_sandbox "$fs"
 while [ "$1" != "--" ]; do
   if [ "$1" = link ]; then
     mkdir -p "$fs$(dirname "$2")"; ln -s "$(readlink "$2")" "$fs$2"
   else
-    mkdir -p "$fs$2"; mount --bind -o ro "$2" "$fs$2"
+    mkdir -p "$fs$2"; "$mount" --bind -o ro "$2" "$fs$2"
   fi
   shift 2
 done
 shift
 mkdir -p "$fs/dev" "$fs/proc" "$fs$work"
 for device in null zero random urandom; do
-  touch "$fs/dev/$device"; mount --bind "/dev/$device" "$fs/dev/$device"
+  touch "$fs/dev/$device"; "$mount" --bind "/dev/$device" "$fs/dev/$device"
 done
-mount --bind "$work" "$fs$work"
-mount -t proc proc "$fs/proc" 2>/dev/null || true
-mount -o remount,bind,ro "$fs"
-exec unshare --root="$fs" --wd="$work" "$@"
+"$mount" -t tmpfs -o "size=${size}m,mode=700$owner" grpo_lab_sandbox_folder "$fs$work"
+touch "$fs$work/result"
+"$mount" --bind "$work/result" "$fs$work/result"
+"$mount" -t proc proc "$fs/proc" 2>/dev/null || true
+"$mount" -o remount,bind,ro "$fs"
+exec "$unshare" --root="$fs" --wd="$work" "$@"
 """
 
 
@@ -250,51 +260,89 @@ def _system_paths() -> list[tuple[str, str]]:
     return entries
 
 
-def _os_isolation_command(root: str, fs: str, command: list[str]) -> list[str]:
-    """``command`` run inside its own root (see ``_BUILD_ROOT``), with every capability dropped and,
-    when the trainer is root, as ``nobody``: nothing outside the folder is writable, nothing but
-    the system's programs and libraries and the interpreter is visible."""
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    namespaces = ["--mount", "--net", "--pid", "--fork", "--kill-child"]
-    drop = ["setpriv", "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"]
+def _os_isolation_command(root: str, fs: str, command: list[str], folder_mb: int) -> list[str]:
+    """``command`` run inside its own root (see ``_BUILD_ROOT``) with a sandbox folder of
+    ``folder_mb``, every capability dropped and, when the trainer is root, as ``nobody``: nothing
+    outside the folder is writable, nothing but the system's programs and libraries and the
+    interpreter is visible."""
+    programs = {name: shutil.which(name) for name in ("unshare", "setpriv", "mount")}
+    missing = [name for name, path in programs.items() if path is None]
+    if missing:
+        raise OSError(f"{' and '.join(missing)} (util-linux) not installed")
+    namespaces = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    drop = [programs["setpriv"], "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all"]
+    owner = ""
     if os.geteuid() == 0:
         drop += [f"--reuid={UNPRIVILEGED_ID}", f"--regid={UNPRIVILEGED_ID}", "--clear-groups"]
+        owner = f",uid={UNPRIVILEGED_ID},gid={UNPRIVILEGED_ID}"
     else:  # an unprivileged user builds the root in a user namespace of its own, where it has the capabilities
         namespaces = ["--user", "--map-root-user", *namespaces]
-    if unshare is None or setpriv is None:
-        raise OSError("unshare and setpriv (util-linux) are not installed")
     paths = [part for kind, path in _system_paths() for part in (kind, path)]
-    return [unshare, *namespaces, "/bin/sh", "-c", _BUILD_ROOT, "sh", fs, root, *paths, "--", *drop, *command]
+    return [programs["unshare"], *namespaces, "/bin/sh", "-c", _BUILD_ROOT, "sh", programs["mount"],
+            programs["unshare"], fs, root, str(folder_mb), owner, *paths, "--", *drop, *command]
 
 
 @functools.lru_cache(maxsize=1)
 def os_isolation_problem() -> str | None:
-    """Why OS isolation cannot run here (tried once per process), or None where it can."""
+    """Why OS isolation cannot run here (tried once per process), or None where it can: the check
+    runs a child as the sandbox does and asks that /etc and /home be out of its sight and the
+    interpreter's installation read-only."""
     if not sys.platform.startswith("linux"):
         return f"it needs Linux's namespaces, and this is {sys.platform}"
-    check = "import os; raise SystemExit(os.path.exists('/etc') or os.path.exists('/home'))"
-    root = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_"))
-    fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_root_"))
     try:
-        _prepare_folder(root)
-        command = _os_isolation_command(root, fs, [sys.executable, "-I", "-c", check])
+        root, fs = _make_folders()
+    except OSError as error:
+        return f"no temporary folder could be made ({error})"
+    try:
+        command = _os_isolation_command(root, fs, [sys.executable, "-I", "-c", _ISOLATION_CHECK], folder_mb=1)
         done = subprocess.run(command, env=_environment(root), stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=_PROBE_TIMEOUT)
-    except (OSError, subprocess.SubprocessError) as error:
+    except subprocess.TimeoutExpired:
+        return f"building the sandbox's own root took over {_PROBE_TIMEOUT:.0f} s"
+    except OSError as error:
         return str(error)
     finally:
-        _remove(root)
-        os.rmdir(fs)
+        _remove_folders(root, fs)
     if done.returncode != 0:
         said = " ".join((done.stderr or "").split())[-300:]
         return f"building the sandbox's own root failed ({said or f'exit status {done.returncode}'})"
     return None
 
 
-def _prepare_folder(root: str) -> None:
-    """Hand the sandbox folder to the user the child runs as (``nobody`` when the trainer is root)."""
-    if os.geteuid() == 0:
-        os.chown(root, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
+_ISOLATION_CHECK = """
+import errno, os, sys
+try:
+    os.close(os.open(os.path.join(sys.prefix, ".grpo_lab_check"), os.O_WRONLY | os.O_CREAT))
+    raise SystemExit("the interpreter's installation is writable")
+except OSError as error:
+    if error.errno not in (errno.EROFS, errno.EACCES):
+        raise
+if os.path.exists("/etc") or os.path.exists("/home"):
+    raise SystemExit("/etc or /home is in sight")
+"""
+
+
+def _make_folders() -> tuple[str, str]:
+    """A new sandbox folder (with its empty result file, both handed to the user the child runs as:
+    ``nobody`` when the trainer is root) and the folder its own root is mounted on."""
+    root = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_"))
+    try:
+        fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_root_"))
+        result = os.path.join(root, _RESULT)
+        os.close(os.open(result, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        if os.geteuid() == 0:
+            os.chown(root, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
+            os.chown(result, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
+    except OSError:
+        _remove(root)
+        raise
+    return root, fs
+
+
+def _remove_folders(root: str, fs: str | None) -> None:
+    _remove(root)
+    if fs is not None:
+        os.rmdir(fs)  # the tmpfs was mounted in the child's namespace alone: here it is an empty folder
 
 
 def check_isolation(isolation: str, network_namespace: bool) -> None:
@@ -309,11 +357,16 @@ def check_isolation(isolation: str, network_namespace: bool) -> None:
     problem = os_isolation_problem()
     if problem is not None:
         raise OSError(
-            f"The code sandbox cannot isolate the code by the operating system here: {problem}. It needs Linux with "
-            "user namespaces (or root), and unshare and setpriv from util-linux. Run training where they are, or "
-            "pass isolation='python' to accept the weaker guards (Python-level, which deliberately malicious code "
-            "can undo; see grpo_lab.rewards.code_sandbox)."
+            f"The code sandbox cannot isolate the code by the operating system here: {problem}. It needs Linux where "
+            "this user may make user namespaces (as root: mount namespaces), and unshare, setpriv and mount from "
+            "util-linux. Run training where they are, or pass isolation='python' to accept the weaker guards "
+            "(Python-level, which deliberately malicious code can undo; see grpo_lab.rewards.code_sandbox)."
         )
+
+
+def folder_mb(max_file_mb: int) -> int:
+    """The size of the sandbox folder under OS isolation: room for four files of the largest size."""
+    return 4 * max_file_mb
 
 
 def _limits(timeout: float, memory_mb: int, max_file_mb: int) -> dict[str, int]:
@@ -338,11 +391,21 @@ def _wait_exited(pid: int, deadline: float) -> bool:
 
 
 def _read_result(root: str, nonce: str, count: int) -> list[bool] | None:
+    """The per-test results the child wrote, or None. Opened without following a link and without
+    blocking, and read only from a regular file: code that put a link to a terminal or a FIFO in
+    its place must not hang the trainer."""
     try:
-        with open(os.path.join(root, _RESULT), "rb") as file:
-            data = file.read(1 << 20)
+        fd = os.open(os.path.join(root, _RESULT), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, 1 << 20)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     prefix = nonce.encode() + b" "
     lines = [line[len(prefix):] for line in data.split(b"\n") if line.startswith(prefix)]
     if len(lines) != 1 or len(lines[0]) != count or lines[0].strip(b"01"):
@@ -413,28 +476,25 @@ def run_in_sandbox(code: str, statements: list[tuple[str, bool]], *, timeout: fl
         raise OSError("the code sandbox needs a POSIX system (resource limits, process groups)")
     check_isolation(isolation, network_namespace)
     count = sum(is_test for _, is_test in statements)
-    root = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_"))
     nonce = secrets.token_hex(16)
     job = {"nonce": nonce, "code": code, "statements": statements, "result": _RESULT,
            "limits": _limits(timeout, memory_mb, max_file_mb)}
     command = [sys.executable, "-I", "-B", "-c", _child_source()]
-    fs = None
     if isolation == "os":
-        fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_root_"))
-        _prepare_folder(root)
-        command, notes = _os_isolation_command(root, fs, command), ["os isolation", "network namespace",
-                                                                      "pid namespace"]
+        root, fs = _make_folders()
+        notes = ["os isolation", "network namespace", "pid namespace"]
     else:
+        root, fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_")), None
         options = _namespace_options() if network_namespace else ()
         if options:
             command = [shutil.which("unshare") or "unshare", *options, *command]
         notes = (["network namespace"] if options else []) + (["pid namespace"] if "--pid" in options else [])
     start = time.monotonic()
     try:
+        if fs is not None:
+            command = _os_isolation_command(root, fs, command, folder_mb=folder_mb(max_file_mb))
         exited = _run_child(command, root, json.dumps(job).encode(), timeout)
         passed = _read_result(root, nonce, count) if exited else None
     finally:
-        _remove(root)
-        if fs is not None:
-            os.rmdir(fs)  # the tmpfs was mounted in the child's namespace alone: here it is an empty folder
+        _remove_folders(root, fs)
     return SandboxResult(passed, timed_out=not exited, seconds=time.monotonic() - start, notes=notes)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import re
 import shutil
 import signal
 import tempfile
@@ -137,7 +138,7 @@ def _weights_query(query: str) -> tuple[int, str | None]:
     """(version, run) of ``POST /weights?version=N&run=ID``."""
     values = parse_qs(query)
     version = values.get("version", ["0"])[0]
-    if not version.isdigit():
+    if not re.fullmatch(r"[0-9]+", version):
         raise BadRequest(f"/weights: version must be a whole number >= 0, got {version!r}.")
     return int(version), values.get("run", [None])[0]
 

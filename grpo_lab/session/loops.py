@@ -108,26 +108,39 @@ async def arun(session, n: int, *, progress: bool) -> pd.DataFrame:
     return pd.DataFrame(record.history[first:])
 
 
+_AWAITING: list[list] = []
+"""The stop requests of the ``arun`` calls awaiting on the main thread now (one SIGINT handler serves them all)."""
+_PREVIOUS_HANDLER: list = []  # the SIGINT handler in place before the first of them
+
+
 @contextlib.contextmanager
 def _interrupts_request_a_stop(requests: list):
     """While ``arun`` awaits on the main thread, a Ctrl-C (a kernel interrupt) asks the worker to stop
     at the next stage boundary, as in ``run``: raised in the event loop instead, it would end the cell
-    and leave the worker training. A second Ctrl-C goes to the handler that was in place. Nothing
-    changes off the main thread or where SIGINT is ignored."""
+    and leave the worker training. A Ctrl-C stops every ``arun`` awaiting at the time (the cell
+    awaits them all); a second one goes to the handler that was in place. Nothing changes off the
+    main thread or where SIGINT is ignored."""
     previous = signal.getsignal(signal.SIGINT)
     usable = callable(previous) and previous is not signal.SIG_IGN and previous is not signal.SIG_DFL
     if threading.current_thread() is not threading.main_thread() or not usable:
         yield
         return
-
-    def request_stop(signum, frame):
-        if requests:  # pressed again
-            signal.signal(signal.SIGINT, previous)
-            previous(signum, frame)
-        requests.append(True)
-
-    signal.signal(signal.SIGINT, request_stop)
+    if not _AWAITING:
+        _PREVIOUS_HANDLER[:] = [previous]
+        signal.signal(signal.SIGINT, _request_stops)
+    _AWAITING.append(requests)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _AWAITING.remove(requests)
+        if not _AWAITING and signal.getsignal(signal.SIGINT) is _request_stops:
+            signal.signal(signal.SIGINT, _PREVIOUS_HANDLER.pop())
+
+
+def _request_stops(signum, frame) -> None:
+    if any(_AWAITING):  # pressed again
+        handler = _PREVIOUS_HANDLER[0]
+        signal.signal(signal.SIGINT, handler)
+        handler(signum, frame)
+    for requests in _AWAITING:
+        requests.append(True)

@@ -17,7 +17,9 @@ The comparison with the current total reward, over the completions where both ar
 Pearson's correlation, Spearman's (Pearson's of the ranks, ties given their mean rank), and the
 completions whose rank differs most. A completion's rank is scaled to [0, 1] (0: lowest reward,
 1: highest, ties at their mean rank), so the rank difference ``new - current`` lies in [-1, 1]:
-+1 is the completion the current reward likes least and the new one likes most.
++1 is the completion the current reward likes least and the new one likes most. Only completions
+that the two rewards order oppositely against another are shown (a tie is no order), so that
+completions both score alike (0 and 0) are never a "disagreement" of mean ranks.
 """
 
 from __future__ import annotations
@@ -127,13 +129,32 @@ def correlations(new: np.ndarray, current: np.ndarray) -> tuple[float, float]:
 
 def disagreements(new: np.ndarray, current: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The positions of the (at most) ``k`` completions whose scaled ranks differ most, among those
-    where both are numbers and the ranks differ (ties in the difference keep the earlier position
-    first), and their differences ``new - current``."""
+    where both are numbers, the ranks differ and the two rewards order the completion oppositely
+    against some other one (ties in the difference keep the earlier position first), and their
+    differences ``new - current``.
+
+    A rank difference alone is not a disagreement where rewards tie: two rewards with different
+    shares of zeros give a completion that both score 0 different mean ranks. Only a completion in
+    a discordant pair (``new_i > new_j`` while ``current_i < current_j``, or the reverse) is one."""
     kept = np.flatnonzero(~np.isnan(new) & ~np.isnan(current))
     difference = scaled_ranks(new[kept]) - scaled_ranks(current[kept])
-    order = np.argsort(-np.abs(difference), kind="stable")[:k]
-    order = order[difference[order] != 0]
+    order = np.argsort(-np.abs(difference), kind="stable")
+    order = order[(difference[order] != 0) & in_a_discordant_pair(new[kept], current[kept])[order]][:k]
     return kept[order], difference[order]
+
+
+def in_a_discordant_pair(new: np.ndarray, current: np.ndarray) -> np.ndarray:
+    """Per completion, whether some other completion j is ordered oppositely: ``new_j > new_i`` and
+    ``current_j < current_i``, or ``new_j < new_i`` and ``current_j > current_i`` (a tie in either
+    is no order). Sorted by ``new``: the smallest ``current`` above a completion's ``new`` and the
+    largest below it, O(N log N)."""
+    order = np.argsort(new, kind="stable")
+    new_sorted, current_sorted = new[order], current[order]
+    smallest_from = np.append(np.minimum.accumulate(current_sorted[::-1])[::-1], np.inf)  # min of current_sorted[k:]
+    largest_before = np.insert(np.maximum.accumulate(current_sorted), 0, -np.inf)  # max of current_sorted[:k]
+    above = np.searchsorted(new_sorted, new, side="right")  # the first position with a larger new reward
+    below = np.searchsorted(new_sorted, new, side="left")  # the completions with a smaller one
+    return (smallest_from[above] < current) | (largest_before[below] > current)
 
 
 def batch_advantages(rewards_BF: torch.Tensor, weights_F: torch.Tensor | None, settings: AdvantageSettings):

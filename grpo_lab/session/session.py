@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +38,8 @@ from grpo_lab.session.experiments import what_if as run_what_if
 from grpo_lab.session.rewards import RewardSwaps, log_entry, shown_columns
 from grpo_lab.session.rewards import try_rewards as run_try_rewards
 from grpo_lab.session.stages import (
-    RANDOM_STATE_LOCK, STAGES, OwnRandomState, StageOrderError, call_text, check_stage_order, run_next_stage,
+    RANDOM_STATE_LOCK, STAGES, OwnRandomState, StageOrderError, StepClock, call_text, check_stage_order,
+    run_next_stage,
 )
 from grpo_lab.state.run_state import rng_state, session_state_dict, load_session_state_dict, set_rng_state
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
@@ -107,7 +106,7 @@ class GRPOSession:
         self.made_with_optimizers = any(part is not None for part in optimizers)  # a fork cannot copy them
         self._given_reward_processing_classes = reward_processing_classes  # what a fork is built with
         self._listeners: list[Callable[[str, object], None]] = []
-        self._step_started: float | None = None
+        self.step_clock = StepClock()
         self._owner = OwnerGuard(self._notify)  # one thread drives the stages at a time
 
     # ------------------------------------------------------------------ public state
@@ -272,20 +271,28 @@ class GRPOSession:
         grad_mode = torch.is_grad_enabled()
         try:
             with self._owner.hold(call_text(name, args, kwargs), now=now, finishes_step=name == "update"), \
-                    self.own_random.drawing():
+                    self.own_random.drawing(), self.step_clock.timing() if now else contextlib.nullcontext():
                 yield
         finally:  # an interrupt inside torch.no_grad()'s own entry or exit would leave it off process-wide
             torch.set_grad_enabled(grad_mode)
 
+    def _check_whole(self, call: str) -> None:
+        """Refuse ``call`` while a second Ctrl-C has left the state torn (``Engine.torn``): stepping on,
+        saving, forking or trying settings from it would carry weights, optimizer, schedule and step
+        counter that may not agree."""
+        if self.engine.torn is None:
+            return
+        raise RuntimeError(
+            f"{call} cannot run now: a second Ctrl-C stopped {self.engine.torn} midway, so the weights, optimizer, "
+            "schedule and step counter may not agree. Return to a whole state first: session.undo(n) back to an "
+            "undo point kept before it (none are kept with undo_steps=0), or GRPOSession.load(<a checkpoint saved "
+            "before it>); then go on."
+        )
+
     def _start_stage(self, stage: str) -> None:
         """What every stage does first: refuse it out of order, keep the undo point of the run's start
         (before the first stage), and apply the config edits made since the last stage."""
-        if self.engine.torn is not None:
-            raise RuntimeError(
-                f"A second Ctrl-C stopped {self.engine.torn} midway, so the weights, optimizer, schedule and step "
-                "counter may not agree. Return to a whole state first: session.undo(1) (the last undo point) or "
-                "GRPOSession.load(<a checkpoint>); then step on."
-            )
+        self._check_whole(f"{stage}()")
         check_stage_order(self, stage)
         self.undo_ring.keep_start(self)
         self.apply_config_edits()
@@ -307,7 +314,6 @@ class GRPOSession:
         """Sample ``num_generations`` completions for each prompt of the next generation batch."""
         with self._driving("generate"):
             self._start_stage("generate")
-            self._step_started = time.perf_counter()
             engine = self.engine
             before = rng_state(), engine.sampler.state_dict(), engine.num_input_tokens_seen
             try:
@@ -369,14 +375,16 @@ class GRPOSession:
         with self._driving("update"):
             self._start_stage("update")
             row = None
-            torn = functools.partial(self.engine.mark_torn, "the optimizer step")
+            moving = ["the optimizer step"]  # what a second Ctrl-C would leave half done
             try:
                 # the optimizer, scheduler, counters, history and the undo point move together
-                with deferred_interrupts(torn=torn):
+                with deferred_interrupts(torn=lambda: self.engine.mark_torn(moving[0])):
                     row = self._update()
                     try:  # last: if it fails, the step is recorded and generate() retries it
+                        moving[0] = "the hand-over of the new weights to the generation backend"
                         self.engine.publish_weights()
                     finally:
+                        moving[0] = "keeping the undo point of the step"
                         self._finish_stage("update")
             finally:  # outside the block: a view's callback must not hold up an interrupt
                 if row is not None:
@@ -409,8 +417,7 @@ class GRPOSession:
                 "with a schedule.",
             )
         row = {"step": self.global_step, **self.advantages_result.metrics, **self.loss_result.metrics, **update}
-        if self._step_started is not None:
-            row["step_time"] = time.perf_counter() - self._step_started
+        row["step_time"] = self.step_clock.step_time()
         self.record.history.append(row)
         if self.batch_step == 0:
             self.record.completion_log.append(log_entry(self.advantages_result, self.global_step))
@@ -420,7 +427,6 @@ class GRPOSession:
         self.batch_step += 1
         if self.batch_step >= self.engine.steps_per_batch:
             self.discard_batch()
-        self._step_started = time.perf_counter()
         return row
 
     def _read_live_findings(self) -> None:
@@ -496,6 +502,7 @@ class GRPOSession:
         checkpoints as ``trainer_state.json``.
         """
         with self._driving("save", path):
+            self._check_whole("save()")
             return session_files.save(self, path, overwrite=overwrite, trainer_state=trainer_state)
 
     @classmethod
@@ -586,6 +593,7 @@ class GRPOSession:
         produces the history and weights this session would. The model is copied (a LoRA model's
         adapter only); reward functions, datasets, tokenizer and tools are shared. The fork is listed
         in ``branches``; its ``fork_point`` is this session's step now."""
+        self._check_whole("fork()")
         check_forkable(self)
         name = name or f"{self.name or 'session'}-{len(self.branches) + 1}"
         with self._owner.hold(f"session.fork({name!r})"), RANDOM_STATE_LOCK:
@@ -622,6 +630,7 @@ class GRPOSession:
         and the KL to the current policy (``lookahead/...`` columns); the weights, optimizer and
         scheduler are put back after each. Returns a :class:`grpo_lab.session.what_if.WhatIf`."""
         with self._driving("what_if"):
+            self._check_whole("what_if()")
             return run_what_if(self, cases, settings, lookahead=lookahead)
 
     # ------------------------------------------------------------------ doctor

@@ -1,4 +1,5 @@
-"""The stage order of a GRPOSession, the session's own random state, and the stage that comes next.
+"""The stage order of a GRPOSession, the session's own random state, the clock of its steps' compute
+time, and the stage that comes next.
 
     generate -> score -> advantages -> loss -> update   (one optimizer step)
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 
 from grpo_lab.state.run_state import rng_state, set_rng_state
 
@@ -85,6 +87,37 @@ class OwnRandomState:
         """Make ``state`` the session's own from here (a loaded checkpoint's, or the one before a fork
         was built, which drew from the process's generators)."""
         self.kept = copy.deepcopy(state)
+
+
+class StepClock:
+    """The compute time of an optimizer step: the time spent inside its stages, from the first stage
+    after the last ``update()`` to this one's metrics row. The time between stages (a person reading
+    a cell's output, a paused or stopped run, a checkpoint or an evaluation between steps) does not
+    count."""
+
+    def __init__(self):
+        self.spent = 0.0  # seconds inside the stages that ended since the last step's row
+        self._started: float | None = None  # when the stage running now began
+        self._step_ended = False  # the running stage (update) already read the step's time
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Count a stage's time (a stage nested in another is counted once, by the outer one)."""
+        if self._started is not None:
+            yield
+            return
+        self._started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent = 0.0 if self._step_ended else self.spent + time.perf_counter() - self._started
+            self._started, self._step_ended = None, False
+
+    def step_time(self) -> float:
+        """The step's compute time so far (called inside ``update()``, as its row is made); the rest of
+        that update (handing the weights to a generation server) counts for no step."""
+        self._step_ended = True
+        return self.spent + (time.perf_counter() - self._started if self._started is not None else 0.0)
 
 
 def call_text(name: str, args: tuple, kwargs: dict) -> str:

@@ -287,16 +287,17 @@ def load_records(directory: Path) -> dict:
         raise FileNotFoundError(
             f"{directory} is not a complete grpo_lab checkpoint (no COMPLETE marker or {STATE_FILE})."
         )
-    return _read_state(directory, mmap=True)["extra"]
+    return _read_state(directory, mmap=True, own_files=False)["extra"]
 
 
-def _read_state(directory: Path, *, mmap: bool) -> dict:
+def _read_state(directory: Path, *, mmap: bool, own_files: bool = True) -> dict:
+    """The state file, with the optimizer's and scheduler's own files (``own_files``) merged in."""
     path = directory / STATE_FILE
     try:
         with _batch_types():
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             check_format_version(state, str(path))
-            for key, name in OWN_FILES.items():  # format version 2 keeps them beside the state
+            for key, name in OWN_FILES.items() if own_files else ():  # format 2 keeps them beside the state
                 if key not in state:
                     path = directory / name
                     state[key] = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -140,11 +140,11 @@ def atomic_directory_write(target: Path, write, *, own_entries: frozenset[str], 
     except BaseException as error:
         if moved_aside and not target.exists() and old.exists():
             os.replace(old, target)
-        written = _size(tmp)
         full = isinstance(error, Exception) and _disk_full(error, tmp)
+        bytes_written = _size(tmp) if full else 0
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
-            raise _disk_full_error(target, written) from error
+            raise _disk_full_error(target, bytes_written) from error
         raise
     return target
 
@@ -183,12 +183,12 @@ def _disk_full(error: BaseException, where: Path) -> bool:
         return False
 
 
-def _disk_full_error(target: Path, written: int) -> OSError:
+def _disk_full_error(target: Path, bytes_written: int) -> OSError:
     free = shutil.disk_usage(target.parent).free
     earlier = f"; the save already at {target} is kept as it was" if (target / "COMPLETE").exists() else ""
     needed = _size(target) if earlier else 0
-    need = (f"a save there takes about {_megabytes(needed)}" if needed > written
-            else f"it had written {_megabytes(written)} when the disk filled")
+    need = (f"a save there takes about {_megabytes(needed)}" if needed > bytes_written
+            else f"it had written {_megabytes(bytes_written)} when the disk filled")
     return OSError(
         errno.ENOSPC,
         f"Cannot save to {target}: the disk or quota is full ({need}, {_megabytes(free)} free now{earlier}). "
@@ -209,6 +209,12 @@ def check_target(target: Path, own_entries: frozenset[str], *, overwrite: bool =
         raise FileExistsError(
             f"{target} is a file; a save is a directory. Give a path that does not exist yet (e.g. {target}_save)."
         )
+    if target.is_dir() and _holds_the_working_directory(target):
+        raise ValueError(
+            f"Cannot save to {target}: it is this process's working directory (or a folder above it), which "
+            "replacing the save there would move away under the process. Save to another path, or change to "
+            "another directory first (os.chdir)."
+        )
     own_entries = own_entries | written_entries(target)
     foreign = sorted(p.name for p in target.iterdir() if p.name not in own_entries) if target.is_dir() else []
     if foreign and not overwrite:
@@ -222,6 +228,14 @@ def check_target(target: Path, own_entries: frozenset[str], *, overwrite: bool =
     blocked = _unwritable(target.parent)  # where the new save is built, then renamed into place
     if blocked is not None:
         raise PermissionError(f"Cannot save to {target}: {blocked} is not writable. Give a directory you can write to.")
+
+
+def _holds_the_working_directory(directory: Path) -> bool:
+    try:
+        cwd, folder = Path.cwd().resolve(), directory.resolve()
+    except OSError:  # no working directory any more: nothing to protect
+        return False
+    return cwd == folder or folder in cwd.parents
 
 
 def written_entries(directory: Path) -> frozenset[str]:

@@ -174,14 +174,17 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                 "there anyway, set overwrite_output_dir=True (its checkpoints of the same steps are then replaced, "
                 "and save_total_limit counts this run's own alone)."
             )
+        completions = any((self.output_dir / "completions").glob("completions_*.parquet"))
         earlier = checkpoints + [name for name in ("metrics.jsonl",) if (self.output_dir / name).exists()]
+        earlier += ["completions/"] if completions else []
         if earlier and self.accelerator.is_main_process:
+            replaced = [*(["checkpoints of the same step (overwrite_output_dir=True)"] if checkpoints else []),
+                        *(["the completions files of the steps it logs"] if completions else [])]
             notices.warn(
                 f"{self.output_dir} already holds {', '.join(earlier)} from an earlier run: this run appends to "
-                "metrics.jsonl" + (" and replaces checkpoints of the same step (overwrite_output_dir=True)"
-                                   if checkpoints else "") + ". To continue that run instead, pass "
-                "resume_from_checkpoint=True (a script: --resume_from with its newest checkpoint-N); else give a new "
-                "output_dir.",
+                "metrics.jsonl" + (f" and replaces {' and '.join(replaced)}" if replaced else "") + ". To continue "
+                "that run instead, pass resume_from_checkpoint=True (a script: --resume_from with its newest "
+                "checkpoint-N); else give a new output_dir.",
             )
 
     def _resume(self, resume_from_checkpoint: str | bool) -> None:
@@ -265,6 +268,15 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                     f"{self.output_dir / name} held {removed} row(s) logged after step {step}, the step this run "
                     "resumes from; they were removed, and the resumed steps are logged in their place."
                 )
+        later = [path for path in (self.output_dir / "completions").glob("completions_*.parquet")
+                 if path.stem.removeprefix("completions_").isdecimal() and int(path.stem[12:]) > step]
+        for path in later:
+            path.unlink()
+        if later:
+            notices.warn(
+                f"{self.output_dir / 'completions'} held the completions of {len(later)} step(s) logged after step "
+                f"{step}, the step this run resumes from; they were removed, and the resumed steps write theirs."
+            )
 
     def _log(self, row: dict, sinks: list, completions_every: int) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)

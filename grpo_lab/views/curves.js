@@ -112,7 +112,7 @@ function figure(spec, arrays, columns) {
         data.push({ ...common, type: "scatter", mode: "lines", x, y: y.map((v, j) => v - spread[j]), line: { width: 0 },
                     hoverinfo: "skip", showlegend: false, name: `${shortName(s.name)} − std` });
         data.push({ ...common, type: "scatter", mode: "lines", x, y: y.map((v, j) => v + spread[j]), line: { width: 0 },
-                    fill: "tonexty", fillcolor: "rgba(31,119,180,0.18)", hoverinfo: "skip", name: `± ${shortName(s.name)}_std (within groups)` });
+                    fill: "tonexty", fillcolor: "rgba(31,119,180,0.18)", hoverinfo: "skip", name: `± ${shortName(s.name)}_std (the whole batch)` });
       }
       const metric = s.evaluation ? `${s.evaluation} ${shortName(s.name.slice(s.evaluation.length + 1))}` : shortName(s.name);
       const run = s.run_name == null ? null : escapeHtml(s.run_name);

@@ -15,7 +15,7 @@ def sandboxes(tmp_path, monkeypatch):
     assert list(base.iterdir()) == []  # every temporary folder was removed
 
 
-ISOLATIONS = [{"isolation": "python", "network_namespace": False}, {"isolation": "python"}, {"isolation": "os"}]
+ISOLATION_OPTIONS = [{"isolation": "python", "network_namespace": False}, {"isolation": "python"}, {"isolation": "os"}]
 """How a sandbox test runs its child: the Python-level guards alone, with the namespaces that work
 here, and the operating system's isolation (the default)."""
 ISOLATION_IDS = ["python guards alone", "python guards in namespaces", "os isolation"]

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_lab.rewards import code_reward, python_code, run_in_sandbox
 from grpo_lab.rewards.code_sandbox import split_tests
-from tests.rewards.conftest import ISOLATION_IDS, ISOLATIONS
+from tests.rewards.conftest import ISOLATION_IDS, ISOLATION_OPTIONS
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the code sandbox needs a POSIX system")
 
@@ -68,7 +68,7 @@ def test_fork_scores_zero(sandboxes):
                          "str(a + b)]))")], ADD_TESTS) == [0.0]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+@pytest.mark.parametrize("isolation", ISOLATION_OPTIONS, ids=ISOLATION_IDS)
 def test_a_connection_to_localhost_scores_zero_and_never_arrives(sandboxes, isolation):
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -111,7 +111,7 @@ def test_the_environment_is_not_inherited(sandboxes, monkeypatch):
     assert score([fenced(code)], ADD_TESTS) == [1.0]
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+@pytest.mark.parametrize("isolation", ISOLATION_OPTIONS, ids=ISOLATION_IDS)
 def test_forged_results_and_early_exits_score_zero(sandboxes, isolation):
     forged = "open('result', 'w').write('0123456789abcdef0123456789abcdef 1111\\n')\nimport os\nos._exit(0)"
     assert score([fenced(forged)], ADD_TESTS, **isolation) == [0.0]

@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from grpo_lab.rewards import code_sandbox, run_in_sandbox
+from grpo_lab.rewards import code_rewards as code_reward_module, code_sandbox, run_in_sandbox
 from grpo_lab.rewards.code_sandbox import split_tests
-from tests.rewards.conftest import ISOLATION_IDS, ISOLATIONS
+from tests.rewards.conftest import ISOLATION_IDS, ISOLATION_OPTIONS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guards read Linux's /proc")
 
@@ -41,7 +41,7 @@ def passed(code: str, tests: list[str], **options) -> list[bool] | None:
     return run_in_sandbox(code, split_tests(tests), **options).passed
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+@pytest.mark.parametrize("isolation", ISOLATION_OPTIONS, ids=ISOLATION_IDS)
 def test_io_level_openers_cannot_write_outside(sandboxes, tmp_path, isolation):
     target = tmp_path / "escaped.txt"
     code = REFUSED + f"import _io, io\nTARGET = {str(target)!r}\n"
@@ -160,7 +160,7 @@ def test_the_trainers_environment_cannot_be_read_through_proc(tmp_path, monkeypa
     assert ("pid namespace" in notes) == hidden and ("os isolation" in notes) == (namespace == "os")
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS, ids=ISOLATION_IDS)
+@pytest.mark.parametrize("isolation", ISOLATION_OPTIONS, ids=ISOLATION_IDS)
 def test_the_folder_itself_cannot_be_locked(sandboxes, isolation):
     code = REFUSED + textwrap.dedent("""
         for name in ("a", "b", "c"):
@@ -205,3 +205,18 @@ def test_remove_deletes_a_folder_made_unreadable_and_unwritable(tmp_path):
         if folder.exists():
             folder.chmod(stat.S_IRWXU)
             (folder / "sub").chmod(stat.S_IRWXU)
+
+
+def test_an_isolation_that_cannot_run_is_refused_with_the_setting_that_accepts_less(monkeypatch):
+    with pytest.raises(ValueError, match=r"isolation must be one of 'os', 'python', got 'container'"):
+        run_in_sandbox("x = 1", [], isolation="container")
+    with pytest.raises(ValueError, match=r"network_namespace=False takes the namespaces away.*isolation='python'"):
+        run_in_sandbox("x = 1", [], network_namespace=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # where util-linux's programs are not installed
+    code_sandbox.os_isolation_problem.cache_clear()
+    try:
+        with pytest.raises(OSError, match=r"cannot isolate the code by the operating system here: unshare and setpriv "
+                                          r"and mount \(util-linux\) not installed.*pass isolation='python'"):
+            code_reward_module.code_reward()
+    finally:
+        code_sandbox.os_isolation_problem.cache_clear()

@@ -49,10 +49,15 @@ WRITE = 0o1 | 0o100  # O_WRONLY | O_CREAT
 """
 
 ATTACKS = {
-    "the guards are undone (without OS isolation this write would land)": "assert posix.open('mine', WRITE, 0o600) > 2",
+    # the control: the guard refuses to change the folder itself, the original function does not
+    "the guards are undone": "assert not stopped(lambda: posix.chmod('.', 0o700))",
     "write outside its folder": "assert stopped(lambda: posix.write(posix.open(OUTSIDE, WRITE, 0o644), b'x'))",
     "write into a system folder": "assert stopped(lambda: posix.open(SYSTEM, WRITE, 0o644))",
     "write into the interpreter's folder": "assert stopped(lambda: posix.open(INTERPRETER, WRITE, 0o644))",
+    "write into the virtual environment": "assert stopped(lambda: posix.open(ENVIRONMENT, WRITE, 0o644))",
+    "fill the disk": "assert stopped(lambda: [posix.write(posix.open(f'fill{i}', WRITE, 0o600), bytes(15 << 20)) "
+                     "for i in range(6)])",
+    "put a FIFO in place of the result": "assert stopped(lambda: posix.unlink('result'))",
     "read a token in the trainer's home folder": "assert read(TOKEN) == b'' and stopped(lambda: posix.listdir(HOME))",
     "read another process's environment": "assert all(MARK.encode() not in read(f'/proc/{p}/environ') "
                                           "for p in posix.listdir('/proc') if p.isdigit())",
@@ -66,14 +71,14 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("code_sandbox", sys.argv[1])
 sandbox = sys.modules["code_sandbox"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sandbox)
-code, tests = json.loads(sys.argv[2])
-result = sandbox.run_in_sandbox(code, sandbox.split_tests(tests), timeout=20)
+code, tests, isolation = json.loads(sys.argv[2])
+result = sandbox.run_in_sandbox(code, sandbox.split_tests(tests), timeout=20, isolation=isolation)
 correct = sandbox.run_in_sandbox("def add(a, b):\\n    return a + b", sandbox.split_tests(["assert add(1, 2) == 3"]))
 print(json.dumps([result.passed, result.notes, correct.passed]))
 """
 
 
-def _attack_as(prefix: list[str], python: str, folder: Path) -> list:
+def _attack_as(prefix: list[str], python: str, folder: Path, isolation: str = "os", attacks: dict = ATTACKS) -> list:
     """Run the attacks in a sandbox started by ``python`` (behind ``prefix``), the trainer's
     environment holding the mark and its home folder a token; the attacks' results, its notes and
     whether a correct solution still passes."""
@@ -90,31 +95,56 @@ def _attack_as(prefix: list[str], python: str, folder: Path) -> list:
         listener.listen()
         names = {"OUTSIDE": str(outside), "SYSTEM": "/usr/grpo_lab_escape", "TOKEN": str(token), "HOME": str(home),
                  "INTERPRETER": os.path.join(sys.base_prefix, "grpo_lab_escape"), "MARK": MARK,
+                 "ENVIRONMENT": os.path.join(sys.prefix, "grpo_lab_escape"),
                  "PROJECT_FILE": str(Path(__file__).resolve()), "PORT": listener.getsockname()[1]}
         code = UNGUARDED + "".join(f"{name} = {value!r}\n" for name, value in names.items())
         done = subprocess.run(
-            [*prefix, python, "-I", "-c", TRAINER, code_sandbox.__file__, json.dumps([code, list(ATTACKS.values())])],
+            [*prefix, python, "-I", "-c", TRAINER, code_sandbox.__file__,
+             json.dumps([code, list(attacks.values()), isolation])],
             capture_output=True, text=True, timeout=120, cwd="/",
             env={"PATH": os.environ["PATH"], "HOME": str(home), "GRPO_LAB_TEST_TOKEN": MARK},
         )
         listener.settimeout(0.2)
-        with pytest.raises(socket.timeout):
-            listener.accept()  # nothing arrived
+        arrived = True
+        try:
+            listener.accept()[0].close()
+        except socket.timeout:
+            arrived = False
     assert done.returncode == 0, done.stderr[-3000:]
-    assert not outside.exists() and not Path(names["SYSTEM"]).exists() and not Path(names["INTERPRETER"]).exists()
-    return json.loads(done.stdout)
+    written = [name for name in ("OUTSIDE", "SYSTEM", "INTERPRETER", "ENVIRONMENT") if os.path.exists(names[name])]
+    for name in written:  # what an attack left (the control run without OS isolation)
+        os.remove(names[name])
+    passed, notes, correct = json.loads(done.stdout)
+    return [passed, notes, correct, written, arrived]
 
 
 def _check(results) -> None:
-    passed, notes, correct = results
+    passed, notes, correct, written, arrived = results
     assert dict(zip(ATTACKS, passed)) == dict.fromkeys(ATTACKS, True)
-    assert notes == ["os isolation", "network namespace", "pid namespace"] and correct == [True]
+    assert written == [] and not arrived and correct == [True]
+    assert notes == ["os isolation", "network namespace", "pid namespace"]
 
 
 def test_a_root_trainers_sandbox_stops_every_escape(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("the trainer here is not root, and a test cannot become root")
     _check(_attack_as([], sys.executable, tmp_path))
+
+
+def test_without_os_isolation_the_same_attacks_land(tmp_path):
+    """The control: the Python-level guards alone (in the namespaces that work here) stop what the
+    namespaces stop (the network, other processes' environment) and nothing of what needs the
+    guards undone."""
+    attacks = {name: attack for name, attack in ATTACKS.items() if "result" not in name}  # that one loses all
+    passed, notes, correct, written, arrived = _attack_as([], sys.executable, tmp_path, "python", attacks)
+    results = dict(zip(attacks, passed))
+    assert results.pop("the guards are undone")  # the control holds here too
+    landed = [name for name, stopped in results.items() if not stopped]
+    assert {"write outside its folder", "read a token in the trainer's home folder", "read the project and /etc",
+            "fill the disk"} <= set(landed), landed
+    assert "OUTSIDE" in written and correct == [True]
+    if os.geteuid() == 0:  # root's writes land anywhere, and RLIMIT_NPROC does not bind root
+        assert {"write into a system folder", "fork"} <= set(landed) and "SYSTEM" in written
 
 
 def test_an_unprivileged_trainers_sandbox_stops_every_escape(tmp_path):
