@@ -47,10 +47,10 @@ def test_a_deepspeed_config_takes_its_auto_batch_clipping_and_accumulation_from_
     for key, value, kind in [("gradient_clipping", "none", "a number \\(0 for no clipping\\)"),
                              ("train_micro_batch_size_per_gpu", "4", "a whole number"),
                              ("train_micro_batch_size_per_gpu", 4.0, "a whole number"),
-                             ("gradient_clipping", True, "a number")]:
+                             ("gradient_clipping", True, "a number \\(0 for no clipping\\)")]:
         plugin = SimpleNamespace(deepspeed_config={key: value})
-        with pytest.raises(ValueError, match=rf"sets {key}={value!r} \(.*\); it takes \"auto\" or {kind}.*without "
-                                             "quotes"):
+        with pytest.raises(ValueError, match=rf"sets {key}={value!r} \(.*\); it takes \"auto\" or {kind}.*or write "
+                                             rf"{kind} there, unquoted"):
             fill_config(plugin, config)
 
 

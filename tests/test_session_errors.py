@@ -400,7 +400,7 @@ def test_a_schedule_rebuilt_over_a_users_optimizer_keeps_each_groups_rate(task, 
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([2e-3 * 16 / 20, 2e-4 * 16 / 20])
     session.config.lr_scheduler_kwargs = {"no_such_argument": 1}
     with pytest.raises(ValueError, match=r"the 'linear' schedule takes no 'no_such_argument'; it takes no arguments "
-                                         r"of its own\. Remove the others"):
+                                         r"of its own\. Remove them"):
         session.generate()
     assert session.config.lr_scheduler_kwargs is None or session.config.lr_scheduler_kwargs == {}
     session.step()  # the old schedule stays in force
