@@ -281,6 +281,15 @@ def test_ctrl_c_anywhere_in_undo_returns_whole_to_the_step_before(make_session, 
     _interrupted_everywhere(prepare, lambda session: session.undo(1), check)
 
 
+def _stepped_until(make_session, stage: str):
+    """A session (num_iterations=2) one step in, its second step run up to ``stage``."""
+    session = make_session(num_iterations=2)
+    session.step()
+    while session.next_stage != stage:
+        getattr(session, session.next_stage)()
+    return session
+
+
 def _update_with_interrupted_undo_point(session, at: int | None) -> InterruptAt:
     """``session.update()``, with Ctrl-C at the ``at``-th torch call of the undo point it keeps after
     the optimizer step (None: none, the calls counted)."""
@@ -300,11 +309,7 @@ def _update_with_interrupted_undo_point(session, at: int | None) -> InterruptAt:
 
 def test_ctrl_c_anywhere_in_the_undo_point_after_update_leaves_the_step_whole(make_session, reference):
     def prepare():
-        session = make_session(num_iterations=2)
-        session.step()
-        while session.next_stage != "update":
-            getattr(session, session.next_stage)()
-        return session
+        return _stepped_until(make_session, "update")
 
     for at in _points(_update_with_interrupted_undo_point(prepare(), None).calls):
         session = prepare()
@@ -319,11 +324,7 @@ def test_ctrl_c_anywhere_in_the_undo_point_after_update_leaves_the_step_whole(ma
 
 def test_ctrl_c_anywhere_in_a_lookahead_what_if_leaves_the_session_bitwise(make_session, reference):
     def prepare():
-        session = make_session(num_iterations=2)
-        session.step()
-        while session.next_stage != "loss":
-            getattr(session, session.next_stage)()
-        return session
+        return _stepped_until(make_session, "loss")
 
     def check(session, raised):
         assert session.global_step == 1 and len(session.history) == 1 and session.next_stage == "loss"
@@ -377,10 +378,7 @@ def test_ctrl_c_anywhere_in_try_rewards_leaves_the_session_continuing_bitwise(ma
 
 
 def test_a_second_ctrl_c_inside_the_optimizer_step_is_named_and_undo_repairs_it(make_session, reference, tmp_path):
-    session = make_session(num_iterations=2)
-    session.step()
-    while session.next_stage != "update":
-        getattr(session, session.next_stage)()
+    session = _stepped_until(make_session, "update")
     twice = InterruptOnce("_fused_adam", "_foreach_", times=2)  # the second goes through, mid-AdamW
     with twice.mode(), pytest.raises(KeyboardInterrupt):
         session.update()

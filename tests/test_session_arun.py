@@ -48,20 +48,26 @@ def test_the_event_loop_stays_free_and_the_dashboard_stop_ends_it_between_stages
     assert session.step()["step"] == 2  # released: the caller's thread drives it again
 
 
-def test_a_cancel_ends_it_between_stages_with_nothing_lost(make_session):
-    session = make_session()
+def _interrupted_while_awaiting(session, interrupt):
+    """``await session.arun(5)``, with ``interrupt(training)`` called while its worker is held inside
+    step 1's score(); the rows it returns."""
     paused, resume = pause_at(session, "score", global_step=1)
 
     async def scenario():
         training = asyncio.ensure_future(session.arun(5, progress=False))
         while not paused.is_set():
             await asyncio.sleep(0.01)
-        training.cancel()  # what interrupting the kernel does to an awaiting cell
-        await asyncio.sleep(0)
+        interrupt(training)
+        await asyncio.sleep(0.05)  # delivered while the loop awaits
         resume.set()
         return await training
 
-    rows = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_cancel_ends_it_between_stages_with_nothing_lost(make_session):
+    session = make_session()
+    rows = _interrupted_while_awaiting(session, lambda training: training.cancel())  # what an interrupted cell does
     assert list(rows["step"]) == [1] and (session.global_step, session.next_stage) == (1, "advantages")
     assert session.activity is None
 
@@ -71,20 +77,9 @@ def test_a_kernel_interrupt_while_it_awaits_stops_the_worker_at_the_next_stage_b
     import signal
 
     session = make_session()
-    paused, resume = pause_at(session, "score", global_step=1)
-
-    async def scenario():
-        training = asyncio.ensure_future(session.arun(5, progress=False))
-        while not paused.is_set():
-            await asyncio.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGINT)  # what interrupting the kernel sends the main thread
-        await asyncio.sleep(0.05)  # delivered to the handler while the loop awaits, no KeyboardInterrupt
-        resume.set()
-        return await training
-
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        rows = asyncio.run(scenario())
+    try:  # SIGINT is what interrupting the kernel sends the main thread: no KeyboardInterrupt while it awaits
+        rows = _interrupted_while_awaiting(session, lambda training: os.kill(os.getpid(), signal.SIGINT))
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back when it ends
     finally:
         signal.signal(signal.SIGINT, previous)
