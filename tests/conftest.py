@@ -126,6 +126,25 @@ def make_session(task, tmp_path):
 
 
 @pytest.fixture(scope="session")
+def tool_model(task, tmp_path_factory, worker_id):
+    """The shipped model taught to call add and answer after its result (``tests.test_tools.taught_to_add``):
+    a directory with the tokenizer. Teaching it takes half a minute, so it is taught once per run: the
+    workers of a parallel run share one directory, the first to come teaches it and the others wait."""
+    from filelock import FileLock
+
+    from tests.test_tools import taught_to_add
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    directory = shared / "tool_model"
+    taught = directory / "TAUGHT"  # written last: a directory without it is a teaching cut short
+    with FileLock(str(directory) + ".lock"):
+        if not taught.exists():
+            taught_to_add(task.model, directory)
+            taught.touch()
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
 def untied_bf16(task, tmp_path_factory):
     """The shipped model with an output layer of its own (a copy of the embeddings), in bfloat16: a
     directory for ``cast_lm_head_to_fp32``."""

@@ -16,7 +16,7 @@ from datasets import Dataset
 from grpo_lab import GRPOSession, GRPOTrainer
 from grpo_lab.rollout.environments import PLACEHOLDER_PROMPT, _observed
 from tests.conftest import SMALL
-from tests.test_tools import add, taught_to_add
+from tests.test_tools import add
 
 
 class Adder:
@@ -135,11 +135,6 @@ def recorded(prompts, completions, environments, **kwargs):
 
 EVAL = dict(per_device_eval_batch_size=2, num_generations_eval=2)
 """Eval chunks of 2 prompts x 2 completions: a 4-row eval set takes two, which reuse the eval pool."""
-
-
-@pytest.fixture(scope="module")
-def tool_model(task, tmp_path_factory):
-    return taught_to_add(task.model, tmp_path_factory.mktemp("tool_model"))
 
 
 def _config(task, tmp_path, **overrides):

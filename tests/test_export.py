@@ -3,6 +3,7 @@
 import ast
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def _same(a: dict, b: dict) -> None:
     assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
 
 
-def test_exported_session_script_reproduces_the_first_step_and_takes_overrides(make_session, tmp_path):
+def test_exported_session_script_reproduces_the_first_step(make_session, tmp_path):
     session = make_session(max_steps=1)
     session.config.temperature = 0.9  # a change made between steps is exported
     script = session.export_script(tmp_path / "train.py")
@@ -50,8 +51,6 @@ def test_exported_session_script_reproduces_the_first_step_and_takes_overrides(m
     _run([sys.executable, str(script), "--output_dir", str(tmp_path / "run")], cwd=tmp_path)
     (row,) = _rows(tmp_path / "run" / "metrics.jsonl")
     _same(row, first)
-    _run([sys.executable, str(script), "--output_dir", str(tmp_path / "lr"), "--learning_rate", "1e-5"], cwd=tmp_path)
-    assert _rows(tmp_path / "lr" / "metrics.jsonl")[0]["learning_rate"] == 1e-5
 
 
 def test_a_reward_from_a_module_only_the_working_directory_holds_is_named_when_exported_elsewhere(
@@ -77,7 +76,10 @@ def test_a_reward_from_a_module_only_the_working_directory_holds_is_named_when_e
     failed = subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path / "out")], cwd=tmp_path,
                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert failed.returncode != 0 and "No module named 'project_rewards'" in failed.stderr
-    _run([sys.executable, str(script), "--output_dir", str(tmp_path / "out")], cwd=tmp_path, PYTHONPATH=str(project))
+    # (and the script takes the config's fields as options)
+    _run([sys.executable, str(script), "--output_dir", str(tmp_path / "out"), "--learning_rate", "1e-5"], cwd=tmp_path,
+         PYTHONPATH=str(project))
+    assert _rows(tmp_path / "out" / "metrics.jsonl")[0]["learning_rate"] == 1e-5
     with warnings.catch_warnings(record=True) as beside:  # written beside the module: no warning
         warnings.simplefilter("always")
         session.export_script(project / "train.py")
@@ -154,9 +156,11 @@ def _notebook(path):
 
 def test_notebook_export_runs_unmodified(tmp_path):
     _notebook(tmp_path / "experiment.ipynb")
-    result = _run([sys.executable, "-m", "grpo_lab.cli", "export", "experiment.ipynb", "-o", "scripts/train.py"],
+    result = _run([sys.executable, "-X", "importtime", "-m", "grpo_lab.cli", "export", "experiment.ipynb",
+                   "-o", "scripts/train.py"],
                   cwd=tmp_path)
     assert "wrote scripts/train.py" in result.stdout
+    assert not re.search(r"\|\s+(torch|transformers|datasets)$", result.stderr, re.M)  # reads and writes text only
     script = (tmp_path / "scripts" / "train.py").read_text()
     assert "experiment.ipynb (cells 0, 1, 2, 3, 5)" in script and "session.run" not in script
     assert "session = GRPOTrainer(" in script and "args=_cli_config(config, {'temperature': 0.8})" in script
@@ -362,48 +366,40 @@ DDP_OPTIONS = ("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no
 
 
 @pytest.mark.slow
-def test_two_process_ddp_run_of_an_exported_script_tracks_one_process(make_session, tmp_path):
-    session = make_session(per_device_train_batch_size=8, max_steps=3, save_steps=3)
+def test_a_two_process_ddp_run_of_an_exported_script_tracks_one_process_and_resumes_like_the_uninterrupted_run(
+        make_session, tmp_path):
+    # one exported run on 2 processes, looked at three ways: resumed on 2 processes from its checkpoint-3,
+    # resumed on 1 process with the same global batch, and logged once. checkpoint-3 falls inside a
+    # generation batch (2 iterations per batch): the 2-process resume finishes that batch on each process's
+    # own completions, then samples new ones from each process's own random state
+    session = make_session(per_device_train_batch_size=8, num_iterations=2, max_steps=6, save_steps=3)
     script = session.export_script(tmp_path / "train.py")
-    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "ddp"),
-          "--per_device_train_batch_size", "4"],
-         cwd=tmp_path)
-    _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one")], cwd=tmp_path)
-    ddp, one = _rows(tmp_path / "ddp" / "metrics.jsonl"), _rows(tmp_path / "one" / "metrics.jsonl")
-    assert [r["step"] for r in ddp] == [1, 2, 3]  # logged once, by the main process
-    assert (tmp_path / "ddp" / "checkpoint-3" / "COMPLETE").exists()
-    # same global batch (2 x 4 = 8 completions) over the same prompts; completions are sampled
-    # independently, so rewards agree in distribution rather than exactly
-    for a, b in zip(ddp, one):
-        assert abs(a["completions/mean_length"] - b["completions/mean_length"]) < 1.5
-    mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
-    assert abs(mean(ddp) - mean(one)) < 0.5
-
-
-@pytest.mark.slow
-def test_two_process_ddp_run_resumed_from_a_checkpoint_finishes_like_the_uninterrupted_run(make_session, tmp_path):
-    # checkpoint-3 falls inside a generation batch (2 iterations per batch): the resumed run finishes
-    # that batch on each process's own completions, then samples new ones from each process's own
-    # random state
-    session = make_session(per_device_train_batch_size=4, num_iterations=2, max_steps=6, save_steps=3)
-    script = session.export_script(tmp_path / "train.py")
-    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "whole")], cwd=tmp_path)
+    _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "whole"),
+          "--per_device_train_batch_size", "4"], cwd=tmp_path)
     _run([*launch_two(*DDP_OPTIONS), str(script), "--output_dir", str(tmp_path / "resumed"),
-          "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
+          "--per_device_train_batch_size", "4", "--resume_from", str(tmp_path / "whole" / "checkpoint-3")],
+         cwd=tmp_path)
     whole, resumed = _rows(tmp_path / "whole" / "metrics.jsonl"), _rows(tmp_path / "resumed" / "metrics.jsonl")
-    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["step"] for r in whole] == [1, 2, 3, 4, 5, 6]  # logged once, by the main process
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert (tmp_path / "whole" / "checkpoint-3" / "COMPLETE").exists()
     for a, b in zip(whole[3:], resumed):
         _same(a, b)
-    # on one process the half-finished batch cannot be split again: it is dropped, with a warning, and
-    # step 4 is the first pass over a new batch (policy ratios all 1, nothing clipped) instead of the
-    # second pass over the saved one
+    # on one process (the script's own 8 completions a step: the same global batch, 2 x 4) the half-finished
+    # batch cannot be split again: it is dropped, with a warning, and step 4 is the first pass over a new
+    # batch (policy ratios all 1, nothing clipped) instead of the second pass over the saved one
     one = _run([sys.executable, str(script), "--output_dir", str(tmp_path / "one"),
-                "--per_device_train_batch_size", "8",
                 "--resume_from", str(tmp_path / "whole" / "checkpoint-3")], cwd=tmp_path)
     assert "written by 2 process(es) and is resumed on 1" in one.stderr and "batch is dropped" in one.stderr
     one_rows = _rows(tmp_path / "one" / "metrics.jsonl")
     assert [r["step"] for r in one_rows] == [4, 5, 6]
     assert whole[3]["clip_ratio/region_mean"] > 0 and one_rows[0]["clip_ratio/region_mean"] == 0
+    # from the same weights, the same global batch over the same prompts; completions are sampled
+    # independently, so lengths and rewards agree in distribution rather than exactly
+    for a, b in zip(whole[3:], one_rows):
+        assert abs(a["completions/mean_length"] - b["completions/mean_length"]) < 1.5
+    mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
+    assert abs(mean(whole[3:]) - mean(one_rows)) < 0.5
 
 
 def test_script_options_errors_are_one_line_and_help_shows_the_script_values(capsys, tmp_path):

@@ -79,12 +79,6 @@ def answered(completions, **kwargs):
     return [float(len(c) == 3 and c[1]["role"] == "tool" and "<answer>" in c[2]["content"]) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def tool_model(task, tmp_path_factory):
-    """The shipped model taught to call add and answer after its result; a directory with the tokenizer."""
-    return taught_to_add(task.model, tmp_path_factory.mktemp("tool_model"))
-
-
 def taught_to_add(model_dir: str, directory) -> str:
     """The model in ``model_dir`` taught to call add and answer after its result, saved with its
     tokenizer (the tool-calling template set) into ``directory``, whose path it returns."""

@@ -301,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = extra
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    _quiet_libraries()
-    from grpo_lab.trainer.doctor import DoctorStop
+    if args.command != "export":  # an export reads a notebook and writes a script: no library is loaded
+        _quiet_libraries()
+    from grpo_lab.doctor import DoctorStop
 
     args.out = sys.stdout
     # --json: stdout holds the one JSON object; what libraries print on the way (a DeepSpeed notice on a

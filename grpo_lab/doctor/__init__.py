@@ -10,6 +10,6 @@ template and special tokens, :mod:`~grpo_lab.doctor.memory` the memory forecast,
 Every finding and threshold is listed in docs/troubleshooting.md.
 """
 
-from grpo_lab.doctor.findings import SEVERITIES, Finding, Findings
+from grpo_lab.doctor.findings import SEVERITIES, DoctorStop, Finding, Findings
 
-__all__ = ["SEVERITIES", "Finding", "Findings"]
+__all__ = ["SEVERITIES", "DoctorStop", "Finding", "Findings"]

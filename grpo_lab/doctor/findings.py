@@ -110,3 +110,16 @@ class Findings(list):
 
 def _evidence_html(evidence: dict) -> str:
     return "<br>".join(f"{html.escape(name)}: {html.escape(_shown(value))}" for name, value in evidence.items())
+
+
+class DoctorStop(RuntimeError):
+    """``train()`` with ``doctor="stop"`` refused to start: the preflight probe found errors."""
+
+    def __init__(self, codes: list[str], findings: Findings):
+        super().__init__(
+            f"doctor='stop': the preflight probe found {len(codes)} error(s) ({', '.join(codes)}), so training did not "
+            f"start (no step ran, no checkpoint was written).\n{findings.above('warning')!r}\nApply each fix above "
+            "and call train() again; to train anyway, set doctor='warn' (the findings are printed and training "
+            "goes on) or doctor='off'."
+        )
+        self.codes = codes

@@ -17,7 +17,6 @@ from grpo_lab.export.functions import is_importable, reward_function_code
 from grpo_lab.export.local_imports import warn_local_imports
 from grpo_lab.export.script_file import HEADER, check_script_target, writing
 from grpo_lab.export.session_data import save_session_data
-from grpo_lab.rollout.environments import user_reward_funcs
 
 
 def export_session(session, path: str | Path) -> Path:
@@ -31,6 +30,8 @@ def export_session(session, path: str | Path) -> Path:
     imports, definitions, names, generation = _copied_functions(engine, secrets)
     rollout = [] if engine.rollout_func is None else [engine.rollout_func]
     environments = [] if engine.environments is None else list(engine.environments.factories.values())
+    from grpo_lab.rollout.environments import user_reward_funcs  # torch: not loaded by `grpo-lab export`
+
     warn_local_imports([*user_reward_funcs(engine), *rollout, *(engine.tools or []), *environments], path)
     data_dir = path.with_suffix(".data")
     config = _config_source(session.config.diff(), secrets)
@@ -76,6 +77,8 @@ def _save_data_or_nothing(engine, data_dir: Path, secrets: Secrets) -> None:
 def _copied_functions(engine, secrets: Secrets) -> tuple[list[str], list[str], list[str], list[str]]:
     """(import lines, definitions, reward function names, the ``rollout_func=``, ``tools=`` and
     ``environment_factory=`` argument lines) that recreate the session's functions."""
+    from grpo_lab.rollout.environments import user_reward_funcs
+
     imports, definitions, names = reward_function_code(user_reward_funcs(engine), secrets=secrets)
     generation = []
     for funcs, kind, argument in ((engine.rollout_func, "Rollout function", "rollout_func={}"),

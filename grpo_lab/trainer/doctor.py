@@ -15,7 +15,7 @@ import contextlib
 import json
 
 from grpo_lab.parallel.dist import from_main, on_main
-from grpo_lab.doctor import Finding, Findings
+from grpo_lab.doctor import DoctorStop, Finding, Findings
 
 FINDINGS_FILE = "findings.jsonl"
 _probe_only = False  # set by probe_only(): train() runs the probe and stops, whatever GRPOConfig.doctor says
@@ -52,19 +52,6 @@ def refuse_after_probe() -> None:
     writes nothing."""
     if _probed is not None:
         raise ProbeDone(_probed)
-
-
-class DoctorStop(RuntimeError):
-    """``train()`` with ``doctor="stop"`` refused to start: the preflight probe found errors."""
-
-    def __init__(self, codes: list[str], findings: Findings):
-        super().__init__(
-            f"doctor='stop': the preflight probe found {len(codes)} error(s) ({', '.join(codes)}), so training did not "
-            f"start (no step ran, no checkpoint was written).\n{findings.above('warning')!r}\nApply each fix above "
-            "and call train() again; to train anyway, set doctor='warn' (the findings are printed and training "
-            "goes on) or doctor='off'."
-        )
-        self.codes = codes
 
 
 def preflight(trainer) -> None:
