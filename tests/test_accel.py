@@ -17,9 +17,11 @@ from grpo_lab.accel import compact_forward
 LOADED_SPEED_PATHS = "sorted(name for name in sys.modules if name.startswith('grpo_lab.accel.'))"
 
 
-def _in_a_fresh_process(code: str):
+def _in_a_fresh_process(code: str, stderr: list | None = None):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(done.stderr)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -29,7 +31,8 @@ def test_importing_the_package_and_the_engine_loads_no_speed_path():
     ) == []
 
 
-def test_a_run_that_turns_the_speed_paths_off_never_loads_them(tmp_path):
+def test_a_run_that_turns_the_speed_paths_off_never_loads_them_nor_deepspeed_and_no_library_notice_is_printed(
+        tmp_path):
     code = f"""
 import json, sys
 from grpo_lab import GRPOConfig, GRPOSession
@@ -41,9 +44,13 @@ config = GRPOConfig(**{{**SMALL, "output_dir": {str(tmp_path)!r}}}, compact_forw
                     keep_freed_cpu_memory=False, use_cpu=True)
 session = GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
 session.step()
-print(json.dumps({LOADED_SPEED_PATHS}))
+print(json.dumps([*{LOADED_SPEED_PATHS}, *(["deepspeed"] if "deepspeed" in sys.modules else [])]))
 """
-    assert _in_a_fresh_process(code) == []
+    stderr = []
+    assert _in_a_fresh_process(code, stderr) == []
+    # bitsandbytes (imported by transformers' trainer utilities through peft) and DeepSpeed (whose
+    # import says which accelerator it found) print nothing into a run that uses neither
+    assert "gemm_4bit" not in stderr[0] and "Setting accelerator" not in stderr[0] and "WARNING" not in stderr[0]
 
 
 def _steps(session, count=2):

@@ -24,7 +24,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from transformers import TrainerState, set_seed
 
 from grpo_lab import ops
 from grpo_lab.parallel import dist, zero
@@ -33,6 +32,7 @@ from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config.grpo_config import GRPOConfig
 from grpo_lab.core.evaluation import EvaluationStage
 from grpo_lab.core.generation import GenerationStage
+from grpo_lab.core.hf_trainer_types import TrainerState, set_seed
 from grpo_lab.core.loss import LossStage
 from grpo_lab.parallel.layout import layout_for
 from grpo_lab.core.metrics import generation_metrics, sampling_metrics, tool_metrics
@@ -80,7 +80,7 @@ class Engine:
         given_optimizer, scheduler = optimizers
         self.model, optimizer = self.accelerator.prepare(
             policy, optimizer_for(policy, config) if given_optimizer is None else given_optimizer)
-        self.unwrapped_model = self.accelerator.unwrap_model(self.model)  # once, not at every use
+        self.unwrapped_model = self.layout.unwrap(self.model)  # once, not at every use
         if self.ref_model is not None:  # FSDP: sharded like the policy, not a whole copy on every process
             self.ref_model = self.layout.shard_frozen_copy(self.ref_model)
         self.given_eval_dataset, self.eval_dataset = eval_dataset, build.named_eval_dataset(eval_dataset)  # given; read

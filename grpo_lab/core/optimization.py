@@ -83,7 +83,7 @@ def check_schedule_kwargs(scheduler_type, kwargs: dict) -> None:
     import inspect
 
     from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
-    from transformers.trainer_utils import SchedulerType
+    from grpo_lab.core.hf_trainer_types import SchedulerType
 
     function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(scheduler_type)]
     given = {"optimizer", "num_warmup_steps", "num_training_steps"}

@@ -66,6 +66,16 @@ class Layout:
         place, so that each process holds its share of it and not a whole copy; here ``model`` as it is."""
         return model
 
+    def unwrap(self, model):
+        """The model inside what ``accelerator.prepare`` put around it: ``torch.compile``'s module, then
+        data parallel's (FSDP 2 shards the model in place and wraps nothing). accelerate's own
+        ``unwrap_model`` imports DeepSpeed, when installed, to look for its engine: a run that does not
+        use DeepSpeed neither loads it nor prints its start-up notice."""
+        model = getattr(model, "_orig_mod", model)
+        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        return model
+
     def reshard(self, model) -> None:
         """Free the whole parameters a forward pass without backward left gathered, so that only each
         process's shards remain; nothing here."""
@@ -228,6 +238,9 @@ class ZeROLayout(Layout):
     def __repr__(self) -> str:
         return f"ZeROLayout(stage={self.stage})"
 
+    def unwrap(self, model):
+        return self.accelerator.unwrap_model(model)  # DeepSpeed's engine
+
     def check_savable(self) -> None:
         if self.stage == 1:
             raise NotImplementedError(
@@ -274,14 +287,14 @@ class ZeROLayout(Layout):
             model.load_state_dict(state)
 
     def full_model_state(self, model, *, adapter_only: bool = False) -> dict | None:
-        return zero.full_model_state(self.accelerator, self.accelerator.unwrap_model(model), adapter_only=adapter_only)
+        return zero.full_model_state(self.accelerator, self.unwrap(model), adapter_only=adapter_only)
 
     def full_optimizer_state(self, model, optimizer) -> dict | None:
         # always by name: DeepSpeed's own state dict holds objects
-        return zero.full_optimizer_state(self.accelerator, self.accelerator.unwrap_model(model), optimizer)
+        return zero.full_optimizer_state(self.accelerator, self.unwrap(model), optimizer)
 
     def load_optimizer_state(self, model, optimizer, state: dict, *, by_name: bool) -> None:
-        zero.load_optimizer_state(self.accelerator.unwrap_model(model), optimizer, state, by_name=by_name)
+        zero.load_optimizer_state(self.unwrap(model), optimizer, state, by_name=by_name)
 
 
 def layout_for(accelerator) -> Layout:

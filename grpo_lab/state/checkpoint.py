@@ -351,7 +351,7 @@ def restore_engine(engine, state: dict, rng: dict | None) -> None:
     if rng is not None:
         set_rng_state(rng)
     else:
-        from transformers import set_seed
+        from grpo_lab.core.hf_trainer_types import set_seed
 
         set_seed(engine.config.seed + engine.accelerator.process_index)
     engine.publish_weights()

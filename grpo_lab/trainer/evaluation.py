@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from transformers.trainer_utils import speed_metrics
+from grpo_lab.core.hf_trainer_types import speed_metrics
 
 from grpo_lab.state.checkpoint import load_saved_weights, saved_model_dir
 from grpo_lab.parallel.dist import on_main

@@ -31,8 +31,14 @@ import math
 import time
 from pathlib import Path
 
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, TrainerControl, TrainerState
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from grpo_lab.core.hf_trainer_types import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerControl,
+    TrainerState,
+    TrainOutput,
+    speed_metrics,
+)
 from grpo_lab.config.grpo_config import evaluation_due
 
 LAST_STEP_KEYS = frozenset({"grad_norm", "learning_rate", "num_tokens", "epoch"})
