@@ -1,6 +1,7 @@
 """The experiment layer: undo, fork and what-if (grpo_lab/session/experiments.py, grpo_lab/session/what_if.py)."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -214,7 +215,23 @@ def test_what_if_token_weights_are_the_losses_derivatives_by_hand(make_session):
     torch.testing.assert_close(found.token_weights[0], dapo, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(found.token_weights[1], grpo, rtol=1e-5, atol=1e-8)
     html = found._repr_html_()
-    assert "d loss / d logprob" in html and html.count("grpo-token") > 10
+    assert "−d loss / d log-prob (red: made likelier, blue: made less likely, white: 0)" in html
+    assert html.count("grpo-token") > 10
+    # the colours of every signed token view: a token of a completion with a positive advantage is made
+    # likelier by the update, and red, as in the completions view's advantage x ratio
+    shown = len(found.sample_index_B)
+    rows = re.findall(r"<div><code>[^<]*</code>: (.*?)</div>", found.heatmap(completions=shown))
+    assert len(rows) == shown * 2
+    for row, advantage in enumerate(advantages.tolist()):
+        if advantage == 0:
+            continue
+        colours = {colour for colour, alpha in re.findall(r"background:rgba\((\d+,\d+,\d+),([\d.]+)\)", rows[2 * row])
+                   if float(alpha) > 0}  # transparent: a token the update does not move
+        assert colours == {"214,39,40" if advantage > 0 else "31,119,180"}, (row, advantage)
+    from grpo_lab.views.render import SIGNED_COLOURS, token_legend
+    from grpo_lab.views.data import TokenScale
+
+    assert SIGNED_COLOURS in token_legend("advantage_x_ratio", TokenScale(-1.0, 1.0, "diverging"))
 
 
 def test_what_if_lookahead_steps_each_setting_and_puts_the_session_back(make_session):

@@ -121,9 +121,11 @@ class WhatIf:
 
     def heatmap(self, completions: int = 2) -> str:
         """HTML: the first ``completions`` completions of the step, once per setting, each token
-        coloured by its weight on one diverging scale for all (hover for the value)."""
+        coloured by the update's push on its log-prob, ``-token_weights`` (positive: made likelier), on
+        one diverging scale for all and in the colours of every signed token view (hover for the value)."""
         from grpo_lab.views import data, render
 
+        quantity = "push (−d loss / d logprob)"
         stacked = torch.stack(self.token_weights)
         scale = data.TokenScale(-float(stacked.abs().max()), float(stacked.abs().max()), "diverging")
         rows = []
@@ -131,12 +133,11 @@ class WhatIf:
             ids = self.completion_ids[row]
             rows.append(f"<p><b>completion {int(self.sample_index_B[row])}</b></p>")
             for case, weights_BT in zip(self.cases, self.token_weights):
-                tokens = [(self.tokenizer.decode([i]), float(w)) for i, w in zip(ids, weights_BT[row])]
-                rows.append(f"<div><code>{_label(case)}</code>: "
-                            f"{render.token_spans(tokens, 'd loss / d logprob', scale)}</div>")
-        legend = render.colour_bar("d loss / d logprob", scale)
-        return (f"<p>Each token's weight in the update, d loss / d log-prob (blue: made likelier, red: less "
-                f"likely) {legend}</p>" + "".join(rows))
+                tokens = [(self.tokenizer.decode([i]), -float(w)) for i, w in zip(ids, weights_BT[row])]
+                rows.append(f"<div><code>{_label(case)}</code>: {render.token_spans(tokens, quantity, scale)}</div>")
+        legend = render.colour_bar(quantity, scale)
+        return (f"<p class='grpo-token-legend'>Each token's push in the update, −d loss / d log-prob "
+                f"({render.SIGNED_COLOURS}) {legend}</p>" + "".join(rows))
 
     def _repr_html_(self) -> str:
         table = self.to_pandas().to_html(float_format=lambda v: f"{v:.4g}", border=0)

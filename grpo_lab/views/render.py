@@ -85,6 +85,9 @@ def table_html(frame: pd.DataFrame, columns: list[Column], title: str, css_class
 
 # ---------------------------------------------------------------------------------- token colours
 _RED, _BLUE = "214,39,40", "31,119,180"
+SIGNED_COLOURS = "red: made likelier, blue: made less likely, white: 0"
+"""The one convention for a signed quantity per token, in every view (the completions view's
+``advantage_x_ratio``, ``what_if``'s heatmap): red pushes the token's probability up, blue down."""
 _MEANING = {
     "logprob": (
         "probability of the token under the policy at the last loss(), exp(log-prob), on a fixed 0..1 scale: "
@@ -92,8 +95,8 @@ _MEANING = {
     ),
     "entropy": "entropy of the policy at the token at the last loss(), in nats; redder is more uncertain",
     "advantage_x_ratio": (
-        "advantage × ratio: the completion's advantage times the token's ratio π/π_old at the last loss(); red "
-        "positive (made likelier), blue negative (made less likely), white 0"
+        "advantage × ratio: the completion's advantage times the token's ratio π/π_old at the last loss(); "
+        + SIGNED_COLOURS
     ),
     "clipped": "red where the clip removed the token's gradient",
     "vllm_logprob_gap": (
