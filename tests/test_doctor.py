@@ -69,7 +69,26 @@ def test_a_constant_reward_function_is_named(make_session):
     assert "'always_0.5'" in beside_noise.message and "same value (0.5)" in beside_noise.message
     assert "learns from 'noise' alone" in beside_noise.message
     alone = _only(make_session(reward_funcs=[always(0.5)]).doctor(), "reward_constant")
-    assert alone.severity == "warning"
+    assert alone.severity == "error"  # alone, it makes every advantage 0: nothing is learned
+
+
+def test_the_root_cause_comes_first_and_its_consequences_follow_under_it(make_session):
+    # a reward that is always 0: every group ties at the lowest reward, "too hard" as a symptom
+    findings = make_session(reward_funcs=[always(0.0)]).doctor()
+    assert findings[0].code == "reward_constant" and findings[0].severity == "error" and not findings[0].cause
+    too_hard = _only(findings, "groups_too_hard")
+    assert too_hard.cause == "reward_constant" and findings.index(too_hard) == 1
+    assert too_hard.fix.startswith("Fix reward_constant first (above): it explains this finding.")
+    assert "    [error] groups_too_hard (follows from reward_constant): " in repr(findings)
+    assert "follows from <code>reward_constant</code>" in findings._repr_html_()
+    # completions cut at 2 tokens: the cut explains the rewards and the tied groups below it
+    findings = make_session(max_completion_length=2).doctor()
+    assert findings[0].code == "truncation" and not findings[0].cause
+    consequences = [f for f in findings if f.code in ("reward_constant", "groups_too_hard", "groups_tied",
+                                                      "zero_advantage_micro_batches")]
+    assert consequences and all(f.cause == "truncation" for f in consequences)
+    causes = [f.cause for f in findings]
+    assert causes[:len(consequences) + 1] == ["", *["truncation"] * len(consequences)]  # grouped under it
 
 
 def test_a_reward_that_varies_only_between_prompts_gives_no_signal(make_session):
@@ -233,10 +252,17 @@ def test_findings_are_empty_before_the_first_doctor_and_render(make_session):
     session = make_session(max_completion_length=2)
     assert session.findings == [] and "no findings" in repr(session.findings)
     findings = session.doctor()
-    assert [f.severity for f in findings] == sorted((f.severity for f in findings),
-                                                   key=["error", "warning", "info"].index)
+    groups = []  # a root cause and the findings under it, in the order shown
+    for finding in findings:
+        if finding.cause:
+            assert groups and finding.cause == groups[-1][0].code
+            groups[-1].append(finding)
+        else:
+            groups.append([finding])
+    severest = [max(f.rank for f in group) for group in groups]
+    assert severest == sorted(severest, reverse=True)  # the groups most severe first
     frame = findings.to_pandas()
-    assert list(frame.columns) == ["code", "severity", "message", "evidence", "fix"]
+    assert list(frame.columns) == ["code", "severity", "message", "evidence", "fix", "cause"]
     assert frame["code"].tolist() == findings.codes
     assert "[error] truncation" in repr(findings) and "<table" in findings._repr_html_()
 

@@ -30,6 +30,9 @@ class Finding:
     message: str
     evidence: dict = field(default_factory=dict)
     fix: str = ""
+    cause: str = ""
+    """The code of the finding this one follows from ("" for a root cause): :class:`Findings` shows a
+    consequence under its cause, whose fix is the one to apply first."""
 
     def __post_init__(self):
         if self.severity not in SEVERITIES:
@@ -43,18 +46,21 @@ class Finding:
     def to_dict(self) -> dict:
         """The finding as plain values (JSON-ready where its evidence is), for checkpoints and logs."""
         return {"code": self.code, "severity": self.severity, "message": self.message,
-                "evidence": dict(self.evidence), "fix": self.fix}
+                "evidence": dict(self.evidence), "fix": self.fix, "cause": self.cause}
 
     @classmethod
     def from_dict(cls, values: dict) -> Finding:
-        """The finding :meth:`to_dict` wrote."""
-        return cls(values["code"], values["severity"], values["message"], dict(values["evidence"]), values["fix"])
+        """The finding :meth:`to_dict` wrote (one written before causes were recorded has none)."""
+        return cls(values["code"], values["severity"], values["message"], dict(values["evidence"]), values["fix"],
+                   values.get("cause", ""))
 
     def __str__(self) -> str:
-        lines = [f"[{self.severity}] {self.code}: {self.message}"]
-        lines += [f"    {name}: {_shown(value)}" for name, value in self.evidence.items()]
+        indent = "    " if self.cause else ""
+        follows = f" (follows from {self.cause})" if self.cause else ""
+        lines = [f"{indent}[{self.severity}] {self.code}{follows}: {self.message}"]
+        lines += [f"{indent}    {name}: {_shown(value)}" for name, value in self.evidence.items()]
         if self.fix:
-            lines.append(f"    fix: {self.fix}")
+            lines.append(f"{indent}    fix: {self.fix}")
         return "\n".join(lines)
 
 
@@ -67,11 +73,24 @@ def _shown(value) -> str:
 
 
 class Findings(list):
-    """The findings of one ``doctor()`` call, most severe first: a list of :class:`Finding` with a
-    readable ``repr``, a notebook table (``_repr_html_``) and ``to_pandas()``."""
+    """The findings of one ``doctor()`` call, grouped by cause: each root cause (a finding with no
+    ``cause`` among these findings) followed by the findings that follow from it, the groups most
+    severe first (a group is as severe as its most severe member), the consequences most severe
+    first within theirs. A list of :class:`Finding` with a readable ``repr``, a notebook table
+    (``_repr_html_``) and ``to_pandas()``."""
 
     def __init__(self, findings=()):
-        super().__init__(sorted(findings, key=lambda finding: -finding.rank))
+        findings = list(findings)
+        codes = {finding.code for finding in findings}
+        roots = [f for f in findings if f.cause not in codes]
+        under = {root.code: sorted((f for f in findings if f.cause == root.code and f is not root),
+                                   key=lambda f: -f.rank) for root in roots}
+        group_rank = {root.code: max([root.rank, *(f.rank for f in under[root.code])]) for root in roots}
+        ordered = []
+        for root in sorted(roots, key=lambda f: (-group_rank[f.code], -f.rank)):
+            ordered += [root, *under[root.code]]
+        placed = {id(f) for f in ordered}  # a consequence of a consequence: after the groups
+        super().__init__(ordered + [f for f in findings if id(f) not in placed])
 
     @property
     def codes(self) -> list[str]:
@@ -82,10 +101,10 @@ class Findings(list):
         return Findings(finding for finding in self if finding.rank > SEVERITIES.index(severity))
 
     def to_pandas(self) -> pd.DataFrame:
-        """One row per finding: code, severity, message, evidence (a dict), fix."""
+        """One row per finding: code, severity, message, evidence (a dict), fix, cause."""
         import pandas as pd
 
-        columns = ["code", "severity", "message", "evidence", "fix"]
+        columns = ["code", "severity", "message", "evidence", "fix", "cause"]
         return pd.DataFrame([[getattr(finding, name) for name in columns] for finding in self], columns=columns)
 
     def summary(self) -> str:
@@ -99,13 +118,20 @@ class Findings(list):
 
     def _repr_html_(self) -> str:
         rows = "".join(
-            f"<tr><td><b>{html.escape(f.severity)}</b></td><td><code>{html.escape(f.code)}</code></td>"
+            f"<tr><td><b>{html.escape(f.severity)}</b></td><td>{_code_html(f)}</td>"
             f"<td>{html.escape(f.message)}</td><td>{_evidence_html(f.evidence)}</td><td>{html.escape(f.fix)}</td></tr>"
             for f in self
         )
         head = "<tr><th>severity</th><th>code</th><th>cause</th><th>evidence</th><th>fix</th></tr>"
         table = f"<table border=0>{head}{rows}</table>" if self else ""
         return f"<p><b>Findings</b>: {html.escape(self.summary())}</p>{table}"
+
+
+def _code_html(finding: Finding) -> str:
+    if not finding.cause:
+        return f"<code>{html.escape(finding.code)}</code>"
+    return (f"<span style='padding-left:1.2em'>↳ <code>{html.escape(finding.code)}</code></span><br>"
+            f"<small>follows from <code>{html.escape(finding.cause)}</code></small>")
 
 
 def _evidence_html(evidence: dict) -> str:

@@ -9,6 +9,7 @@ Shapes: B completions of the probe batch, F reward functions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -146,7 +147,7 @@ def _always_none(name: str, total: int) -> Finding:
 def _constant(name, finite, values_B, varying) -> Finding:
     others = f" The run learns from {', '.join(map(repr, varying))} alone." if varying else ""
     return Finding(
-        "reward_constant", "info" if varying else "warning",
+        "reward_constant", "info" if varying else "error",
         f"Reward function {name!r} gave every completion of the probe the same value ({float(finite[0]):g}): "
         f"GRPO compares completions of the same prompt, so a constant adds nothing to any advantage.{others}",
         {"value": float(finite[0]), "completions": len(finite), "None": int(torch.isnan(values_B).sum())},
@@ -313,3 +314,30 @@ def sampling_gap(mean_gap: float | None, max_gap: float | None, *,
         "Start the vLLM server with the training precision (--dtype), leave top_p/top_k/min_p at their defaults, and "
         "keep vllm_importance_sampling_correction=True (the default) so that the loss reweights the gap.",
     )]
+
+
+# ---------------------------------------------------------------------------------------- causes
+UPSTREAM = ("truncation", "reward_always_none", "reward_constant", "reward_between_prompts_only")
+"""Findings that, as errors, explain the others below them, most upstream first: answers cut before
+they end score alike, and a reward that scores nothing, one value, or the prompt alone makes every
+group tie."""
+DOWNSTREAM = ("groups_too_easy", "groups_too_hard", "groups_tied", "zero_advantage_micro_batches")
+"""Findings about tied groups, which a cause upstream accounts for."""
+
+
+def link_causes(findings: list[Finding]) -> list[Finding]:
+    """``findings`` with the root cause named: the most upstream error of :data:`UPSTREAM` becomes the
+    ``cause`` of the other upstream findings and of every :data:`DOWNSTREAM` one, whose fix then starts
+    from it (e.g. a reward that is always 0 makes every group "too hard": the fix is the reward, not
+    easier prompts). Without such an error, the findings as they are."""
+    root = next((f for code in UPSTREAM for f in findings if f.code == code and f.severity == "error"), None)
+    if root is None:
+        return findings
+    linked = []
+    for finding in findings:
+        if finding is not root and finding.code in UPSTREAM + DOWNSTREAM:
+            finding = dataclasses.replace(
+                finding, cause=root.code,
+                fix=f"Fix {root.code} first (above): it explains this finding. If it stays after that: {finding.fix}")
+        linked.append(finding)
+    return linked

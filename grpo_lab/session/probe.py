@@ -82,7 +82,7 @@ def batch_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> l
     rollout = scores.rollout
     declared = {name: getattr(func, "max_reward", None) for name, func in zip(scores.reward_names, engine.reward_funcs)}
     entropy_bonus = config.entropy_coef != 0.0 or config.use_adaptive_entropy
-    return [
+    return rules.link_causes([
         *rules.truncation(rollout.completion_lengths_B, rollout.is_truncated_B, rollout.completion_texts,
                           max_completion_length=config.max_completion_length,
                           mask_truncated_completions=config.mask_truncated_completions, thresholds=thresholds),
@@ -96,7 +96,7 @@ def batch_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> l
         *rules.zero_advantage_micro_batches(advantages.advantages_B,
                                             micro_batch_size=config.per_device_train_batch_size,
                                             skip_backward=config.skip_zero_advantage_backward, thresholds=thresholds),
-    ]
+    ])
 
 
 def token_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
