@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from grpo_lab.errors import show_usage_errors_briefly
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -25,3 +27,7 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'grpo_lab' has no attribute {name!r}")
+
+
+# Inside IPython a usage error shows as its message, the traceback one %tb away (grpo_lab.errors).
+show_usage_errors_briefly()

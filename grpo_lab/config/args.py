@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_lab import notices
+from grpo_lab.errors import ConfigError
 
 
 def read_yaml_mapping(path, what: str = "GRPOConfig fields") -> dict[str, Any]:
@@ -37,9 +38,9 @@ def read_yaml_mapping(path, what: str = "GRPOConfig fields") -> dict[str, Any]:
     try:
         values = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a mapping of {what}, got {type(values).__name__}.")
+        raise ConfigError(f"{path} must hold a mapping of {what}, got {type(values).__name__}.")
     return values
 
 
@@ -117,7 +118,7 @@ def parse_value(config_class, name: str, raw: str):
         annotation = str(_annotations(config_class)[name])
         shown = "" if annotation == kind else f" ({annotation})"
         hint = " Give it as JSON, e.g. '{\"name\": 1}'." if kind == "dict" else ""
-        raise ValueError(f"--{name}: cannot read {raw!r} as {kind}{shown}.{hint}") from None
+        raise ConfigError(f"--{name}: cannot read {raw!r} as {kind}{shown}.{hint}") from None
     if name == "scale_rewards" and text.lower() in ("true", "false"):
         return text.lower() == "true"
     return text
@@ -143,15 +144,15 @@ def normalise(config) -> None:
             try:
                 object.__setattr__(config, name, json.loads(value))
             except json.JSONDecodeError as error:
-                raise ValueError(f"{name} is not valid JSON ({error}): give a dict or a JSON object string.") from None
+                raise ConfigError(f"{name} is not valid JSON ({error}): give a dict or a JSON object string.") from None
         if getattr(config, name) is not None and not isinstance(getattr(config, name), dict):
-            raise ValueError(f"{name} must be a dict (or a JSON object string), got {getattr(config, name)!r}.")
+            raise ConfigError(f"{name} must be a dict (or a JSON object string), got {getattr(config, name)!r}.")
     multiple = config.pad_to_multiple_of
     if isinstance(multiple, str) and multiple != "auto":  # TRL's command-line spellings
         multiple = None if multiple.lower() in ("none", "null") else int(multiple) if multiple.isdigit() else multiple
         object.__setattr__(config, "pad_to_multiple_of", multiple)
     if multiple not in ("auto", None) and (not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1):
-        raise ValueError(f"pad_to_multiple_of must be an int >= 1, None or 'auto' (got {multiple!r}).")
+        raise ConfigError(f"pad_to_multiple_of must be an int >= 1, None or 'auto' (got {multiple!r}).")
     if config.scale_rewards is True:
         object.__setattr__(config, "scale_rewards", "group")
     elif config.scale_rewards is False:
@@ -236,7 +237,7 @@ def _parser(config_class):
             return super().add_argument(*names, **kwargs)
 
         def error(self, message):
-            raise ValueError(message)
+            raise ConfigError(message)
 
     parser = ConfigParser(config_class, add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--config", action="append", default=[])
@@ -275,17 +276,17 @@ def config_from_args(config_class, argv: list[str] | None = None, base=None):
     except argparse.ArgumentError as error:
         option = (error.argument_name or "").split("/")[0]
         if error.message.startswith("expected"):
-            raise ValueError(f"{option} needs a value, e.g. {option} VALUE.") from None
-        raise ValueError(error.message) from None
+            raise ConfigError(f"{option} needs a value, e.g. {option} VALUE.") from None
+        raise ConfigError(error.message) from None
     if unknown:
         if not unknown[0].startswith("--"):
-            raise ValueError(f"Unexpected argument {unknown[0]!r}: give config fields as --name value.")
+            raise ConfigError(f"Unexpected argument {unknown[0]!r}: give config fields as --name value.")
         name = unknown[0][2:].partition("=")[0].replace("-", "_")
-        raise ValueError(f"Unknown option --{name}{suggestion(config_class, name, prefix='--')}")
+        raise ConfigError(f"Unknown option --{name}{suggestion(config_class, name, prefix='--')}")
     values = base.to_dict() if base is not None else {}
     for path in given.config:
         if not Path(path).is_file():
-            raise ValueError(f"--config {path}: no such file (give a YAML file of GRPOConfig fields).")
+            raise ConfigError(f"--config {path}: no such file (give a YAML file of GRPOConfig fields).")
         values.update(read_yaml_mapping(path))
     values.update({name: value for name, value in vars(given).items() if name != "config"})
     return config_class(**values)

@@ -20,6 +20,7 @@ from grpo_lab.config.args import normalise
 from grpo_lab.config.trainer_args import check_trainer_arguments, optimizer_names
 from grpo_lab.doctor.thresholds import check_config as check_doctor_thresholds
 from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high, loss_spec
+from grpo_lab.errors import ConfigError
 
 SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
 """Where the trainer can send metrics besides ``output_dir/metrics.jsonl`` (:mod:`grpo_lab.trainer.reporting`):
@@ -71,9 +72,9 @@ def validate(config) -> None:
     _check_generation(config)
     check_doctor_thresholds(config)
     if config.bf16 and config.fp16:
-        raise ValueError("bf16 and fp16 cannot both be True: choose one mixed precision.")
+        raise ConfigError("bf16 and fp16 cannot both be True: choose one mixed precision.")
     if config.fp16 and config.use_cpu:
-        raise ValueError("fp16 needs a GPU but use_cpu=True: set fp16=False.")
+        raise ConfigError("fp16 needs a GPU but use_cpu=True: set fp16=False.")
     config.resolve(int(os.environ.get("WORLD_SIZE", "1")))
     defaults = field_defaults(type(config))
     for name, reason in NOT_YET_IMPLEMENTED.items():
@@ -114,7 +115,7 @@ def _check_choices(config) -> None:
 
 def _check_counts(config) -> None:
     if not isinstance(config.num_generations, int) or config.num_generations < 2:
-        raise ValueError(
+        raise ConfigError(
             f"num_generations must be at least 2 (got {config.num_generations!r}): GRPO compares the "
             "completions of one prompt with each other. Set num_generations=2 or more (TRL's default is 8)."
         )
@@ -125,20 +126,20 @@ def _check_counts(config) -> None:
         ks = config.eval_pass_at_k
         if not isinstance(ks, (list, tuple)) or not all(isinstance(k, int) and not isinstance(k, bool) and
                                                          1 <= k <= samples for k in ks):
-            raise ValueError(
+            raise ConfigError(
                 f"eval_pass_at_k must be a list of whole numbers k with 1 <= k <= {samples}, the completions per "
                 f"prompt in evaluation (num_generations_eval, else num_generations); got {ks!r}. E.g. "
                 f"eval_pass_at_k=[1, {samples}]."
             )
     if not _number(config.eval_pass_threshold) or not math.isfinite(config.eval_pass_threshold):
-        raise ValueError(f"eval_pass_threshold must be a finite number, got {config.eval_pass_threshold!r}.")
+        raise ConfigError(f"eval_pass_threshold must be a finite number, got {config.eval_pass_threshold!r}.")
     for name in ("max_completion_length", "per_device_train_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps", "num_iterations", "ref_model_sync_steps"):
         _at_least(name, getattr(config, name), 1)
     for name in ("logging_steps", "save_steps"):
         value = getattr(config, name)
         if not _number(value) or value <= 0 or (value > 1 and value != int(value)):
-            raise ValueError(
+            raise ConfigError(
                 f"{name} must be a whole number of steps >= 1, or a fraction of the run in (0, 1) (got {value!r})."
             )
     for name in ("generation_batch_size", "steps_per_generation", "save_total_limit"):
@@ -149,7 +150,7 @@ def _check_counts(config) -> None:
         _at_least("undo_steps", config.undo_steps, 0, hint=" (0 turns undo off)")
     warmup = config.warmup_steps
     if not _number(warmup) or warmup < 0 or (isinstance(warmup, float) and warmup >= 1):
-        raise ValueError(
+        raise ConfigError(
             f"warmup_steps must be a whole number of steps >= 0, or a fraction of the run in [0, 1) "
             f"(got {warmup!r})."
         )
@@ -183,7 +184,7 @@ def _check_seeds(config) -> None:
             continue
         whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         kind = "" if whole else f", a {type(value).__name__}"
-        raise ValueError(
+        raise ConfigError(
             f"{name} must be an int in [0, 2**32 - 1] (got {value!r}{kind}): random number generators take "
             f"whole numbers in that range. Set {name}=42 or another whole number"
             f"{', or None to use seed' if name == 'data_seed' else ''}."
@@ -196,7 +197,7 @@ def _check_loss_settings(config) -> None:
     if spec.clipping == "cap" and (config.epsilon_high is None or config.epsilon_high < 1):
         got = "None, which falls back to epsilon" if config.epsilon_high is None else repr(config.epsilon_high)
         cap = default_epsilon_high(config.epsilon, config.epsilon_high)
-        raise ValueError(
+        raise ConfigError(
             f"loss_type={loss!r} caps the importance ratio at epsilon_high itself (not 1 + epsilon_high), and "
             f"epsilon_high is {got}: a cap of {cap:g}, below the ratio 1 of every on-policy token, would "
             f"scale every token's weight down to {cap:g}. Set epsilon_high=5.0 (the value TRL recommends, "
@@ -206,7 +207,7 @@ def _check_loss_settings(config) -> None:
                if name not in spec.reads and getattr(config, name) is not None]
     if ignored:
         settings = " and ".join(f"{n}={getattr(config, n)!r}" for n in ignored)
-        raise ValueError(
+        raise ConfigError(
             f"loss_type={loss!r} {spec.instead_of_clipping}, so {settings} would be "
             f"ignored (TRL ignores {'it' if len(ignored) == 1 else 'them'} silently). Set "
             f"{' and '.join(f'{n}=None' for n in ignored)}, or choose a clipped loss ({', '.join(CLIP_LOSSES)}) "
@@ -216,7 +217,7 @@ def _check_loss_settings(config) -> None:
 
 def _check_ranges(config) -> None:
     if config.entropy_coef_min > config.entropy_coef_max:
-        raise ValueError(
+        raise ConfigError(
             f"entropy_coef_min ({config.entropy_coef_min}) is above entropy_coef_max ({config.entropy_coef_max}): "
             "the adaptive entropy weight would have no room. Lower entropy_coef_min or raise entropy_coef_max."
         )
@@ -224,11 +225,11 @@ def _check_ranges(config) -> None:
         _positive(config, "off_policy_mask_threshold")
     rounds = config.max_tool_calling_iterations
     if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0):
-        raise ValueError(f"max_tool_calling_iterations must be an int >= 0, or None for no limit (got {rounds!r}).")
+        raise ConfigError(f"max_tool_calling_iterations must be an int >= 0, or None for no limit (got {rounds!r}).")
     if not isinstance(config.num_train_epochs, (int, float)) or config.num_train_epochs <= 0:
-        raise ValueError(f"num_train_epochs must be > 0 (got {config.num_train_epochs!r}), or set max_steps.")
+        raise ConfigError(f"num_train_epochs must be > 0 (got {config.num_train_epochs!r}), or set max_steps.")
     if not isinstance(config.max_steps, int) or (config.max_steps < 1 and config.max_steps != -1):
-        raise ValueError(
+        raise ConfigError(
             f"max_steps must be a positive number of steps, or -1 to use num_train_epochs (got {config.max_steps!r})."
         )
     _in_unit("top_p", config.top_p, low_open=True)
@@ -239,7 +240,7 @@ def _check_ranges(config) -> None:
     if config.delta is not None:
         upper = 1 + default_epsilon_high(config.epsilon, config.epsilon_high)
         if not isinstance(config.delta, (int, float)) or config.delta <= upper:
-            raise ValueError(
+            raise ConfigError(
                 f"delta must be greater than 1 + epsilon_high = {upper:g} (got {config.delta!r}): it caps the "
                 "unclipped ratio above the clipping range. INTELLECT-2 uses delta=4; set delta=None to disable."
             )
@@ -251,17 +252,17 @@ def _check_reward_weights(config) -> None:
     if isinstance(config.reward_weights, (int, float)) or not all(
         isinstance(w, (int, float)) and not isinstance(w, bool) for w in config.reward_weights
     ):
-        raise ValueError(
+        raise ConfigError(
             f"reward_weights must be a list of numbers, one per reward function (got {config.reward_weights!r})."
         )
     _set(config, "reward_weights", [float(w) for w in config.reward_weights])
     if not config.reward_weights:
-        raise ValueError("reward_weights is empty: give one weight per reward function, or None to weight "
+        raise ConfigError("reward_weights is empty: give one weight per reward function, or None to weight "
                          "every function by 1.")
     bad = [(i, w) for i, w in enumerate(config.reward_weights) if not math.isfinite(w)]
     if bad:
         where = ", ".join(f"{w} at index {i}" for i, w in bad)
-        raise ValueError(
+        raise ConfigError(
             f"reward_weights must be finite numbers, got {where} (in {config.reward_weights}): a NaN or "
             "infinite weight makes every weighted reward NaN or infinite. Give a finite weight to every "
             "reward function (0 leaves a function out)."
@@ -270,7 +271,7 @@ def _check_reward_weights(config) -> None:
 
 def _check_generation(config) -> None:
     if config.generation_batch_size is not None and config.steps_per_generation is not None:
-        raise ValueError(
+        raise ConfigError(
             "generation_batch_size and steps_per_generation cannot both be set: each determines the "
             "other. Set one and leave the other None."
         )
@@ -293,7 +294,7 @@ def _check_cache_implementation(value, use_vllm: bool) -> None:
         allowed = (*STATIC_CACHE_IMPLEMENTATIONS, *DYNAMIC_CACHE_IMPLEMENTATIONS)
         _one_of("cache_implementation", value, allowed, extra=" (or None for the default)")
     if use_vllm:
-        raise ValueError(
+        raise ConfigError(
             f"cache_implementation={value!r} applies to transformers generation, but use_vllm=True: vLLM manages "
             "its own cache. Set cache_implementation=None."
         )
@@ -316,7 +317,7 @@ def _check_transformers_generation_kwargs(generation_kwargs: dict) -> None:
     others = [repr(key) for key in unknown if key not in _VLLM_SAMPLING_NAMES]
     if others:
         hints.append(f"{', '.join(others)}: not a transformers GenerationConfig setting")
-    raise ValueError(
+    raise ConfigError(
         f"generation_kwargs has {', '.join(map(repr, unknown))}, which transformers generation (use_vllm=False) "
         f"would ignore ({'; '.join(hints)}). Drop {'it' if len(unknown) == 1 else 'them'} or use the "
         "transformers name (GenerationConfig's fields); vLLM names apply with use_vllm=True."
@@ -331,13 +332,13 @@ def _check_continuous_batching(config) -> None:
         _set(config, "use_transformers_continuous_batching", True)
     if not config.use_transformers_continuous_batching:
         if config.transformers_continuous_batching_config is not None:
-            raise ValueError(
+            raise ConfigError(
                 "transformers_continuous_batching_config is set but use_transformers_continuous_batching is False, "
                 "so nothing would read it. Set use_transformers_continuous_batching=True, or drop the settings."
             )
         return
     if config.use_vllm:
-        raise ValueError(
+        raise ConfigError(
             "use_transformers_continuous_batching and use_vllm both choose the generation engine: set one of them."
         )
     # Settings the engine would not apply as generate() does (it keeps an unsupported logits
@@ -350,7 +351,7 @@ def _check_continuous_batching(config) -> None:
         unsupported.append("transformers_continuous_batching_config['seed'] (it reseeds the whole process at "
                            "every generation; the run's seed drives sampling)")
     if unsupported:
-        raise ValueError(
+        raise ConfigError(
             f"use_transformers_continuous_batching cannot apply {', '.join(unsupported)}: its engine applies "
             f"temperature, top_k, top_p and min_p only. Drop them, or generate with generate() "
             "(use_transformers_continuous_batching=False)."
@@ -364,7 +365,7 @@ def _one_of(name: str, value, allowed: tuple[str, ...], extra: str = "") -> None
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         listed = ", ".join(map(repr, allowed))
-        raise ValueError(f"{name}={value!r} is not supported. Allowed values: {listed}{extra}.{hint}")
+        raise ConfigError(f"{name}={value!r} is not supported. Allowed values: {listed}{extra}.{hint}")
 
 
 def _number(value) -> bool:
@@ -373,7 +374,7 @@ def _number(value) -> bool:
 
 def _at_least(name: str, value, minimum: int, hint: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(
+        raise ConfigError(
             f"{name} must be an integer >= {minimum}{hint} (got {value!r}). Set {name}={max(minimum, 1)} or more."
         )
 
@@ -387,17 +388,17 @@ def _bound_fix(config, name: str, bound: str) -> str:
 def _positive(config, name: str, *, fix: str | None = None) -> None:
     value = getattr(config, name)
     if not _number(value) or not value > 0 or not math.isfinite(value):  # NaN too
-        raise ValueError(f"{name} must be > 0 and finite (got {value!r}). {fix or _bound_fix(config, name, '> 0')}")
+        raise ConfigError(f"{name} must be > 0 and finite (got {value!r}). {fix or _bound_fix(config, name, '> 0')}")
 
 
 def _non_negative(config, name: str, *, finite: bool = True) -> None:
     value = getattr(config, name)
     if not _number(value) or not value >= 0 or (finite and not math.isfinite(value)):  # NaN too
         bound = ">= 0 and finite" if finite else ">= 0"
-        raise ValueError(f"{name} must be {bound} (got {value!r}). {_bound_fix(config, name, '>= 0')}")
+        raise ConfigError(f"{name} must be {bound} (got {value!r}). {_bound_fix(config, name, '>= 0')}")
 
 
 def _in_unit(name: str, value, low_open: bool = False) -> None:
     if not _number(value) or value > 1 or value < 0 or (low_open and value == 0):
         interval = "(0, 1]" if low_open else "[0, 1]"
-        raise ValueError(f"{name} must be in {interval} (got {value!r}).")
+        raise ConfigError(f"{name} must be in {interval} (got {value!r}).")

@@ -36,6 +36,7 @@ from grpo_lab.config.checks import (
 from grpo_lab.config.fields import REWARD_TIMEOUT, TrainingArgumentsFields, built, setting
 from grpo_lab.config.trainer_args import apply_activation_checkpointing
 from grpo_lab.config.field_rules import rule_of
+from grpo_lab.errors import ConfigError
 
 __all__ = [
     "AGGREGATIONS", "IMPORTANCE_SAMPLING_LEVELS", "LOSS_TYPES", "NOT_YET_IMPLEMENTED", "OPTIMIZERS", "REPORTERS",
@@ -116,7 +117,7 @@ class GRPOConfig(TrainingArgumentsFields):
         try:
             return ContinuousBatchingConfig(**settings)
         except TypeError as error:
-            raise ValueError(f"transformers_continuous_batching_config: {error}. See transformers' "
+            raise ConfigError(f"transformers_continuous_batching_config: {error}. See transformers' "
                              "ContinuousBatchingConfig for its settings.") from None
 
     # ------------------------------------------------------------------ derived values
@@ -134,7 +135,7 @@ class GRPOConfig(TrainingArgumentsFields):
         else:
             size = self.generation_batch_size
             if size % per_step:
-                raise ValueError(
+                raise ConfigError(
                     f"generation_batch_size ({size}) must be a multiple of per_device_train_batch_size x "
                     f"num_processes ({self.per_device_train_batch_size} x {num_processes} = {per_step}). "
                     f"Try generation_batch_size={per_step * max(1, size // per_step)}."
@@ -142,14 +143,14 @@ class GRPOConfig(TrainingArgumentsFields):
             steps = size // per_step
         accumulation = self.gradient_accumulation_steps
         if steps % accumulation:
-            raise ValueError(
+            raise ConfigError(
                 f"steps_per_generation ({steps}) must be a multiple of gradient_accumulation_steps "
                 f"({self.gradient_accumulation_steps}) so that each optimizer step uses micro-batches of a single "
                 f"generation batch. Set steps_per_generation={accumulation * max(1, steps // accumulation)} "
                 "or adjust generation_batch_size."
             )
         if size % self.num_generations:
-            raise ValueError(
+            raise ConfigError(
                 f"The generation batch ({size} completions = per_device_train_batch_size "
                 f"{self.per_device_train_batch_size} x {num_processes} process(es) x {steps} step(s) per "
                 f"generation) must be a multiple of num_generations ({self.num_generations}) so that every "

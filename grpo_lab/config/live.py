@@ -17,6 +17,7 @@ from pathlib import Path
 from grpo_lab.state.checkpoint import saved_model_dir
 from grpo_lab.config.grpo_config import GRPOConfig
 from grpo_lab.config.field_rules import rule_of
+from grpo_lab.errors import ConfigError
 
 CHANGE_KINDS = {
     "live": "read by the stages that use it: an edit applies from the next stage",
@@ -52,13 +53,13 @@ def change_rules(config_class=GRPOConfig) -> dict[str, tuple[str, str | None]]:
         rule = rule_of(field)
         change, part = rule.change, rule.builds
         if change not in CHANGE_KINDS:
-            raise ValueError(
+            raise ConfigError(
                 f"{config_class.__name__}.{field.name} declares change={change!r}: declare one of "
                 f"{', '.join(CHANGE_KINDS)} (grpo_lab.config.fields.setting), or build with its part "
                 "(grpo_lab.config.fields.built)."
             )
         if (change == "build") != (part is not None) or (part is not None and part not in BUILT_PARTS):
-            raise ValueError(
+            raise ConfigError(
                 f"{config_class.__name__}.{field.name} declares change={change!r} and builds={part!r}: a build-time "
                 f"field names what it builds, one of {', '.join(BUILT_PARTS)}, and no other field does."
             )
@@ -103,13 +104,13 @@ def apply_edits(config, applied: dict, engine) -> dict[str, tuple]:
         fixed = sorted(name for name in fields_of("build") if edited.get(name) != applied.get(name))
         if fixed:
             _undo(config, applied, fixed)
-            raise ValueError(fixed_fields_message(fixed)) from None
+            raise ConfigError(fixed_fields_message(fixed)) from None
         raise
     changed = {k: (applied.get(k), v) for k, v in config.to_dict().items() if applied.get(k) != v}
     fixed = _changed_of(changed, "build")
     if fixed:
         _undo(config, applied, fixed)
-        raise ValueError(fixed_fields_message(fixed))
+        raise ConfigError(fixed_fields_message(fixed))
     _check_model_needs(config, applied, engine, changed)
     _apply_schedule(config, applied, engine, changed)
     for name in _changed_of(changed, "learning_rate"):
@@ -128,7 +129,7 @@ def _check_model_needs(config, applied: dict, engine, changed: dict) -> None:
     for name in _changed_of(changed, "reference"):
         if getattr(config, name) > 0 and engine.ref_model is None and not engine.is_peft:
             _undo(config, applied, [name])
-            raise ValueError(
+            raise ConfigError(
                 f"{name} > 0 needs a reference model, and this session was built with {name}=0, so none was kept; the "
                 f"edit was undone. Build a new GRPOSession with {name} > 0 (its reference is the model it starts from)."
             )
@@ -138,7 +139,7 @@ def _check_model_needs(config, applied: dict, engine, changed: dict) -> None:
             engine.router_aux_loss_weight()
         except ValueError as error:
             _undo(config, applied, router)
-            raise ValueError(f"{error} The edit was undone.") from None
+            raise ConfigError(f"{error} The edit was undone.") from None
 
 
 def _apply_schedule(config, applied: dict, engine, changed: dict) -> None:
@@ -147,7 +148,7 @@ def _apply_schedule(config, applied: dict, engine, changed: dict) -> None:
     shape = _changed_of(changed, "schedule")
     if shape and not engine.optimization.owns_scheduler:
         _undo(config, applied, schedule)
-        raise ValueError(
+        raise ConfigError(
             f"{', '.join(shape)}: these configure the schedule grpo_lab "
             "builds, and this session's scheduler was given in optimizers=(optimizer, scheduler), which does not "
             "read them, so the change would have no effect; it was undone. Change your own scheduler instead. "
@@ -178,7 +179,7 @@ def rebuilt_fields(
     """
     schedule = sorted(name for name in fields_of("schedule") if saved.get(name) != built[name]) if own_scheduler else []
     if schedule:
-        raise ValueError(
+        raise ConfigError(
             f"{', '.join(f'{name}={built[name]!r}' for name in schedule)}: {directory} was saved with "
             f"{', '.join(f'{name}={saved.get(name)!r}' for name in schedule)}; these configure the schedule grpo_lab "
             "builds, and the scheduler given in optimizers=(optimizer, scheduler) does not read them, so the change "
@@ -198,7 +199,7 @@ def _refuse_rebuilt(directory: Path, changed: dict, saved: dict, built: dict, ow
         if _in_effect(name, saved) != _in_effect(name, built) and (name != "optim" or not own_optimizer)
     ]
     if carried:
-        raise ValueError(
+        raise ConfigError(
             f"{', '.join(f'{name}={changed[name][1]!r}' for name in carried)}: {directory} was saved with "
             f"{', '.join(f'{name}={changed[name][0]!r}' for name in carried)}, which its random state, prompt order "
             "and optimizer state carry, so a loaded run cannot change them. Load it with the saved values, or start a "
@@ -206,14 +207,14 @@ def _refuse_rebuilt(directory: Path, changed: dict, saved: dict, built: dict, ow
         )
     kept = sorted(set(changed) & fields_of("build", "model")) if given_model else []
     if kept:
-        raise ValueError(
+        raise ConfigError(
             f"{', '.join(kept)} changed, but the model given to load {directory} into (by a trainer: its own model, "
             "which the optimizer passed in optimizers= holds) was built with the saved values and keeps them. Load it "
             "with the saved values, or without model= (a new model is built with the new ones)."
         )
     layout = sorted(set(changed) & fields_of("build", "batch_layout"))
     if layout and half_used:
-        raise ValueError(
+        raise ConfigError(
             f"{directory} was saved in the middle of a generation batch, and {', '.join(layout)} changed, so the rest "
             "of that batch cannot be fed. Load it with the saved values, finish the batch (or discard_batch()) and "
             "save again, then change them."

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from grpo_lab import notices
 from grpo_lab.config.field_rules import FieldRule, rule_of, ruled
+from grpo_lab.errors import ConfigError
 
 ACCELERATE = ("processes, sharding and their back ends are set by accelerate: give them to `accelerate launch` "
               "(--config_file, --multi_gpu, --use_fsdp, ...), as README's \"many processes\" explains")
@@ -206,7 +207,7 @@ def _from_source() -> dict[str, tuple[object, object, str]]:
             default = _literal(value)
         found[statement.target.id] = (_annotation(statement.annotation), default, " ".join(help_text.split()))
     if not found:
-        raise ValueError("no fields found")
+        raise ConfigError("no fields found")
     return found
 
 
@@ -325,14 +326,14 @@ def _check_best_model(config) -> None:
     if not config.load_best_model_at_end:
         return
     if config.eval_strategy == "no" or config.save_strategy != config.eval_strategy:
-        raise ValueError(
+        raise ConfigError(
             f"load_best_model_at_end=True needs a checkpoint at every evaluation: set eval_strategy='steps' and "
             f"save_strategy='steps' (got eval_strategy={config.eval_strategy!r}, "
             f"save_strategy={config.save_strategy!r})."
         )
     eval_steps = config.logging_steps if config.eval_steps is None else config.eval_steps
     if config.save_steps >= 1 and eval_steps >= 1 and config.save_steps % eval_steps:
-        raise ValueError(
+        raise ConfigError(
             f"load_best_model_at_end=True needs save_steps ({config.save_steps}) to be a multiple of eval_steps "
             f"({eval_steps}), so that every evaluated step is saved."
         )
@@ -378,7 +379,7 @@ def record_stream_dispatch(config, train_dataset, eval_dataset) -> None:
     current = config.accelerator_config
     current = AcceleratorConfig(**(current or {})) if not isinstance(current, AcceleratorConfig) else current
     if current.dispatch_batches:
-        raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+        raise ConfigError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
                          "`accelerator_config`. Please set it to `False`.")
     current.dispatch_batches = False
     object.__setattr__(config, "accelerator_config", current)

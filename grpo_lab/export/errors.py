@@ -3,8 +3,10 @@ recreate (a credential inside an f-string among it)."""
 
 from __future__ import annotations
 
+from grpo_lab.errors import UsageError
 
-class ExportError(ValueError):
+
+class ExportError(UsageError, ValueError):
     """Something in the session or notebook cannot be written into a standalone script."""
 
 

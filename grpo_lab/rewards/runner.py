@@ -35,9 +35,10 @@ import torch
 from grpo_lab import notices
 from grpo_lab.config.grpo_config import REWARD_TIMEOUT
 from grpo_lab.rewards.calls import Outcome, call_all, find_failing_sample, make_call
+from grpo_lab.errors import UsageError
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UsageError, RuntimeError):
     """A reward function failed or returned something unusable; the completions are kept."""
 
 

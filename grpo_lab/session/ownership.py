@@ -15,9 +15,10 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
+from grpo_lab.errors import UsageError
 
 
-class SessionBusyError(RuntimeError):
+class SessionBusyError(UsageError, RuntimeError):
     """A call that drives a session's stages while another thread drives them."""
 
 

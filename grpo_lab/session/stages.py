@@ -12,6 +12,7 @@ import threading
 import time
 
 from grpo_lab.state.run_state import rng_state, set_rng_state
+from grpo_lab.errors import UsageError
 
 STAGES = ("generate", "score", "advantages", "loss", "update")
 
@@ -20,7 +21,7 @@ RANDOM_STATE_LOCK = threading.RLock()
 a session is built, which seeds them): sessions driven from two threads take turns, call by call."""
 
 
-class StageOrderError(RuntimeError):
+class StageOrderError(UsageError, RuntimeError):
     """A stage was called before the stage it depends on."""
 
 
