@@ -32,12 +32,30 @@ class _Table:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.summary()})"
 
+    def extends(self) -> _Table | None:
+        """The earlier stage's result whose columns this table repeats (None for ``generate()``'s)."""
+        return None
+
     def _repr_html_(self) -> str:
         frame = self.to_pandas()
+        frame = frame[newest_first(self, list(frame.columns))]
         shown = frame.head(_HTML_ROWS)
         more = f"<p>... {len(frame) - _HTML_ROWS} more rows: use .to_pandas()</p>" if len(frame) > _HTML_ROWS else ""
         table = shown.to_html(index=True, float_format=lambda v: f"{v:.4g}", escape=True, border=0)
         return f"<p><b>{type(self).__name__}</b>: {self.summary()}</p>{table}{more}"
+
+
+def newest_first(table: _Table, columns: list[str]) -> list[str]:
+    """``columns`` with ``group`` first, then what ``table``'s stage added, then what each earlier stage
+    added, newest first: the stage's own numbers are on screen without scrolling sideways."""
+    stages = [table]
+    while stages[-1].extends() is not None:
+        stages.append(stages[-1].extends())
+    order = {"group": -1}
+    for age, stage in enumerate(reversed(stages)):
+        for name in stage.to_dict():
+            order.setdefault(name, len(stages) - age)
+    return sorted(columns, key=lambda name: order.get(name, 0))
 
 
 _ROLLOUT_COLUMNS = ("group", "prompt", "completion", "length", "truncated")
@@ -130,6 +148,9 @@ class Scores(_Table):
     extras: dict[str, list] = field(default_factory=dict)
     metrics: dict[str, list[float]] = field(default_factory=dict)
 
+    def extends(self) -> _Table:
+        return self.rollout
+
     def summary(self) -> str:
         means = ", ".join(
             f"{name} {torch.nanmean(self.rewards_BF[:, i]):.3f}" for i, name in enumerate(self.reward_names)
@@ -155,6 +176,9 @@ class Advantages(_Table):
     group_std_B: torch.Tensor
     is_std_zero_B: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def extends(self) -> _Table:
+        return self.scores
 
     def summary(self) -> str:
         return (
@@ -192,6 +216,9 @@ class LossResult(_Table):
     """Micro-batches of this step (on this process) whose advantages were all zero, so that their
     backward pass, which adds nothing to the gradient, did not run (``skip_zero_advantage_backward``)."""
 
+    def extends(self) -> _Table:
+        return self.advantages
+
     def summary(self) -> str:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items()
                           if k in {"entropy", "clip_ratio/region_mean", "kl"})
@@ -219,3 +246,51 @@ def _text(prompt) -> str:
     if isinstance(prompt, list):
         return " | ".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
     return str(prompt)
+
+
+_RUN_SUMMARY_METRICS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "clip_ratio/region_mean", "kl",
+                        "step_time")
+
+
+@dataclass(repr=False)
+class RunSummary:
+    """What ``session.run(n)`` and ``await session.arun(n)`` return: the steps they ran and how the
+    headline metrics moved, short enough to read as a cell's last line. Every metric of every step
+    is in ``to_pandas()`` (these steps) and ``session.history`` (the whole run)."""
+
+    rows: list[dict]
+    """The history rows of the steps this call ran, as ``session.history`` holds them."""
+    requested: int
+    next_stage: str
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per step this call ran, every logged metric (TRL's names)."""
+        return pd.DataFrame(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def headline(self) -> pd.DataFrame:
+        """The headline metrics the steps logged: first, last, min and max of each."""
+        frame = self.to_pandas()
+        shown = [name for name in _RUN_SUMMARY_METRICS if name in frame]
+        return pd.DataFrame({"first": frame[shown].iloc[0], "last": frame[shown].iloc[-1],
+                             "min": frame[shown].min(), "max": frame[shown].max()}) if len(frame) else pd.DataFrame()
+
+    def summary(self) -> str:
+        if not self.rows:
+            return f"ran no optimizer step of {self.requested}; next stage: {self.next_stage}()"
+        first, last = self.rows[0]["step"], self.rows[-1]["step"]
+        stopped = "" if len(self.rows) == self.requested else f" (stopped; next stage: {self.next_stage}())"
+        return (f"ran {len(self.rows)} of {self.requested} optimizer steps, {first} to {last}{stopped}; every "
+                "metric: .to_pandas() or session.history")
+
+    def __repr__(self) -> str:
+        headline = self.headline()
+        table = f"\n{headline.to_string(float_format=lambda v: f'{v:.4g}')}" if len(headline) else ""
+        return f"RunSummary: {self.summary()}{table}"
+
+    def _repr_html_(self) -> str:
+        headline = self.headline()
+        table = headline.to_html(float_format=lambda v: f"{v:.4g}", border=0) if len(headline) else ""
+        return f"<p><b>RunSummary</b>: {self.summary()}</p>{table}"

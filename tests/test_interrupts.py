@@ -157,7 +157,7 @@ def test_an_interrupt_inside_update_waits_for_the_whole_update(make_session, ref
 def test_run_stops_on_an_interrupt_after_the_update_it_reached(make_session):
     session = make_session()
     session.on(lambda name, result: ctrl_c() if name == "update" and session.global_step == 2 else None)
-    rows = session.run(5, progress=False)
+    rows = session.run(5, progress=False).to_pandas()
     assert list(rows["step"]) == [1, 2] and session.next_stage == "generate"
 
 
@@ -166,7 +166,7 @@ def test_run_refuses_a_count_that_is_not_a_whole_number(make_session, n):
     session = make_session()
     with pytest.raises(ValueError, match=r"run\(n\) takes a whole number of optimizer steps >= 0.*session.run\(3\)"):
         session.run(n)
-    assert session.run(1, progress=False)["step"].tolist() == [1]
+    assert session.run(1, progress=False).to_pandas()["step"].tolist() == [1]
 
 
 def test_a_second_ctrl_c_stops_a_deferred_block_at_once_and_an_ignored_one_stays_ignored():
@@ -409,4 +409,4 @@ def test_grad_mode_left_off_by_an_interrupt_is_restored_when_the_call_ends(make_
         session.step()
     unsubscribe()
     assert torch.is_grad_enabled()
-    assert session.run(1, progress=False)["step"].tolist() == [1]
+    assert session.run(1, progress=False).to_pandas()["step"].tolist() == [1]

@@ -3,6 +3,7 @@
 Each stage's numbers are checked against an independent recomputation from grpo_lab.ops.
 """
 
+import pandas as pd
 import pytest
 import torch
 
@@ -351,7 +352,7 @@ def test_run_stops_cleanly_on_keyboard_interrupt(make_session, task):
         return [0.0] * len(completions)
 
     session = make_session(reward_funcs=[*task.reward_funcs, interrupting])
-    frame = session.run(5, progress=False)
+    frame = session.run(5, progress=False).to_pandas()
     assert len(frame) == 2 and session.global_step == 2
     assert session.next_stage == "score" and session.rollout is not None  # the completions are kept
     calls["n"] = 10
@@ -432,3 +433,33 @@ def test_step_time_counts_the_stages_and_not_the_time_between_them(make_session)
     wall = time.perf_counter() - started
     assert first["step_time"] > 0 and second["step_time"] > 0
     assert first["step_time"] + second["step_time"] <= wall - 0.9  # the three pauses are in no step
+
+
+def _header(html: str) -> list[str]:
+    import re
+
+    return re.findall(r"<th>([^<]*)</th>", html.split("</thead>")[0])
+
+
+def test_run_returns_a_summary_that_fits_a_screen_and_stage_tables_lead_with_what_the_stage_added(make_session):
+    session = make_session()
+    summary = session.run(3, progress=False)
+    history = session.history
+    pd.testing.assert_frame_equal(summary.to_pandas(), history)
+    headline = summary.headline()
+    assert list(headline.columns) == ["first", "last", "min", "max"] and "reward" in headline.index
+    assert headline.loc["loss", "first"] == history["loss"].iloc[0]
+    assert headline.loc["loss", "last"] == history["loss"].iloc[-1]
+    assert headline.loc["grad_norm", "max"] == history["grad_norm"].max()
+    html = summary._repr_html_()
+    assert "ran 3 of 3 optimizer steps, 1 to 3" in html and html.count("<tr") <= 1 + len(headline) <= 9
+    assert len(history.columns) > 20  # the table a cell would have shown before
+
+    rollout = session.generate()
+    scores, advantages, loss = session.score(), session.advantages(), session.loss()
+    assert _header(rollout._repr_html_())[:3] == ["", "group", "prompt"]
+    assert _header(scores._repr_html_())[:3] == ["", "group", f"rewards/{scores.reward_names[0]}"]
+    assert _header(advantages._repr_html_())[:5] == ["", "group", "reward", "advantage", "group_std_zero"]
+    assert _header(loss._repr_html_())[:7] == ["", "group", "ratio", "clipped_fraction", "entropy", "reward",
+                                               "advantage"]
+    assert set(_header(loss._repr_html_())[1:]) == set(loss.to_pandas().columns)  # reordered, nothing left out

@@ -12,8 +12,9 @@ from tests.conftest import pause_at
 
 
 def test_arun_trains_as_run_does(make_session):
-    ran = make_session().run(2, progress=False)
-    awaited = asyncio.run(make_session().arun(2, progress=False))  # built after the first ran: the same RNG stream
+    ran = make_session().run(2, progress=False).to_pandas()
+    # built after the first ran: the same RNG stream
+    awaited = asyncio.run(make_session().arun(2, progress=False)).to_pandas()
     pd.testing.assert_frame_equal(awaited.drop(columns=["step_time"]), ran.drop(columns=["step_time"]))
 
 
@@ -42,7 +43,7 @@ def test_the_event_loop_stays_free_and_the_dashboard_stop_ends_it_between_stages
         resume.set()
         return await training
 
-    rows = asyncio.run(scenario())
+    rows = asyncio.run(scenario()).to_pandas()
     assert list(rows["step"]) == [1] and (session.global_step, session.next_stage) == (1, "update")
     assert session.activity is None and controls.stop_button.disabled and not controls.step_button.disabled
     assert session.step()["step"] == 2  # released: the caller's thread drives it again
@@ -68,7 +69,7 @@ def _interrupted_while_awaiting(session, interrupt):
 def test_a_cancel_ends_it_between_stages_with_nothing_lost(make_session):
     session = make_session()
     rows = _interrupted_while_awaiting(session, lambda training: training.cancel())  # what an interrupted cell does
-    assert list(rows["step"]) == [1] and (session.global_step, session.next_stage) == (1, "advantages")
+    assert list(rows.to_pandas()["step"]) == [1] and (session.global_step, session.next_stage) == (1, "advantages")
     assert session.activity is None
 
 
@@ -83,7 +84,7 @@ def test_a_kernel_interrupt_while_it_awaits_stops_the_worker_at_the_next_stage_b
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back when it ends
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert list(rows["step"]) == [1] and (session.global_step, session.next_stage) == (1, "advantages")
+    assert list(rows.to_pandas()["step"]) == [1] and (session.global_step, session.next_stage) == (1, "advantages")
     assert session.activity is None
 
 
@@ -109,7 +110,7 @@ def test_one_kernel_interrupt_stops_every_arun_a_cell_awaits_and_the_handler_is_
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert list(ran_first["step"]) == [1] and first.next_stage == "advantages"
+    assert list(ran_first.to_pandas()["step"]) == [1] and first.next_stage == "advantages"
     assert len(ran_second) < 5 and second.global_step < 5  # stopped too, at its next stage boundary
 
 

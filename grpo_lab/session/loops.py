@@ -16,10 +16,9 @@ import signal
 import threading
 from collections.abc import Callable
 
-import pandas as pd
-
 from grpo_lab.config.grpo_config import evaluation_due
 from grpo_lab.session.stages import run_next_stage
+from grpo_lab.types import RunSummary
 
 ARUN = "a cell (await session.arun)"
 STOP_ARUN = (
@@ -63,7 +62,7 @@ def run_stages(session, n: int, stop_request: Callable[[], str | None],
     return done, last
 
 
-def run(session, n: int, *, progress: bool) -> pd.DataFrame:
+def run(session, n: int, *, progress: bool) -> RunSummary:
     """``session.run(n)``: ``n`` optimizer steps on this thread; an interrupt ends it between stages."""
     from grpo_lab.progress import progress_bar
 
@@ -75,10 +74,10 @@ def run(session, n: int, *, progress: bool) -> pd.DataFrame:
             run_stages(session, n, lambda: None, on_update=bar.advance)
         except KeyboardInterrupt:  # an update it reached has finished (the interrupt waits for it)
             bar.note(f"stopped after {len(record.history) - first} step(s); next stage: {session.next_stage}()")
-    return pd.DataFrame(record.history[first:])
+    return RunSummary([dict(row) for row in record.history[first:]], n, session.next_stage)
 
 
-async def arun(session, n: int, *, progress: bool) -> pd.DataFrame:
+async def arun(session, n: int, *, progress: bool) -> RunSummary:
     """``await session.arun(n)``: ``n`` optimizer steps on a worker thread while the cell awaits."""
     from grpo_lab.progress import progress_bar
 
@@ -105,7 +104,7 @@ async def arun(session, n: int, *, progress: bool) -> pd.DataFrame:
             except asyncio.CancelledError:  # an interrupt cancels the awaiting cell: the stage running finishes
                 cancelled.append(True)
     work.result()  # the worker's own error, if it failed
-    return pd.DataFrame(record.history[first:])
+    return RunSummary([dict(row) for row in record.history[first:]], n, session.next_stage)
 
 
 _AWAITING: list[list] = []

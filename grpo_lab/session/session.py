@@ -42,7 +42,7 @@ from grpo_lab.session.stages import (
     run_next_stage,
 )
 from grpo_lab.state.run_state import rng_state, session_state_dict, load_session_state_dict, set_rng_state
-from grpo_lab.types import Advantages, LossResult, Rollout, Scores
+from grpo_lab.types import Advantages, LossResult, Rollout, RunSummary, Scores
 
 __all__ = ["GRPOSession", "STAGES", "StageOrderError"]
 
@@ -451,21 +451,23 @@ class GRPOSession:
             return metrics
 
     # ------------------------------------------------------------------ loops
-    def run(self, n: int, *, progress: bool = True) -> pd.DataFrame:
+    def run(self, n: int, *, progress: bool = True) -> RunSummary:
         """Run ``n`` optimizer steps; Ctrl-C (interrupting the kernel) ends cleanly between stages, nothing lost.
         With ``eval_strategy="steps"`` it evaluates as the trainer does (``session.evaluations``).
 
-        In a notebook, ``await session.arun(n)`` does the same while the page stays answered."""
+        In a notebook, ``await session.arun(n)`` does the same while the page stays answered. Returns a
+        :class:`~grpo_lab.types.RunSummary` (how the headline metrics moved; every metric in
+        ``session.history``)."""
         return session_loops.run(self, n, progress=progress)
 
-    async def arun(self, n: int, *, progress: bool = True) -> pd.DataFrame:
+    async def arun(self, n: int, *, progress: bool = True) -> RunSummary:
         """``run(n)`` to ``await`` in a notebook cell (``await session.arun(20)``): the steps run on a
         worker thread while the cell awaits, so the kernel keeps answering the page: a reloaded page
         gets its live views back at once, and the dashboard's Stop (between stages) and Finish step
         (after the current update()) end the run. Interrupting the kernel ends it between stages,
         nothing lost, and it returns as ``run`` does (a cancellation does not propagate: the run
-        ends cleanly; a stage that never returns is not cut short). Returns the metrics of the
-        steps it ran."""
+        ends cleanly; a stage that never returns is not cut short). Returns the
+        :class:`~grpo_lab.types.RunSummary` of the steps it ran, as ``run`` does."""
         return await session_loops.arun(self, n, progress=progress)
 
     # ------------------------------------------------------------------ state and files
