@@ -33,6 +33,7 @@ class Controls(View):
 
     STAGES = ("generate", "score", "advantages", "loss", "update")
     events = (*STAGES, "busy", "idle", "undo")
+    immediate = ("busy", "idle", "undo")  # the buttons turn off and on with the session at once
 
     def __init__(self, session):
         self.stage_buttons = {name: widgets.Button(description=f"{name}()", layout={"width": "110px"})

@@ -50,6 +50,10 @@ def test_group_flags_count_distinct_completions():
     flags = data.group_flags(frame)
     assert flags["size"].tolist() == [3, 2] and flags["distinct"].tolist() == [2, 2]
     assert flags["truncated"].tolist() == [1, 0] and "std_zero" not in flags
+    scored = data.group_flags(frame.assign(reward=[1.0, NAN, 0.0, 2.0, 2.0],
+                                           group_std_zero=[False, False, False, True, True]))
+    assert scored["reward_mean"].tolist() == [0.5, 2.0]  # the None (NaN) left out of the first group's mean
+    assert scored["std_zero"].tolist() == [False, True]
 
 
 def test_group_values_split_by_group_and_count_none():

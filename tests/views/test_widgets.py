@@ -88,3 +88,53 @@ def test_the_findings_panel_shows_doctor_and_live_findings(make_session):
     assert "<code>no_signal_steps</code>" in shown and "<code>truncation_in_training</code>" in shown
     assert dashboard.findings.error.value == ""
     dashboard.close()
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_pacer_opens_a_round_after_39_times_the_last_round_and_whenever_the_session_goes_idle(monkeypatch):
+    from grpo_lab.views import base
+
+    clock = _Clock()
+    monkeypatch.setattr(base, "time", clock)
+    pacer = base.Pacer()
+    pacer.on_event("generate", None)
+    assert pacer.open  # nothing refreshed yet
+    pacer.spent(99.996)  # two views refreshed in this round: 4 ms, then 6 ms
+    clock.now = 100.006
+    pacer.spent(100.000)
+    clock.now = 100.3
+    pacer.on_event("score", None)
+    assert not pacer.open  # the round took 10 ms and ended at 100.006: the next opens at 100.006 + 39 * 0.010
+    pacer.on_event("idle", None)
+    assert pacer.open  # the end of a call: every stale view refreshes
+    clock.now = 100.395
+    pacer.on_event("advantages", None)
+    assert not pacer.open
+    clock.now = 100.397
+    pacer.on_event("loss", None)
+    assert pacer.open
+
+
+def test_a_dashboard_refreshes_in_rounds_during_a_run_and_is_current_when_it_returns(session):
+    dashboard = session.show()
+    refreshed = []
+    for part in (dashboard.curves, dashboard.completions, dashboard.rewards):
+        original = part.refresh
+        part.refresh = lambda original=original, part=part: (refreshed.append(type(part).__name__), original())[1]
+    heard = []
+    session.on(lambda event, payload: heard.append(event))
+    session.run(8, progress=False)
+    stage_events = sum(event in dashboard.completions.events for event in heard)
+    assert stage_events == 8 * 5 and refreshed.count("CompletionsView") < stage_events
+    assert dashboard.curves.curves.steps == 8  # the last round, at the end of the call, drew the last step
+    assert f"step {session.global_step}" in dashboard.completions.header.value
+    assert not dashboard.controls.run_button.disabled  # the buttons turned back on with the session at once
+    for part in (dashboard.controls, dashboard.curves, dashboard.completions, dashboard.rewards):
+        assert part.error.value == "", part.error.value
