@@ -2,6 +2,7 @@
 session left bitwise as it was (grpo_lab/session/findings.py, grpo_lab/doctor/)."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -265,6 +266,11 @@ def test_findings_are_empty_before_the_first_doctor_and_render(make_session):
     assert list(frame.columns) == ["code", "severity", "message", "evidence", "fix", "cause"]
     assert frame["code"].tolist() == findings.codes
     assert "[error] truncation" in repr(findings) and "<table" in findings._repr_html_()
+    shown = findings._repr_html_()
+    assert re.findall(r"<th[^>]*>([^<]*)</th>", shown) == ["severity", "code", "finding and fix", "evidence"]
+    cells = re.findall(r"<td([^>]*)>", shown)
+    assert len(cells) == 4 * len(findings) and all("text-align:left" in cell for cell in cells)
+    assert shown.count("<b>Fix:</b>") == len(findings)  # each fix under its finding, not a column of its own
 
 
 @pytest.mark.parametrize("severity", ["fatal", "Error"])

@@ -95,6 +95,11 @@ def test_a_fork_applies_its_edits_and_leaves_the_parent_as_it_was(make_session, 
     assert parent.branches == [child] and parent.global_step == 1
     script = child.export_script(tmp_path / "fork" / "train.py").read_text()
     assert "learning_rate=0.0003" in script
+    with pytest.warns(UserWarning, match=r"learning_rate=0.001 is already this session's value") as caught:
+        same = parent.fork("same-rate", learning_rate=1e-3)
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    assert repr(parent.branches) == f"[{child!r}, {same!r}]" and "name='same-rate'" in repr(same)
+    assert repr(child).startswith("GRPOSession(name='session-1', step=2")  # stepped once after the fork
 
 
 def test_a_lora_fork_shares_the_base_model_and_copies_the_adapter(task, tmp_path):

@@ -117,13 +117,19 @@ class Findings(list):
         return "\n".join([f"Findings({self.summary()})", *map(str, self)])
 
     def _repr_html_(self) -> str:
+        # Prose reads left-aligned; the fix under its finding leaves the evidence a column of its own.
+        cell = "<td style='text-align:left;vertical-align:top;padding:3px 8px'>"
         rows = "".join(
-            f"<tr><td><b>{html.escape(f.severity)}</b></td><td>{_code_html(f)}</td>"
-            f"<td>{html.escape(f.message)}</td><td>{_evidence_html(f.evidence)}</td><td>{html.escape(f.fix)}</td></tr>"
+            f"<tr>{cell}<b>{html.escape(f.severity)}</b></td>{cell}{_code_html(f)}</td>"
+            f"{cell}{html.escape(f.message)}<div style='color:#444;margin-top:2px'><b>Fix:</b> {html.escape(f.fix)}"
+            f"</div></td>{cell.replace('padding', 'min-width:14em;font-size:90%;padding')}"
+            f"{_evidence_html(f.evidence)}</td></tr>"
             for f in self
         )
-        head = "<tr><th>severity</th><th>code</th><th>cause</th><th>evidence</th><th>fix</th></tr>"
-        table = f"<table border=0>{head}{rows}</table>" if self else ""
+        head = "".join(f"<th style='text-align:left;padding:3px 8px'>{name}</th>"
+                       for name in ("severity", "code", "finding and fix", "evidence"))
+        table = (f"<table class='grpo-findings' border=0 style='border-collapse:collapse;font-size:13px'>"
+                 f"<tr>{head}</tr>{rows}</table>") if self else ""
         return f"<p><b>Findings</b>: {html.escape(self.summary())}</p>{table}"
 
 

@@ -225,11 +225,17 @@ def check_forkable(session) -> None:
 def apply_fork_edits(fork, config_edits: dict) -> None:
     """Apply ``config_edits`` to a new fork as edits to its ``config`` (each field's live rule); the
     fork is closed when one is refused."""
+    unchanged = []
     for field, value in config_edits.items():
         if not hasattr(fork.config, field):
             fork.close()
             raise AttributeError(f"fork(): GRPOConfig has no field {field!r}.")
+        if getattr(fork.config, field) == value:
+            unchanged.append(f"{field}={value!r}")
         setattr(fork.config, field, value)
+    if unchanged:
+        notices.warn(f"fork(): {', '.join(unchanged)} is already this session's value, so the fork steps as this "
+                     "session would. Give the value to try instead.")
     try:
         fork.apply_config_edits()
     except Exception:

@@ -706,8 +706,9 @@ class GRPOSession:
             self.reward_swaps.use_rewards(self, funcs, weights)
 
     def __repr__(self) -> str:
+        named = f"name={self.name!r}, " if self.name else ""  # forks in session.branches told apart
         return (
-            f"GRPOSession(step={self.global_step}, next_stage={self.next_stage!r}, "
+            f"GRPOSession({named}step={self.global_step}, next_stage={self.next_stage!r}, "
             f"loss_type={self.config.loss_type!r}, num_generations={self.config.num_generations}, "
             f"generation={self.engine.rollout_backend.name!r})"
         )
