@@ -220,6 +220,9 @@ def loss_is_zero_by_construction(beta: float, steps_per_batch: int, losses) -> b
     return beta == 0 and steps_per_batch == 1 and len(finite) > 0 and bool(np.all(np.abs(finite) < 1e-6))
 
 
+LOSS_ZERO_WATCHED = ("grad_norm", "reward")
+"""What :data:`LOSS_ZERO_NOTE` tells the user to watch: drawn even when constant."""
+
 LOSS_ZERO_NOTE = (
     "loss ≈ 0 by construction: beta = 0 and one update per batch, so every ratio is 1 and the "
     "group-centred advantages cancel in the loss value, not in its gradient: watch grad norm and reward."
@@ -298,7 +301,7 @@ def curve_panels(
     plain gap rather than a non-finite value. ``evaluations``: ``session.evaluations``; each
     evaluated twin of a drawn metric (``eval_reward`` beside ``reward``, per eval set) is a series
     of its panel, at the steps evaluated. Panels constant over two or more steps are left out and
-    named in ``constant``.
+    named in ``constant``, except, with ``loss_zero``, those of the metrics its note says to watch.
     """
     if history.empty:
         return Curves([], [], config_marks(list(config_changes)), 0)
@@ -321,7 +324,8 @@ def curve_panels(
             panel.series.extend(_evaluated(evaluations, name))
         if spec.title == "loss" and loss_zero:
             panel.note, panel.y_range = LOSS_ZERO_NOTE, (-1.0, 1.0)
-        if len(steps) >= 2 and not panel.note and all(is_constant(s.y) for s in panel.series):
+        watched = loss_zero and any(s.name in LOSS_ZERO_WATCHED for s in panel.series)  # the note says to watch them
+        if len(steps) >= 2 and not panel.note and not watched and all(is_constant(s.y) for s in panel.series):
             constant.extend(f"{s.name} = {float(s.y[0]):.4g}" for s in panel.series)
             continue
         panel.y_range = panel.y_range or flat_y_range(panel)

@@ -97,6 +97,12 @@ def test_loss_zero_by_construction_is_said_not_magnified():
     history = _history(reward=[1.0, 2.0], loss=[1e-8, -2e-8])
     loss = _panels(curve_data.curve_panels(history, loss_zero=True))["loss"]
     assert loss.note == curve_data.LOSS_ZERO_NOTE and loss.y_range == (-1.0, 1.0)
+    # a reward that is always 0: reward and grad norm are constant, and still drawn, as the note says to watch them
+    stuck = _history(reward=[0.0, 0.0, 0.0], grad_norm=[0.0, 0.0, 0.0], loss=[0.0, 0.0, 0.0], kl=[0.0, 0.0, 0.0])
+    curves = curve_data.curve_panels(stuck, loss_zero=True)
+    drawn = [series.name for panel in curves.panels for series in panel.series]
+    assert {"reward", "grad_norm", "loss"} <= set(drawn) and curves.constant == ["kl = 0"]
+    assert "reward" in curve_data.curve_panels(stuck).constant[0]  # without the note, folded as constant
 
 
 def test_config_edits_become_marks_one_per_step():
