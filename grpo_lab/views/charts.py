@@ -1,7 +1,8 @@
-"""Static SVG charts of one batch: the rewards of every group (a strip chart) and a histogram.
+"""Static SVG charts: of one batch, the rewards of every group (a strip chart) and a histogram; of
+a run, a picture of the curves (what a notebook shows where its live curves cannot be drawn).
 
 Plain SVG strings: they display in any notebook front end, need no JavaScript, and a refresh
-replaces them whole (a batch chart has no history to extend). Hover a mark for its numbers.
+replaces them whole. Hover a mark or a line for its numbers.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import html
 from collections import Counter
 
+import numpy as np
+
 from grpo_lab.views.batch import GroupValues, Histogram
+from grpo_lab.views.curve_data import Curves, Panel
 
 _HEIGHT, _TOP, _BOTTOM, _LEFT, _RIGHT = 150, 18, 22, 44, 10
 _AXIS = "stroke:#999;stroke-width:1"
@@ -92,3 +96,67 @@ def histogram_svg(histogram: Histogram, title: str) -> str:
     bars.append(f"<text x='{_LEFT}' y='{_HEIGHT - 8}' style='{_TEXT}'>{histogram.edges[0]:.3g}</text>")
     bars.append(f"<text x='{end}' y='{_HEIGHT - 8}' text-anchor='end' style='{_TEXT}'>{histogram.edges[-1]:.3g}</text>")
     return _frame(width, title, 0, top, "".join(bars))
+
+
+_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+_CURVE_WIDTH = 300
+
+
+def _range(values: np.ndarray, fixed: tuple[float, float] | None) -> tuple[float, float]:
+    finite = values[np.isfinite(values)]
+    if fixed is not None:
+        return fixed
+    if not len(finite):
+        return -1.0, 1.0
+    low, high = float(finite.min()), float(finite.max())
+    return (low - 0.5, high + 0.5) if low == high else (low, high)
+
+
+def curve_points(x: np.ndarray, y: np.ndarray, steps: tuple[float, float], low: float, high: float,
+                 width: int = _CURVE_WIDTH) -> list[str]:
+    """The ``points`` of one polyline per run of finite values (a NaN or a missing step is a gap):
+    x from ``steps`` (first, last) across the plot, y from ``low`` to ``high`` up the plot."""
+    first, last = steps
+    span = (last - first) or 1.0
+    lines, current = [], []
+    for step, value in zip(x.tolist(), y.tolist()):
+        if not np.isfinite(value):
+            lines, current = (lines + [current] if current else lines), []
+            continue
+        px = _LEFT + (step - first) / span * (width - _LEFT - _RIGHT)
+        current.append(f"{px:.1f},{_y(value, low, high):.1f}")
+    return [" ".join(line) for line in [*lines, current] if line]
+
+
+def _panel_svg(panel: Panel, steps: tuple[float, float]) -> str:
+    left = np.concatenate([s.y for s in panel.series if not s.right] or [np.array([])])
+    low, high = _range(left, panel.y_range)
+    right = [s for s in panel.series if s.right]
+    right_low, right_high = _range(np.concatenate([s.y for s in right]), panel.right_range) if right else (0, 1)
+    body, legend = [], []
+    for k, series in enumerate(panel.series):
+        colour = _COLOURS[k % len(_COLOURS)]
+        bounds = (right_low, right_high) if series.right else (low, high)
+        for points in curve_points(series.x, series.y, steps, *bounds):
+            body.append(f"<polyline points='{points}' fill='none' stroke='{colour}' stroke-width='1.5'>"
+                        f"<title>{html.escape(series.name)}</title></polyline>")
+        side = f" (right: {right_low:.3g} to {right_high:.3g})" if series.right else ""
+        legend.append(f"<span style='color:{colour}'>■</span> {html.escape(series.name)}{side}")
+    body.append(f"<text x='{_LEFT}' y='{_HEIGHT - 8}' style='{_TEXT}'>step {steps[0]:g}</text>")
+    body.append(f"<text x='{_CURVE_WIDTH - _RIGHT}' y='{_HEIGHT - 8}' text-anchor='end' style='{_TEXT}'>"
+                f"{steps[1]:g}</text>")
+    chart = _frame(_CURVE_WIDTH, panel.title + (f" [{panel.unit}]" if panel.unit else ""), low, high, "".join(body))
+    return (f"<div style='display:inline-block;vertical-align:top;margin:2px 6px 6px 0'>{chart}"
+            f"<div style='{_TEXT};max-width:{_CURVE_WIDTH}px'>{' '.join(legend)}</div></div>")
+
+
+def curves_svg(curves: Curves) -> str:
+    """A static picture of the curves view: one small chart per panel, every series a line (its name
+    on hover and in the legend under it), the panels left out as constant named after them."""
+    if not curves.panels:
+        return "<p>No optimizer step yet.</p>"
+    x = np.concatenate([s.x for panel in curves.panels for s in panel.series])
+    steps = (float(x.min()), float(x.max()))
+    constant = (f"<p style='{_TEXT}'>Constant: {html.escape(', '.join(curves.constant))}</p>"
+                if curves.constant else "")
+    return "<div>" + "".join(_panel_svg(panel, steps) for panel in curves.panels) + f"</div>{constant}"

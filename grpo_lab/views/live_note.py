@@ -3,7 +3,8 @@
 A notebook reopened with its widgets' saved state, or a page reloaded after the kernel restarted,
 draws the views as they were saved, with no kernel behind them. On opening, the note's browser
 side asks the kernel for an answer; while none has come (and no update has arrived) it says that
-what is shown may not be live, and at which step it was drawn.
+what is shown may not be live, and at which step it was drawn. As it draws, it hides the static
+picture a dashboard displays beside its widget (the one thing shown where no widget can be drawn).
 """
 
 from __future__ import annotations
@@ -27,7 +28,20 @@ function render({ model, el }) {
     el.style.display = "block";
   }, model.get("wait_ms"));
   model.send({ type: "hello" });
-  return () => { clearTimeout(timer); model.off("msg:custom", onMessage); model.off("change:beat", hear); };
+  // A drawn widget stands in for the static picture its dashboard put beside it (dashboard.py): a rule
+  // on the cell's output area, which also hides the picture each time the kernel redraws it.
+  if (!document.getElementById("grpo-live-output-style")) {
+    const style = document.createElement("style");
+    style.id = "grpo-live-output-style";
+    style.textContent = ".grpo-live-output .grpo-static-fallback { display: none; }";
+    document.head.appendChild(style);
+  }
+  const markLive = () => { el.closest(".jp-OutputArea, .output")?.classList.add("grpo-live-output"); };
+  markLive();
+  const again = setTimeout(markLive, 1000);
+  return () => {
+    clearTimeout(timer); clearTimeout(again); model.off("msg:custom", onMessage); model.off("change:beat", hear);
+  };
 }
 export default { render };
 """

@@ -341,6 +341,23 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(jupyter, chromium, 
         page.locator(".grpo-curves").screenshot(path=str(shots / "curves_after_step.png"))
         page.locator(".grpo-completions-view").screenshot(path=str(shots / "completions.png"))
 
+        # Beside the widget, a picture of the curves for where no widget can be drawn: hidden while the
+        # widget is live, redrawn when a call ends (the Step press included), and what a notebook reopened
+        # after a kernel restart shows with JupyterLab's defaults, where the widget says "Error displaying".
+        pictures = page.locator(".grpo-static-fallback")
+        assert pictures.count() == 1 and page.locator(".grpo-static-fallback:visible").count() == 0
+        page.wait_for_function("() => /as of step 52/.test(document.querySelector('.grpo-static-fallback')"
+                               ".textContent)", timeout=30_000)
+        save(page, workdir / "quickstart.ipynb")
+        lab.restart_kernel(page)
+        page.reload()
+        lab.wait_for_notebook(page)
+        pictures.first.wait_for(state="visible", timeout=60_000)
+        shown = pictures.first.inner_text()
+        assert "Not live" in shown and "as of step 52" in shown
+        assert pictures.first.locator("svg polyline").count() >= 5 and "reward" in shown
+        pictures.first.screenshot(path=str(shots / "reopened_after_restart_default.png"))
+
 
 COMPARE_SETUP = """\
 import grpo_lab

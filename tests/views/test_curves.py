@@ -227,3 +227,17 @@ def test_the_view_redraws_after_an_evaluation(session):
     assert _decoded((view.figure.spec, view.figure.arrays), reward[1]["y"]).tolist() == [metrics["eval_reward"]]
     assert session.evaluations[["step", "eval_reward"]].to_dict("records") == [
         {"step": 1, "eval_reward": metrics["eval_reward"]}]
+
+
+def test_the_static_picture_draws_each_panel_as_lines_with_gaps_where_values_are_not_finite():
+    from grpo_lab.views import charts
+
+    # x: steps 1..4 across 300 px less the 44 px axis margin and 10 px right margin (246 px from x = 44);
+    # y: 0..2 over the 110 px between the top (18) and the bottom (128)
+    x, y = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0.0, 1.0, math.nan, 2.0])
+    points = charts.curve_points(x, y, (1.0, 4.0), 0.0, 2.0)
+    assert points == ["44.0,128.0 126.0,73.0", "290.0,18.0"]
+    history = _history(reward=[1.0, 2.0, 1.5], loss=[0.1, 0.2, 0.3], kl=[0.0, 0.0, 0.0])
+    picture = charts.curves_svg(curve_data.curve_panels(history))
+    assert picture.count("<svg") == 2 and picture.count("<polyline") == 2  # reward and loss; kl is constant
+    assert "Constant: kl = 0" in picture and "reward" in picture
