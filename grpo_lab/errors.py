@@ -11,6 +11,8 @@ those keeps working.
 from __future__ import annotations
 
 import sys
+import traceback
+from pathlib import Path
 
 _HINT = "(grpo_lab hid the traceback of this usage error: run %tb to see it)"
 
@@ -23,14 +25,25 @@ class ConfigError(UsageError, ValueError):
     """A configuration value grpo_lab cannot run with (a ``ValueError``, as TRL raises)."""
 
 
-def brief_traceback(error: BaseException) -> list[str]:
-    """The lines IPython shows for a usage error: its type and message, what caused it where the
-    error wraps an exception of the user's code (a reward function that raised), and how to see the
-    whole traceback."""
-    lines = [f"\x1b[0;31m{type(error).__name__}\x1b[0m: {error}"]
+class ArgumentError(UsageError, ValueError):
+    """An argument of a call that grpo_lab cannot take, e.g. ``session.run(2.5)``."""
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def brief_traceback(error: BaseException, colour: bool = True) -> list[str]:
+    """The lines IPython shows for a usage error: its type and message; where it wraps an exception
+    of the user's code (a reward function that raised), that exception with the frames of the user's
+    own code, which the user needs to fix it; and how to see the whole traceback."""
+    name = f"\x1b[0;31m{type(error).__name__}\x1b[0m" if colour else type(error).__name__
+    lines = [f"{name}: {error}"]
     cause = error.__cause__
     if cause is not None:
+        frames = [frame for frame in traceback.extract_tb(cause.__traceback__)
+                  if not frame.filename.startswith(_PACKAGE)]
         lines.append(f"caused by {type(cause).__name__}: {cause}")
+        lines.extend(line.rstrip("\n") for line in traceback.format_list(frames))
     lines.append(_HINT)
     return lines
 
@@ -41,7 +54,7 @@ def _show_briefly(shell, etype, value, tb, tb_offset=None):
     if sys.version_info >= (3, 12):
         sys.last_exc = value
     # Shown here: IPython 8 and later display nothing of what a custom handler returns.
-    shell._showtraceback(etype, value, brief_traceback(value))
+    shell._showtraceback(etype, value, brief_traceback(value, colour=getattr(shell, "colors", "") != "NoColor"))
 
 
 def show_usage_errors_briefly() -> None:

@@ -100,6 +100,9 @@ def test_a_fork_applies_its_edits_and_leaves_the_parent_as_it_was(make_session, 
     assert caught[0].filename == __file__  # pointed at the caller's line
     assert repr(parent.branches) == f"[{child!r}, {same!r}]" and "name='same-rate'" in repr(same)
     assert repr(child).startswith("GRPOSession(name='session-1', step=2")  # stepped once after the fork
+    with pytest.warns(UserWarning, match=r"learning_rate=0.001 is already this session's value; the other edits"):
+        mixed = parent.fork("mixed", learning_rate=1e-3, temperature=0.7)
+    assert mixed.config.temperature == 0.7
 
 
 def test_a_lora_fork_shares_the_base_model_and_copies_the_adapter(task, tmp_path):

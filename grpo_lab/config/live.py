@@ -53,13 +53,13 @@ def change_rules(config_class=GRPOConfig) -> dict[str, tuple[str, str | None]]:
         rule = rule_of(field)
         change, part = rule.change, rule.builds
         if change not in CHANGE_KINDS:
-            raise ConfigError(
+            raise ValueError(  # a config class's own declaration, not a user's value
                 f"{config_class.__name__}.{field.name} declares change={change!r}: declare one of "
                 f"{', '.join(CHANGE_KINDS)} (grpo_lab.config.fields.setting), or build with its part "
                 "(grpo_lab.config.fields.built)."
             )
         if (change == "build") != (part is not None) or (part is not None and part not in BUILT_PARTS):
-            raise ConfigError(
+            raise ValueError(
                 f"{config_class.__name__}.{field.name} declares change={change!r} and builds={part!r}: a build-time "
                 f"field names what it builds, one of {', '.join(BUILT_PARTS)}, and no other field does."
             )

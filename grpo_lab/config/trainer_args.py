@@ -207,7 +207,7 @@ def _from_source() -> dict[str, tuple[object, object, str]]:
             default = _literal(value)
         found[statement.target.id] = (_annotation(statement.annotation), default, " ".join(help_text.split()))
     if not found:
-        raise ConfigError("no fields found")
+        raise ValueError("no fields found")  # the source read is not a fields block: not a user's error
     return found
 
 

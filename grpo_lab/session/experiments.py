@@ -233,9 +233,12 @@ def apply_fork_edits(fork, config_edits: dict) -> None:
         if getattr(fork.config, field) == value:
             unchanged.append(f"{field}={value!r}")
         setattr(fork.config, field, value)
-    if unchanged:
+    if unchanged and len(unchanged) == len(config_edits):
         notices.warn(f"fork(): {', '.join(unchanged)} is already this session's value, so the fork steps as this "
                      "session would. Give the value to try instead.")
+    elif unchanged:
+        notices.warn(f"fork(): {', '.join(unchanged)} is already this session's value; the other edits apply. "
+                     "Leave it out, or give the value to try.")
     try:
         fork.apply_config_edits()
     except Exception:

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from grpo_lab.config.grpo_config import evaluation_due
+from grpo_lab.errors import ArgumentError
 from grpo_lab.session.stages import run_next_stage
 from grpo_lab.types import RunSummary
 
@@ -29,7 +30,8 @@ STOP_ARUN = (
 
 def check_steps(n, call: str) -> None:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"{call}(n) takes a whole number of optimizer steps >= 0, got {n!r}; e.g. session.{call}(3).")
+        raise ArgumentError(
+            f"{call}(n) takes a whole number of optimizer steps >= 0, got {n!r}; e.g. session.{call}(3).")
 
 
 def run_stages(session, n: int, stop_request: Callable[[], str | None],

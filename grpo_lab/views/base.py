@@ -5,11 +5,12 @@ stops training); a later refresh that succeeds clears it.
 
 Refreshes are paced (:class:`Pacer`): an event marks the views that show it stale, and the stale
 views of a session refresh together, in a round, at the first event at which the time since the
-last round has reached ``Pacer.RATIO`` times what that round took. Refreshing then takes at most
-1 / (RATIO + 1) of a run's wall time, however many views are open and however cheap a step is; the
-end of every call that drove the session (its ``"idle"`` event) starts a round at once, so every
-view is current when a cell's call returns. Rounds happen between stages, on the thread that drives
-the session, where the session's state is whole.
+last round has reached ``Pacer.RATIO`` times what that round took. Within one call (``run(n)``,
+``arun(n)``, Run N) refreshing then takes at most 1 / (RATIO + 1) of its wall time, however many
+views are open and however cheap a step is; the end of every call that drove the session (its
+``"idle"`` event) starts a round at once, so every view is current when a cell's call returns (a
+loop of ``step()`` calls in one cell therefore refreshes at every step). Rounds happen between
+stages, on the thread that drives the session, where the session's state is whole.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import html
 import threading
 import time
 import traceback
-import weakref
 
 import ipywidgets as widgets
 
@@ -33,8 +33,8 @@ def guarded(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        started = time.perf_counter()
         with self._refresh_lock:
+            started = time.perf_counter()  # after the lock: waiting for another thread's refresh is not its cost
             try:
                 result = method(self, *args, **kwargs)
             except Exception as error:  # a broken view must never stop a training run
@@ -73,7 +73,9 @@ class Pacer:
     RATIO = 39
 
     def __init__(self):
-        self.open = True
+        # Written from the thread that drives the session and, for a control's refresh, the kernel's,
+        # without a lock: a lost addition only moves the next round by one refresh's cost.
+        self.round_open = True
         self._round_cost = 0.0  # seconds the views spent refreshing in the current round
         self._last_end = 0.0
         self._next_round = 0.0
@@ -83,7 +85,7 @@ class Pacer:
         if self._round_cost:
             self._next_round = self._last_end + self.RATIO * self._round_cost
             self._round_cost = 0.0
-        self.open = event == "idle" or time.perf_counter() >= self._next_round
+        self.round_open = event == "idle" or time.perf_counter() >= self._next_round
 
     def spent(self, started: float) -> None:
         """A view refreshed, from ``started`` (``time.perf_counter()``) until now: part of this round."""
@@ -91,27 +93,29 @@ class Pacer:
         self._round_cost += self._last_end - started
 
 
-_PACERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PACERS: dict[int, list] = {}
+"""Per session (by id): [pacer, its unsubscribe, views using it]. An entry goes when the session's last
+view closes; a view never closed keeps its session alive anyway (the widget registry holds it)."""
 
 
 def join_pacer(session) -> Pacer:
     """The session's pacer, made and subscribed when its first view is made (so that it hears each
     event before the views), unsubscribed when its last view leaves (:func:`leave_pacer`)."""
-    entry = _PACERS.get(session)
+    entry = _PACERS.get(id(session))
     if entry is None:
         pacer = Pacer()
-        entry = _PACERS[session] = [pacer, session.on(pacer.on_event), 0]
+        entry = _PACERS[id(session)] = [pacer, session.on(pacer.on_event), 0]
     entry[2] += 1
     return entry[0]
 
 
 def leave_pacer(session) -> None:
-    entry = _PACERS.get(session)
+    entry = _PACERS.get(id(session))
     if entry is not None:
         entry[2] -= 1
         if entry[2] == 0:
             entry[1]()  # unsubscribe
-            del _PACERS[session]
+            del _PACERS[id(session)]
 
 
 class View(widgets.VBox):
@@ -131,10 +135,12 @@ class View(widgets.VBox):
         self._unsubscribe = session.on(self._on_event)
 
     def _on_event(self, stage, result) -> None:
+        pacer = self.pacer
+        if pacer is None:  # closed by another thread while the session was calling its listeners
+            return
         if stage in self.events:
             self._stale = True
-        now = stage in self.immediate
-        if not (now or self.pacer.open):
+        if not (stage in self.immediate or pacer.round_open):
             return
         self.live.heard(self.session.global_step)  # the kernel is behind this view, at this step
         if self._stale:

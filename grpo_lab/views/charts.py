@@ -2,7 +2,7 @@
 a run, a picture of the curves (what a notebook shows where its live curves cannot be drawn).
 
 Plain SVG strings: they display in any notebook front end, need no JavaScript, and a refresh
-replaces them whole. Hover a mark or a line for its numbers.
+replaces them whole. Hover a mark for its numbers, a line for its name.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def _range(values: np.ndarray, fixed: tuple[float, float] | None) -> tuple[float
 
 def curve_points(x: np.ndarray, y: np.ndarray, steps: tuple[float, float], low: float, high: float,
                  width: int = _CURVE_WIDTH) -> list[str]:
-    """The ``points`` of one polyline per run of finite values (a NaN or a missing step is a gap):
+    """The ``points`` of one polyline per run of finite values (a NaN, which a step that did not log the
+    metric also is in the history's frame, is a gap):
     x from ``steps`` (first, last) across the plot, y from ``low`` to ``high`` up the plot."""
     first, last = steps
     span = (last - first) or 1.0

@@ -46,39 +46,42 @@ class Dashboard(widgets.VBox):
         ])
         self.add_class("grpo-dashboard")
         self.session = session
-        self._picture = None  # the display handle of the picture shown beside the widget
-        self._pictured = None  # the curves it shows
+        self._pictures = []  # the display handles of the pictures shown beside the widget (one per display)
+        self._pictured = None  # the curves they show
         self._unsubscribe = session.on(self._on_event)  # after the views: it hears "idle" once they are current
 
     def picture_html(self) -> str:
-        """The static picture: the curves as of the session's step, and that they are not live."""
+        """The static picture: the curves as of the session's step, and that they are not live. A
+        picture that cannot be drawn says why instead (it never stops training or ``show()``)."""
         curves = self.curves.curves
+        try:
+            drawn = charts.curves_svg(curves) if curves is not None else ""
+        except Exception as error:
+            drawn = f"<p>No picture of the curves: {html.escape(repr(error))}</p>"
         return (
             "<div class='grpo-static-fallback' style='border:1px solid #e0c080;background:#fffaf0;padding:4px 8px'>"
             "<p style='color:#8a5a00;margin:2px 0;font-size:12px'>"
             f"Not live: a picture of the curves as of step {self.session.global_step}, saved with the notebook. "
             "The live dashboard is drawn when its kernel answers: it is busy running a cell, or it was restarted "
-            f"(run the cells again).</p>{charts.curves_svg(curves) if curves is not None else ''}</div>"
+            f"(run the cells again).</p>{drawn}</div>"
         )
 
     def _ipython_display_(self) -> None:
         from IPython.display import HTML, display
 
         self._pictured = self.curves.curves
-        self._picture = display(HTML(self.picture_html()), display_id=True)
+        self._pictures.append(display(HTML(self.picture_html()), display_id=True))
         display(self._repr_mimebundle_(), raw=True)
 
     def _on_event(self, event: str, payload) -> None:
-        if event != "idle" or self._picture is None or self.curves.curves is self._pictured:
+        if event != "idle" or not self._pictures or self.curves.curves is self._pictured:
             return
         from IPython.display import HTML
 
         self._pictured = self.curves.curves
-        try:
-            picture = self.picture_html()
-        except Exception as error:  # a picture that cannot be drawn must never stop training
-            picture = f"<p class='grpo-static-fallback'>No picture of the curves: {html.escape(repr(error))}</p>"
-        self._picture.update(HTML(picture))
+        picture = HTML(self.picture_html())
+        for handle in self._pictures:
+            handle.update(picture)
 
     def close(self) -> None:
         self._unsubscribe()

@@ -52,6 +52,8 @@ USAGE_ERRORS = [
     ("session.config.temperature = 1.0\n"
      "session.reward_funcs = [lambda completions, **kwargs: [0.0] * (len(completions) - 1)]\n"
      "session.generate()\nsession.score()", "RewardFunctionError", "exactly one number"),
+    ("def broken_reward(completions, **kwargs):\n    return [completions[99] for _ in completions]\n\n\n"
+     "session.reward_funcs = [broken_reward]\nsession.score()", "RewardFunctionError", "broken_reward"),
 ]
 
 
@@ -83,8 +85,12 @@ def test_a_usage_error_in_a_notebook_shows_one_screen_and_tb_shows_its_traceback
         [error] = [o for o in error_cell.outputs if o.output_type == "error"]
         assert error.ename == name and fix in error.evalue
         shown = _lines(error)
-        assert len(shown) <= 6 and fix in "\n".join(shown) and "%tb" in shown[-1], shown
+        wraps_user_code = fix == "broken_reward"
+        assert len(shown) <= (12 if wraps_user_code else 6) and fix in "\n".join(shown) and "%tb" in shown[-1], shown
         assert not any("grpo_lab/" in line for line in shown)
+        if wraps_user_code:  # the user's own frames, to fix it from
+            assert "caused by IndexError: list index out of range" in shown
+            assert any("in broken_reward" in line for line in shown)
         full = [line for o in tb_cell.outputs for line in _lines(o) + o.get("text", "").splitlines()]
         assert len(full) > 10 and any("grpo_lab/" in line for line in full) and any(name in line for line in full)
     [own] = [o for o in notebook.cells[-1].outputs if o.output_type == "error"]

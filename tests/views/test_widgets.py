@@ -105,36 +105,53 @@ def test_the_pacer_opens_a_round_after_39_times_the_last_round_and_whenever_the_
     monkeypatch.setattr(base, "time", clock)
     pacer = base.Pacer()
     pacer.on_event("generate", None)
-    assert pacer.open  # nothing refreshed yet
+    assert pacer.round_open  # nothing refreshed yet
     pacer.spent(99.996)  # two views refreshed in this round: 4 ms, then 6 ms
     clock.now = 100.006
     pacer.spent(100.000)
     clock.now = 100.3
     pacer.on_event("score", None)
-    assert not pacer.open  # the round took 10 ms and ended at 100.006: the next opens at 100.006 + 39 * 0.010
+    assert not pacer.round_open  # the round took 10 ms and ended at 100.006: the next opens at 100.006 + 39 * 0.010
     pacer.on_event("idle", None)
-    assert pacer.open  # the end of a call: every stale view refreshes
+    assert pacer.round_open  # the end of a call: every stale view refreshes
     clock.now = 100.395
     pacer.on_event("advantages", None)
-    assert not pacer.open
+    assert not pacer.round_open
     clock.now = 100.397
     pacer.on_event("loss", None)
-    assert pacer.open
+    assert pacer.round_open
 
 
-def test_a_dashboard_refreshes_in_rounds_during_a_run_and_is_current_when_it_returns(session):
+def test_a_dashboard_refreshes_in_rounds_during_a_run_and_is_current_when_it_returns(session, monkeypatch):
+    from grpo_lab.views import base
+
+    monkeypatch.setattr(base.Pacer, "RATIO", 10**9)  # no round opens by time: only the end of the call's
     dashboard = session.show()
     refreshed = []
-    for part in (dashboard.curves, dashboard.completions, dashboard.rewards):
+    for part in (dashboard.controls, dashboard.curves, dashboard.completions, dashboard.rewards):
         original = part.refresh
         part.refresh = lambda original=original, part=part: (refreshed.append(type(part).__name__), original())[1]
-    heard = []
-    session.on(lambda event, payload: heard.append(event))
-    session.run(8, progress=False)
-    stage_events = sum(event in dashboard.completions.events for event in heard)
-    assert stage_events == 8 * 5 and refreshed.count("CompletionsView") < stage_events
-    assert dashboard.curves.curves.steps == 8  # the last round, at the end of the call, drew the last step
+    session.run(8, progress=False)  # 40 stage events, each of which the completions view shows
+    assert refreshed.count("CompletionsView") == refreshed.count("CurvesView") == refreshed.count("RewardsView") == 1
+    assert refreshed.count("Controls") == 2  # at once when the session turned busy and idle
+    assert dashboard.curves.curves.steps == 8  # the round at the end of the call drew the last step
     assert f"step {session.global_step}" in dashboard.completions.header.value
-    assert not dashboard.controls.run_button.disabled  # the buttons turned back on with the session at once
+    assert not dashboard.controls.run_button.disabled
     for part in (dashboard.controls, dashboard.curves, dashboard.completions, dashboard.rewards):
         assert part.error.value == "", part.error.value
+    dashboard.close()
+    assert session._listeners == []
+
+
+def test_a_view_closed_while_the_session_calls_its_listeners_hears_nothing_more(session):
+    closed = []
+
+    def close_at_step_two(event, payload):  # listens before the view, as another thread's close may land
+        if event == "update" and session.global_step == 2 and not closed:
+            view.close()
+            closed.append(True)
+
+    session.on(close_at_step_two)
+    view = session.completions_view()
+    session.run(4, progress=False)
+    assert closed and session.global_step == 4 and view.error.value == ""
