@@ -32,7 +32,7 @@ class _Table:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.summary()})"
 
-    def extends(self) -> _Table | None:
+    def previous_stage(self) -> _Table | None:
         """The earlier stage's result whose columns this table repeats (None for ``generate()``'s)."""
         return None
 
@@ -49,8 +49,8 @@ def newest_first(table: _Table, columns: list[str]) -> list[str]:
     """``columns`` with ``group`` first, then what ``table``'s stage added, then what each earlier stage
     added, newest first: the stage's own numbers are on screen without scrolling sideways."""
     stages = [table]
-    while stages[-1].extends() is not None:
-        stages.append(stages[-1].extends())
+    while stages[-1].previous_stage() is not None:
+        stages.append(stages[-1].previous_stage())
     order = {"group": -1}
     for age, stage in enumerate(reversed(stages)):
         for name in stage.to_dict():
@@ -148,7 +148,7 @@ class Scores(_Table):
     extras: dict[str, list] = field(default_factory=dict)
     metrics: dict[str, list[float]] = field(default_factory=dict)
 
-    def extends(self) -> _Table:
+    def previous_stage(self) -> _Table:
         return self.rollout
 
     def summary(self) -> str:
@@ -177,7 +177,7 @@ class Advantages(_Table):
     is_std_zero_B: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def extends(self) -> _Table:
+    def previous_stage(self) -> _Table:
         return self.scores
 
     def summary(self) -> str:
@@ -216,7 +216,7 @@ class LossResult(_Table):
     """Micro-batches of this step (on this process) whose advantages were all zero, so that their
     backward pass, which adds nothing to the gradient, did not run (``skip_zero_advantage_backward``)."""
 
-    def extends(self) -> _Table:
+    def previous_stage(self) -> _Table:
         return self.advantages
 
     def summary(self) -> str:
