@@ -120,6 +120,7 @@ PRIVATE_REACH_ALLOWED = {
     ("rewards/code_sandbox_child.py", "os._exit"): "ends the sandbox child without running the user's atexit code",
     ("views/batch.py", "trained._replace"): "a NamedTuple's public copy-with method",
     ("views/findings.py", "findings._repr_html_"): "IPython's display protocol",
+    ("errors.py", "shell._showtraceback"): "IPython's way for a custom exception handler to show its lines",
     # a marker grpo_lab sets on a transformers module it casts
     ("core/models.py", "embeddings._grpo_lab_output_dtype"): "grpo_lab's own marker on a module it changed",
     ("core/models.py", "module._grpo_lab_output_dtype"): "as embeddings._grpo_lab_output_dtype",
