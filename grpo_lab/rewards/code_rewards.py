@@ -99,7 +99,9 @@ def code_reward(timeout: float = 5.0, memory_mb: int = 512, tests_column: str = 
     whole text. The tests come from the dataset column ``tests_column`` (default ``tests``): a list
     of strings, each one test (an ``assert``; passes when it runs without raising), or one string
     of code whose top-level ``assert`` statements are the tests (see ``code_sandbox.split_tests``).
-    Each test runs on its own, after the solution, in its namespace, in one child per completion;
+    Each test runs on its own, after the solution, against the solution's names, in a judge
+    process beside the solution's (only plain values cross: a test passes the solution plain
+    values or objects it returned, and compares plain values); one child per completion;
     completions run in parallel on up to ``max_workers`` threads (default and cap: the CPU count).
 
     The sandbox (``grpo_lab.rewards.code_sandbox``, whose docstring lists what it does and does not

@@ -5,10 +5,22 @@
 written) in a new, empty temporary folder as its working directory, with a minimal environment
 (the default ``PATH``, ``HOME`` and ``TMPDIR`` set to that folder, a locale, one BLAS thread: none
 of this process's variables), leading a new process group, its output discarded.
-The child program (``code_sandbox_child.py``) first sets its limits and Python-level guards, then
-runs the code and each test statement, and reports per-test results in a result file, on a line
-prefixed by a random nonce it received on stdin. This process waits at most ``timeout`` seconds
-(wall clock), then kills the child's whole process group, reads the result and removes the folder.
+The child program (``code_sandbox_child.py``) splits in two before any of the code runs: the
+solution's process sets its limits and Python-level guards, runs the code and then only answers
+requests; the judge (``code_sandbox_judge.py``), a process of its own under the same limits and
+guards, runs each test statement against stand-ins of the solution's names (a plain value as a
+copy, any other object as a handle whose uses are requests to the solution's process: only JSON
+crosses) and reports per-test results in a result file, on a line prefixed by a random nonce it
+alone received on stdin. This process waits at most ``timeout`` seconds (wall clock), then kills
+the child's whole process group, reads the result and removes the folder.
+
+What the tests can do with the solution's objects: call them, read and set their attributes and
+items, take their length, truth, ``str`` and ``repr``, iterate over them; what they can pass: plain
+values (None, bool, int, float, complex, str, bytes, and tuples, lists, dicts and sets of them; a
+list, dict or set the call changed in place is changed on the tests' side too) and the solution's
+own objects. Not a function or an object of the tests' own (a lambda as an argument fails that
+test with TypeError), and no comparison of one of the solution's objects other than a plain
+value (``==`` on it fails the test: the solution's ``__eq__`` would decide it).
 
 **OS isolation** (``isolation="os"``, the default) is what holds against code written to get out:
 the child runs in mount, network, PID, IPC and UTS namespaces of its own (and a user namespace
@@ -60,17 +72,22 @@ What it protects against (an accident or a careless solution, the usual case in 
   and its process group (in the PID namespace ``os.getppid()`` is 0, which ``os.kill`` takes for
   that group);
 - the network: creating a socket raises; in the network namespace no interface is up;
-- forged results: the result line needs the nonce, which the solution is never given.
+- forged results: the tests and the nonce of the result line are only ever in the judge's
+  process, which the solution's cannot read or trace (the judge is undumpable: no process of
+  its user may open its memory or ``/proc`` files, or attach to it; in the PID namespace it is
+  the namespace's first process, which no signal from inside ends); a value whose ``__eq__`` is
+  always true, or a built-in the solution redefines, stays in the solution's process: the tests
+  compare plain values with their own built-ins;
+- the session keyring: the child joins a new, empty one before the split, so keys the trainer's
+  session holds are not the child's to read (on the machines in ``KEYCTL`` of the child
+  program: x86-64, ARM, RISC-V, POWER, s390x; where the kernel refuses the call to the child, a
+  seccomp filter, it refuses the solution's too).
 
-What remains possible under OS isolation: the solution and the tests run in one process, so
-code that finds the result's nonce in a caller's frame can report tests as passed that failed
-(a forged score, not an escape); so can solutions that game their tests (an object whose
-``__eq__`` is always true, redefining a name the tests use). The child can read what the
+What remains possible under OS isolation: a solution that fits its answers to the arguments
+it is called with (weak tests are still weak; it never sees the tests themselves). The child can read what the
 read-only paths hold (the system's and the interpreter's files, which hold no secrets on a usual
 machine: a token kept inside the Python installation would be readable) and use the CPU and
 memory its limits allow. It shares the kernel: a kernel exploit is not stopped (a VM stops that).
-It keeps the session keyring of the process that started training: keys held there (a training
-job rarely holds any) can be read through the ``keyctl`` system call.
 
 Under ``isolation="python"``, also: the guards are Python-level replacements that deliberately
 malicious code can undo (a fresh copy of a built-in module such as ``posix`` holds the original
@@ -105,6 +122,7 @@ __all__ = ["ISOLATIONS", "SandboxResult", "check_isolation", "network_namespace_
            "pid_namespace_available", "run_in_sandbox", "split_tests"]
 
 _CHILD = Path(__file__).with_name("code_sandbox_child.py")
+_JUDGE = Path(__file__).with_name("code_sandbox_judge.py")
 _RESULT = "result"
 _PROBE_TIMEOUT = 10.0
 
@@ -112,6 +130,20 @@ _PROBE_TIMEOUT = 10.0
 @functools.lru_cache(maxsize=1)
 def _child_source() -> str:
     return _CHILD.read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def _judge_source() -> str:
+    return _JUDGE.read_text()
+
+
+def _job(code: str, statements: list[tuple[str, bool]], nonce: str, limits: dict[str, int]) -> bytes:
+    """The child's stdin: a line with the sizes of its two parts, then the part read before it
+    splits (the solution's code, the limits, the result file's name), then the judge's alone
+    (the tests, the nonce, the judge's program)."""
+    launch = json.dumps({"code": code, "limits": limits, "result": _RESULT}).encode()
+    judge = json.dumps({"nonce": nonce, "statements": statements, "judge": _judge_source()}).encode()
+    return f"{len(launch)} {len(judge)}\n".encode() + launch + judge
 
 
 @dataclass
@@ -477,8 +509,7 @@ def run_in_sandbox(code: str, statements: list[tuple[str, bool]], *, timeout: fl
     check_isolation(isolation, network_namespace)
     count = sum(is_test for _, is_test in statements)
     nonce = secrets.token_hex(16)
-    job = {"nonce": nonce, "code": code, "statements": statements, "result": _RESULT,
-           "limits": _limits(timeout, memory_mb, max_file_mb)}
+    job = _job(code, statements, nonce, _limits(timeout, memory_mb, max_file_mb))
     command = [sys.executable, "-I", "-B", "-c", _child_source()]
     if isolation == "os":
         root, fs = _make_folders()
@@ -493,7 +524,7 @@ def run_in_sandbox(code: str, statements: list[tuple[str, bool]], *, timeout: fl
     try:
         if fs is not None:
             command = _os_isolation_command(root, fs, command, folder_mb=folder_mb(max_file_mb))
-        exited = _run_child(command, root, json.dumps(job).encode(), timeout)
+        exited = _run_child(command, root, job, timeout)
         passed = _read_result(root, nonce, count) if exited else None
     finally:
         _remove_folders(root, fs)

@@ -1,18 +1,28 @@
 """The program that ``code_sandbox`` runs in its child process, as ``python -I -B -c <this source>``
 in a fresh temporary folder. Standard library only; grpo_lab never imports it.
 
-It reads its job (JSON) from stdin and opens its result file, then, before any code of the job
-runs: sets its resource limits; makes process creation, networking, signals to other processes,
-raising those limits, writes outside its folder (and changes of the folder's own mode or owner)
-and reads of other processes' files in ``/proc`` raise ``PermissionError``; and refuses the
-imports of ``REFUSED_IMPORTS``. It runs the solution, then each statement of the tests in turn in
-the solution's namespace (a test that fails does not stop the others), and writes one line,
-``<nonce> <one 0/1 per test>``, to the result file, then ends at once with ``os._exit`` (no exit
-handler or thread of the solution runs after). The nonce comes only through stdin, so the solution
-cannot write a result line by guessing it.
+It reads the first part of its job (JSON on stdin: the solution's code and the limits), opens
+its result file, leaves the session keyring it was started with, and splits in two (``fork``):
 
-These replacements are Python-level: code that goes looking (the originals kept in these
-functions' closures, C extensions) can get around them. See ``code_sandbox`` for what holds."""
+- **the solution's process** closes stdin and the result file, then, before any code of the job
+  runs: sets its resource limits; makes process creation, networking, signals to other
+  processes, raising those limits, writes outside its folder (and changes of the folder's own
+  mode or owner) and reads of other processes' files in ``/proc`` raise ``PermissionError``; and
+  refuses the imports of ``REFUSED_IMPORTS``. It runs the solution, sends the names it defined,
+  and then only answers the judge's requests (``serve``): get an attribute, call, iterate...
+- **the judge** (this process; the first of the PID namespace, when there is one) makes itself
+  undumpable (no process of its user may read its memory or trace it), reads the rest of the
+  job (the tests, the result's nonce and the judge's program, ``code_sandbox_judge.py``: the
+  solution's process never holds them), sets the same limits and guards, runs each test
+  statement against stand-ins of the solution's names, and writes one line,
+  ``<nonce> <one 0/1 per test>``, to the result file, then ends at once with ``os._exit``.
+
+Between the two, only JSON (``to_wire``/``from_wire``): plain values, and handles of the
+solution's other objects. The solution cannot give the tests an object of its own to compare, nor
+reach the nonce or the verdict: the result it can bring about is its answers' being right.
+
+The guards are Python-level: code that goes looking (the originals kept in these functions'
+closures, C extensions) can get around them. See ``code_sandbox`` for what holds."""
 
 import builtins
 import io
@@ -248,45 +258,288 @@ def guard_files(root: str) -> None:
     guard_path_writers(writable)
 
 
-def run(job: dict) -> list:
-    """Run the solution, then each statement of the tests; True/False per test statement."""
+# How deep a value may nest on the wire (json's own limit is near 1,000).
+MAX_DEPTH = 200
+
+
+def to_wire(value, handle_of, depth: int = 0):
+    """``value`` as JSON: None, bool, int, float and str as themselves, lists as lists, and the rest
+    as one-key objects: ``{"tuple": [...]}``, ``{"namedtuple": [type name, fields, [...]]}`` (a
+    named tuple or a struct sequence such as ``os.stat_result``), ``{"dict": [[key, value], ...]}``,
+    ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"bytes": hex}``, ``{"bytearray": hex}``,
+    ``{"complex": [re, im]}``; anything else ``{"object": handle_of(value)}``. Subclasses of the
+    plain types (an IntEnum, a numpy float) go as their plain value, numpy values as their
+    ``tolist()``."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply to send")
+    kind = type(value)
+    if kind.__module__ == "numpy" and hasattr(value, "tolist"):
+        value = value.tolist()
+    if value is None or isinstance(value, bool):
+        return value if value is None else bool(value)
+    for plain, convert in ((int, int.__index__), (float, float.__float__), (str, str.__str__)):
+        if isinstance(value, plain):
+            return convert(value)
+    inner = depth + 1
+    if isinstance(value, list):
+        return [to_wire(item, handle_of, inner) for item in value]
+    if isinstance(value, dict):
+        return {"dict": [[to_wire(k, handle_of, inner), to_wire(v, handle_of, inner)] for k, v in value.items()]}
+    fields = getattr(kind, "__match_args__", None)
+    if isinstance(value, tuple) and isinstance(fields, tuple):
+        items = [to_wire(item, handle_of, inner) for item in value]
+        return {"namedtuple": [str(kind.__name__), [str(f) for f in fields], items]}
+    for plain in (tuple, frozenset, set):
+        if isinstance(value, plain):
+            return {plain.__name__: [to_wire(item, handle_of, inner) for item in value]}
+    for plain in (bytes, bytearray):
+        if isinstance(value, plain):
+            return {plain.__name__: bytes(value).hex()}
+    if isinstance(value, complex):
+        return {"complex": [value.real, value.imag]}
+    return {"object": handle_of(value)}
+
+
+def from_wire(data, object_of, depth: int = 0):
+    """The value ``to_wire`` sent, built of plain types only (``object_of(handle)`` for an object);
+    ValueError for anything that is not of that format. Runs none of the sender's code."""
+    kind = type(data)
+    if data is None or kind in (bool, int, float, str):
+        return data
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    inner = depth + 1
+    if kind is list:
+        return [from_wire(item, object_of, inner) for item in data]
+    if kind is not dict or len(data) != 1:
+        raise ValueError("not a value of the sandbox's wire format")
+    (tag, content), = data.items()
+    items = content if type(content) is list else None
+    if tag == "dict" and items is not None and all(type(pair) is list and len(pair) == 2 for pair in items):
+        return {from_wire(k, object_of, inner): from_wire(v, object_of, inner) for k, v in items}
+    builders = {"tuple": tuple, "set": set, "frozenset": frozenset}
+    if tag in builders and items is not None:
+        return builders[tag](from_wire(item, object_of, inner) for item in items)
+    if tag in ("bytes", "bytearray") and type(content) is str:
+        return (bytes if tag == "bytes" else bytearray).fromhex(content)
+    if tag == "complex" and items is not None and len(items) == 2 and all(type(x) in (int, float) for x in items):
+        return complex(*items)
+    if tag == "object" and type(content) is int:
+        return object_of(content)
+    if tag == "namedtuple" and items is not None and len(items) == 3 and all(type(x) is list for x in items[1:]):
+        name, fields, values = items
+        return named_tuple_type(str(name), tuple(map(str, fields)), len(values))(
+            *(from_wire(item, object_of, inner) for item in values))
+    raise ValueError("not a value of the sandbox's wire format")
+
+
+NAMED_TUPLE_TYPES = {}
+
+
+def named_tuple_type(name: str, fields: tuple, length: int):
+    """A named tuple type of this process's own with ``fields`` naming the first items (the rest,
+    and any field name that is not an identifier, renamed ``_<index>``); one type per shape, so
+    that results of one function share their type."""
+    import collections
+
+    key = (name, fields, length)
+    if key not in NAMED_TUPLE_TYPES:
+        names = (list(fields) + ["_"] * length)[:length]
+        typename = name if name.isidentifier() else "named_tuple"
+        NAMED_TUPLE_TYPES[key] = collections.namedtuple(typename, names, rename=True)
+    return NAMED_TUPLE_TYPES[key]
+
+
+class Objects:
+    """The solution's objects the judge holds handles to; each keeps its handle (and stays alive,
+    so that no other object takes its id) until the process ends."""
+
+    def __init__(self):
+        self._by_handle, self._handles = [], {}
+
+    def handle_of(self, value) -> int:
+        key = id(value)
+        if key not in self._handles:
+            self._handles[key] = len(self._by_handle)
+            self._by_handle.append(value)
+        return self._handles[key]
+
+    def object_of(self, handle: int):
+        if not 0 <= handle < len(self._by_handle):
+            raise ValueError(f"no object has the handle {handle}")
+        return self._by_handle[handle]
+
+    def send(self, value):
+        """``value`` on the wire; an object whose plain value cannot be sent (a list that holds
+        itself) as a handle."""
+        try:
+            return to_wire(value, self.handle_of)
+        except (ValueError, RecursionError):
+            return {"object": self.handle_of(value)}
+
+
+ANSWERS = {
+    "getattr": lambda target, name: getattr(target, name),
+    "setattr": lambda target, name, value: setattr(target, name, value),
+    "delattr": lambda target, name: delattr(target, name),
+    "getitem": lambda target, key: target[key],
+    "setitem": lambda target, key, value: target.__setitem__(key, value),
+    "delitem": lambda target, key: target.__delitem__(key),
+    "contains": lambda target, value: value in target,
+    "len": len, "bool": bool, "iter": iter, "next": next, "repr": repr, "str": str,
+}
+"""What the judge may ask of one of the solution's objects (``call`` aside), by the request's name."""
+
+
+def answer(request, objects: Objects) -> dict:
+    """The reply to one request ``[operation, handle, *operands]``: ``{"value": ...}``, with
+    ``"arguments"`` after a call (the state of each list, dict, set or bytearray argument)."""
+    operation, handle, *operands = request
+    target = objects.object_of(handle)
+    if operation == "call":
+        positional, named = operands
+        args = [from_wire(a, objects.object_of) for a in positional]
+        kwargs = {str(k): from_wire(v, objects.object_of) for k, v in named.items()}
+        value = target(*args, **kwargs)
+        changed = [objects.send(a) if isinstance(a, (list, dict, set, bytearray)) else None for a in args]
+        return {"value": objects.send(value), "arguments": changed}
+    names = [operands[0]] if operation in ("getattr", "setattr", "delattr") else []
+    values = [from_wire(o, objects.object_of) for o in operands[len(names):]]
+    return {"value": objects.send(ANSWERS[operation](target, *names, *values))}
+
+
+def describe(error: BaseException) -> list:
+    try:
+        return [type(error).__name__, str(error)[:1000]]
+    except BaseException:  # an exception whose str() raises
+        return [type(error).__name__, ""]
+
+
+def serve(code: str, requests_fd: int, replies_fd: int) -> None:
+    """Run the solution as the module ``solution``, send its names, then answer requests until the
+    judge closes its end."""
     import types
 
-    run_code, compile_code = builtins.exec, builtins.compile
-    module = types.ModuleType("solution")  # tests may also `from solution import f`
+    run_code, compile_code, loads, dumps = builtins.exec, builtins.compile, json.loads, json.dumps
+    requests = os.fdopen(requests_fd, "r", encoding="utf-8", newline="\n")
+    replies = os.fdopen(replies_fd, "w", encoding="utf-8", newline="\n")
+    module = types.ModuleType("solution")
     sys.modules["solution"] = module
-    namespace = module.__dict__
     try:
-        run_code(compile_code(job["code"], "<solution>", "exec"), namespace)
+        run_code(compile_code(code, "<solution>", "exec"), module.__dict__)
     except BaseException:  # whatever the solution raises, its tests still run
         pass
-    passed = []
-    for index, (source, is_test) in enumerate(job["statements"]):
+    objects = Objects()
+    names = {name: objects.send(value) for name, value in list(module.__dict__.items())
+             if not (name.startswith("__") and name.endswith("__"))}
+    replies.write(dumps({"names": names}) + "\n")
+    replies.flush()
+    for line in requests:
         try:
-            run_code(compile_code(source, f"<test {index}>", "exec"), namespace)
-            ok = True
-        except BaseException:  # SystemExit and KeyboardInterrupt fail the test too
-            ok = False
-        if is_test:
-            passed.append(ok)
-    return passed
+            reply = answer(loads(line), objects)
+        except BaseException as error:  # the solution's exception, for the test to see
+            reply = {"raised": describe(error)}
+        try:
+            text = dumps(reply)
+        except (ValueError, RecursionError) as error:
+            text = dumps({"raised": describe(error)})
+        replies.write(text + "\n")
+        replies.flush()
 
 
-def main() -> None:
-    job = json.loads(sys.stdin.read())
-    nonce = job.pop("nonce")
-    write, leave, encode = os.write, os._exit, str.encode
-    root = os.path.realpath(os.getcwd())
-    result_fd = os.open(job["result"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    limit(job["limits"])
+# The keyctl system call's number by machine (Linux's syscall tables); libc has no wrapper for it.
+KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "i386": 288, "i686": 288, "armv7l": 311, "armv8l": 311,
+          "ppc64le": 280, "ppc64": 280, "s390x": 280}
+KEYCTL_JOIN_SESSION_KEYRING, PR_SET_DUMPABLE = 1, 4
+
+
+def leave_session_keyring(libc) -> None:
+    """Join a new, empty session keyring: the keys the trainer's session holds (read by anyone
+    holding that keyring, whatever the user) are out of reach. Where the kernel refuses the
+    call to this process (a seccomp filter), it refuses the solution's too."""
+    import ctypes
+    import errno
+
+    number = KEYCTL.get(os.uname().machine)
+    if number is None:  # a machine outside the table: said in code_sandbox's docstring
+        return
+    if libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+            raise OSError(code, "the code sandbox could not leave the session keyring")
+
+
+def undumpable(libc) -> None:
+    """No process of this user may read this process's memory or files in ``/proc``, or trace it."""
+    import ctypes
+
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "the judge could not make itself undumpable")
+
+
+def guard(root: str, limits: dict) -> None:
+    """The limits and Python-level guards, in the order that leaves each one able to be set."""
+    limit(limits)
     block_processes()
     block_network()
     block_signals()
     refuse_imports()
     guard_files(root)
+
+
+def read_exactly(fd: int, count: int) -> bytes:
+    """``count`` bytes of ``fd`` and not one more (what follows is the judge's alone)."""
+    parts, left = [], count
+    while left > 0:
+        part = os.read(fd, left)
+        if not part:
+            raise EOFError("the job ended early")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def read_line(fd: int) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise EOFError("the job ended early")
+        line += byte
+    return line
+
+
+def main() -> None:
+    import ctypes
+
+    launch_size, judge_size = (int(size) for size in read_line(0).split())
+    launch = json.loads(read_exactly(0, launch_size))
+    root = os.path.realpath(os.getcwd())
+    result_fd = os.open(launch["result"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    libc = ctypes.CDLL(None, use_errno=True)
+    leave_session_keyring(libc)
+    requests_read, requests_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    if os.fork() == 0:
+        try:
+            for fd in (0, result_fd, requests_write, replies_read):
+                os.close(fd)
+            guard(root, launch["limits"])
+            serve(launch["code"], requests_read, replies_write)
+        finally:
+            os._exit(0)
+    write, leave, encode = os.write, os._exit, str.encode
     try:
-        passed = run(job)
-        write(result_fd, encode(nonce + " " + "".join("1" if ok else "0" for ok in passed) + "\n"))
+        os.close(requests_read)
+        os.close(replies_write)
+        undumpable(libc)
+        job = json.loads(read_exactly(0, judge_size))
+        guard(root, launch["limits"])
+        program = {"__name__": "code_sandbox_judge"}
+        exec(compile(job["judge"], "code_sandbox_judge.py", "exec"), program)
+        passed = program["judge"](job["statements"], requests_write, replies_read, to_wire, from_wire)
+        if passed is not None:
+            write(result_fd, encode(job["nonce"] + " " + "".join("1" if ok else "0" for ok in passed) + "\n"))
     finally:
         leave(0)
 

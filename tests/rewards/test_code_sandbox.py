@@ -123,6 +123,8 @@ def seen(pid):
     return found
 TRAINER = TRAINER_PID
 PIDS = {os.getppid(), parent_of(os.getppid()), TRAINER}
+def own_environment():
+    return open("/proc/self/environ", "rb").read()
 """
 
 TRAINER = LOAD_SANDBOX + """
@@ -147,7 +149,7 @@ def test_the_trainers_environment_cannot_be_read_through_proc(tmp_path, monkeypa
     # as a token is in the environment a training job starts with.
     monkeypatch.setenv("GRPO_LAB_TEST_TOKEN", "GRPO_LAB_" + "ENV_MARKER")
     statements = split_tests(["assert MARK not in b''.join(seen(pid) for pid in PIDS)",
-                              "assert open('/proc/self/environ', 'rb').read() is not None",  # its own: allowed
+                              "assert own_environment() is not None",  # its own: allowed
                               "assert not os.path.exists(f'/proc/{TRAINER}')"])  # only in a PID namespace
     job = json.dumps([READ_ENVIRONMENTS, statements, namespace, options])
     script = TRAINER.format(path=code_sandbox.__file__)

@@ -1,9 +1,11 @@
 """Code written to get out of the sandbox, run under OS isolation by a trainer that is root and by
 one that is an unprivileged user: it undoes the Python-level guards first (a fresh copy of the
 built-in ``posix`` module holds the original functions, the socket guard's base classes the
-original socket type), then tries to write
-outside its folder, read a token in the trainer's home folder, read another process's
-environment, reach the network and fork. Each must be stopped by the operating system."""
+original socket type, ctypes imported again), then tries to write outside its folder, read a
+token in the trainer's home folder, another process's environment or a key in the trainer's
+session keyring, reach the network and fork. Each must be stopped by the operating system. And
+a wrong solution that goes looking for the result's nonce (in its frames and objects, in the
+judge's memory, by tracing the judge) and writes result lines must still score 0."""
 
 import json
 import os
@@ -22,6 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
                                                   reason="OS isolation is built on Linux's namespaces")]
 
 MARK = "GRPO_LAB_" + "RED_TEAM_MARK"
+KEY_NAME = b"grpo_lab_red_team"
 
 UNGUARDED = """
 import _imp, importlib.machinery
@@ -46,6 +49,17 @@ def fork():
     if posix.fork() == 0:
         posix._exit(0)
 WRITE = 0o1 | 0o100  # O_WRONLY | O_CREAT
+import sys
+for name in ("ctypes", "_ctypes"):  # the import refusal undone
+    sys.modules.pop(name, None)
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+KEYCTL = {"x86_64": 250, "aarch64": 219}[__import__("os").uname().machine]
+def session_key(serial):
+    found = libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(10), ctypes.c_long(-3), b"user", KEY_NAME, 0)  # search
+    buffer = ctypes.create_string_buffer(256)
+    libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(11), ctypes.c_long(serial), buffer, ctypes.c_long(256))  # read
+    return found, buffer.raw
 """
 
 ATTACKS = {
@@ -64,18 +78,31 @@ ATTACKS = {
     "read the project and /etc": "assert read(PROJECT_FILE) == b'' and stopped(lambda: posix.listdir('/etc'))",
     "reach the network": "assert stopped(lambda: raw_socket().connect(('127.0.0.1', PORT)))",
     "fork": "assert stopped(fork)",
+    "read a key in the trainer's session keyring": "found, read = session_key(KEY_SERIAL)\n"
+                                                   "    assert found == -1 and MARK.encode() not in read",
 }
 
+# The trainer holds a key with the mark in a session keyring of its own (as a login's keyring may
+# hold credentials), checks that it can read it, then runs the attacks.
 TRAINER = """
-import importlib.util, json, sys
+import ctypes, importlib.util, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+KEYCTL, ADD_KEY = {"x86_64": (250, 248), "aarch64": (219, 217)}[os.uname().machine]
+assert libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(1), None) > 0  # a session keyring of this run's own
+mark = os.environ["GRPO_LAB_TEST_TOKEN"].encode()
+serial = libc.syscall(ctypes.c_long(ADD_KEY), b"user", KEY_NAME, mark, ctypes.c_size_t(len(mark)), ctypes.c_long(-3))
+buffer = ctypes.create_string_buffer(256)
+libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(11), ctypes.c_long(serial), buffer, ctypes.c_long(256))
+held = mark in buffer.raw
 spec = importlib.util.spec_from_file_location("code_sandbox", sys.argv[1])
 sandbox = sys.modules["code_sandbox"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sandbox)
 code, tests, isolation = json.loads(sys.argv[2])
+code = code.replace("KEY_SERIAL", str(serial))
 result = sandbox.run_in_sandbox(code, sandbox.split_tests(tests), timeout=20, isolation=isolation)
 correct = sandbox.run_in_sandbox("def add(a, b):\\n    return a + b", sandbox.split_tests(["assert add(1, 2) == 3"]))
-print(json.dumps([result.passed, result.notes, correct.passed]))
-"""
+print(json.dumps([result.passed, result.notes, correct.passed, held]))
+""".replace("KEY_NAME", repr(KEY_NAME))
 
 
 def _attack_as(prefix: list[str], python: str, folder: Path, isolation: str = "os", attacks: dict = ATTACKS) -> list:
@@ -97,10 +124,12 @@ def _attack_as(prefix: list[str], python: str, folder: Path, isolation: str = "o
                  "INTERPRETER": os.path.join(sys.base_prefix, "grpo_lab_escape"), "MARK": MARK,
                  "ENVIRONMENT": os.path.join(sys.prefix, "grpo_lab_escape"),
                  "PROJECT_FILE": str(Path(__file__).resolve()), "PORT": listener.getsockname()[1]}
-        code = UNGUARDED + "".join(f"{name} = {value!r}\n" for name, value in names.items())
+        code = "".join(f"{name} = {value!r}\n" for name, value in {**names, "KEY_NAME": KEY_NAME}.items()) + UNGUARDED
+        # Each attack a function of the solution's, for it runs in the solution's process; the tests call them.
+        code += "".join(f"def attack_{i}():\n    {attack}\n" for i, attack in enumerate(attacks.values()))
+        tests = [f"attack_{i}()" for i in range(len(attacks))]
         done = subprocess.run(
-            [*prefix, python, "-I", "-c", TRAINER, code_sandbox.__file__,
-             json.dumps([code, list(attacks.values()), isolation])],
+            [*prefix, python, "-I", "-c", TRAINER, code_sandbox.__file__, json.dumps([code, tests, isolation])],
             capture_output=True, text=True, timeout=120, cwd="/",
             env={"PATH": os.environ["PATH"], "HOME": str(home), "GRPO_LAB_TEST_TOKEN": MARK},
         )
@@ -114,7 +143,8 @@ def _attack_as(prefix: list[str], python: str, folder: Path, isolation: str = "o
     written = [name for name in ("OUTSIDE", "SYSTEM", "INTERPRETER", "ENVIRONMENT") if os.path.exists(names[name])]
     for name in written:  # what an attack left (the control run without OS isolation)
         os.remove(names[name])
-    passed, notes, correct = json.loads(done.stdout)
+    passed, notes, correct, held = json.loads(done.stdout)
+    assert held  # the trainer itself reads its key
     return [passed, notes, correct, written, arrived]
 
 
@@ -167,3 +197,50 @@ def test_an_unprivileged_trainers_sandbox_stops_every_escape(tmp_path):
         _check(_attack_as(become_nobody, str(python_home / executable), folder / "trainer"))
     finally:
         shutil.rmtree(folder)
+
+
+# A wrong solution (its add returns an object equal to everything) that also goes looking for the
+# result's nonce: every 32-hex-digit string its process holds (a planted one shows the search
+# works), the judge's memory and environment in /proc, tracing the judge; it writes a result
+# line for each string it found.
+FORGER = UNGUARDED + """
+import gc, re, secrets
+PLANTED = secrets.token_hex(16)
+def reachable_hex_strings():
+    texts = []
+    for thing in gc.get_objects():
+        values = thing.values() if isinstance(thing, dict) else thing if isinstance(thing, (list, tuple)) else ()
+        texts += [v.decode("latin-1") if isinstance(v, bytes) else v for v in values if isinstance(v, (str, bytes))]
+    frame = sys._getframe()
+    while frame is not None:
+        texts += [v for v in frame.f_locals.values() if isinstance(v, str)]
+        frame = frame.f_back
+    return {found for text in texts for found in re.findall("[0-9a-f]{32}", text)}
+FOUND = reachable_hex_strings()
+JUDGE = __import__("os").getppid()
+def denied(path):
+    return read(path) == b""
+MEMORY_DENIED = all(denied(f"/proc/{JUDGE}/{name}") for name in ("maps", "mem", "environ"))
+MEMORY_DENIED = MEMORY_DENIED and not denied("/proc/self/maps")  # its own: readable
+TRACE_DENIED = libc.ptrace(ctypes.c_long(16), ctypes.c_long(JUDGE), None, None) == -1  # PTRACE_ATTACH
+if not TRACE_DENIED:
+    libc.ptrace(ctypes.c_long(17), ctypes.c_long(JUDGE), None, None)  # PTRACE_DETACH
+for nonce in FOUND:
+    posix.write(posix.open("result", 0o1 | 0o2000), f"{nonce} 11111\\n".encode())  # O_WRONLY | O_APPEND
+class Always:
+    def __eq__(self, other):
+        return True
+def add(a, b):
+    return Always()
+def looked_everywhere():
+    return PLANTED in FOUND and MEMORY_DENIED and TRACE_DENIED
+"""
+
+
+@pytest.mark.parametrize("isolation", ["os", "python"])
+def test_a_wrong_solution_cannot_forge_its_result(sandboxes, isolation):
+    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4", "assert add(0, 5) == 5",
+             "assert looked_everywhere()"]
+    result = code_sandbox.run_in_sandbox(FORGER, code_sandbox.split_tests(tests),
+                                         isolation=isolation)
+    assert result.passed == [False, False, False, False, True] and result.score == 0.2
