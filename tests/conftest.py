@@ -239,14 +239,17 @@ def pause_at(session, event: str, global_step: int):
 
 
 @pytest.fixture
-def offline_wandb(monkeypatch):
-    """wandb logging to local files only, its process-wide state torn down afterwards (flushing its
-    files) so that no test sees another's."""
+def offline_wandb(monkeypatch, tmp_path):
+    """wandb logging to local files only, under ``tmp_path/wandb``, its process-wide state torn down
+    afterwards (flushing its files) so that no test sees another's."""
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     yield wandb
+    if wandb.run is not None:  # a run transformers' callback left open, as a script's exit would end it
+        wandb.run.finish()
     wandb.teardown()
 
 

@@ -49,13 +49,14 @@ def test_a_token_in_model_init_kwargs_reaches_no_file_and_a_loaded_run_needs_it_
         trainer.session.export_script(tmp_path / "export" / "train.py")
     assert trainer.args.model_init_kwargs["token"] == TOKEN  # the run keeps what it was given
     trainer.close()
-    offline_wandb.teardown()  # its files flushed
+    offline_wandb.finish()  # the run transformers' callback left open, ended and its files flushed
+    offline_wandb.teardown()
     # every file the run wrote: checkpoints, the saved model, the session save, the export and its data,
     # and the trackers' own files (wandb offline, the MLflow file store, TensorBoard's events)
     for written in ("run/checkpoint-2/config.yaml", "run/final/training_args.bin", "export/train.py",
                     "export/train.data/train", "mlruns"):
         assert (tmp_path / written).exists(), written
-    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert list((tmp_path / "run" / "runs").rglob("events.out.tfevents.*"))
     assert _files_holding(tmp_path, TOKEN) == [] and _files_holding(tmp_path, TOKEN[3:]) == []
     loaded = GRPOSession.load(tmp_path / "notebook", reward_funcs=task.reward_funcs)

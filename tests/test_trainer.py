@@ -92,22 +92,44 @@ def test_train_again_on_a_finished_run_does_nothing_until_max_steps_is_raised(ta
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
-def test_tensorboard_receives_the_metrics_jsonl_values(task, tmp_path):
+def _tracked(row: dict, prefix: str = "train/") -> dict:
+    """A ``log_history`` row as transformers' callbacks name it (``rewrite_logs``): ``train/<key>``,
+    ``eval/<key>`` for ``eval_<key>``; numbers only, without ``step``."""
+    named = {(f"eval/{key[5:]}" if key.startswith("eval_") else f"{prefix}{key}"): value
+             for key, value in row.items() if key != "step"}
+    return {key: value for key, value in named.items() if isinstance(value, (int, float))}
+
+
+def test_tensorboard_receives_the_logged_rows_through_transformers_callback(task, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers.integrations import TensorBoardCallback
 
     trainer = _trainer(task, tmp_path, eval_dataset=task.eval_dataset, max_steps=2, report_to="tensorboard",
                        eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, num_generations_eval=2)
+    assert sum(isinstance(c, TensorBoardCallback) for c in trainer.callback_handler.callbacks) == 1
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(tmp_path / "runs"))
     events.Reload()
-    for name in ("reward", "loss", "entropy"):
-        logged = [(e.step, e.value) for e in events.Scalars(name)]
+    for name in ("reward", "loss", "entropy"):  # logging_steps=1: each logged row is one step's
+        logged = [(e.step, e.value) for e in events.Scalars(f"train/{name}")]
         assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in rows]
     evaluations = [row for row in trainer.state.log_history if "eval_reward" in row]
-    for name in ("eval_reward", "eval_loss"):  # the evaluations while training, at their steps
-        logged = [(e.step, e.value) for e in events.Scalars(name)]
-        assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in evaluations] and len(logged) == 2
+    for name in ("reward", "loss"):  # the evaluations while training, at their steps
+        logged = [(e.step, e.value) for e in events.Scalars(f"eval/{name}")]
+        assert logged == [(r["step"], pytest.approx(r[f"eval_{name}"], rel=1e-6)) for r in evaluations]
+        assert len(logged) == 2
+    assert "learning_rate" in json.loads(events.Tensors("args/text_summary")[0].tensor_proto.string_val[0])
+
+    # logging_steps=2: a row every second step, each metric the mean over its two steps (as TRL logs)
+    windows = _trainer(task, tmp_path / "windows", max_steps=4, logging_steps=2, report_to="tensorboard")
+    windows.train()
+    steps = windows.session.history
+    events = EventAccumulator(str(tmp_path / "windows" / "runs"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == [
+        (2, pytest.approx(steps["reward"].iloc[:2].mean(), rel=1e-6)),
+        (4, pytest.approx(steps["reward"].iloc[2:].mean(), rel=1e-6))]
 
 
 def _wandb_records(run_file):
@@ -142,28 +164,33 @@ def _wandb_history_and_config(run_file) -> tuple[dict, dict]:
             if "train/global_step" in items:  # a row the trainer logged
                 history.setdefault(items["train/global_step"], {}).update(items)
         if record.WhichOneof("record_type") == "run":
-            config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+        if record.WhichOneof("record_type") == "config":  # wandb.config.update after the run started
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
     return history, config
 
 
-def test_wandb_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, offline_wandb):
-    trainer = _trainer(task, tmp_path, max_steps=2, report_to="wandb", log_completions=True, num_completions_to_print=3)
+def test_wandb_receives_the_logged_rows_the_config_and_the_printed_completions(task, tmp_path, offline_wandb):
+    trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="wandb", log_completions=True,
+                       num_completions_to_print=3)
     trainer.train()
+    offline_wandb.finish()  # transformers' callback leaves the run open for what follows train(): the user ends it
     offline_wandb.teardown()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in trainer.state.log_history if "reward" in row]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = _wandb_history_and_config(run_file)
     assert sorted(history) == [1, 2]
     log = trainer.session.completions_log
     for row in rows:
         logged = history[row["step"]]
-        assert ({key: logged[key] for key in row if key != "step"}
-                == pytest.approx({k: v for k, v in row.items() if k != "step"}))
+        assert {key: logged[key] for key in _tracked(row)} == pytest.approx(_tracked(row))
         table = json.loads((run_file.parent / "files" / logged["completions/path"]).read_text())
         printed = log[log["step"] == row["step"]].head(3)
         assert table["columns"] == list(printed.columns)
-        assert [r[table["columns"].index("completion")] for r in table["data"]] == printed["completion"].tolist()
+        column = table["columns"].index("completion")
+        assert [r[column] for r in table["data"]] == printed["completion"].tolist()
     assert config["learning_rate"] == 1e-3 and config["max_steps"] == 2
+    assert config["output_dir"] == str(tmp_path / "out")
 
 
 def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_path, offline_wandb):
@@ -180,25 +207,24 @@ def test_wandb_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_pat
     assert not (tmp_path / "out" / "wandb").exists()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = _wandb_history_and_config(run_file)
-    assert sorted(history) == [1, 2] and history[2]["loss"] == trainer.session.history["loss"].iloc[-1]
+    assert sorted(history) == [1, 2] and history[2]["train/loss"] == trainer.session.history["loss"].iloc[-1]
     assert config["note"] == "kept"
 
 
-def test_trackio_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path):
+def test_trackio_receives_the_logged_rows_the_config_and_the_printed_completions(task, tmp_path):
     from trackio import SQLiteStorage
 
     project = f"grpo_lab-{tmp_path.name}"
     trainer = _trainer(task, tmp_path, max_steps=2, report_to="trackio", project=project, run_name="first",
                        log_completions=True, num_completions_to_print=3)
     trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in trainer.state.log_history if "reward" in row]
     logged = SQLiteStorage.get_logs(project, "first")
-    metrics = {entry["step"]: entry for entry in logged if "reward" in entry}
+    metrics = {entry["train/global_step"]: entry for entry in logged if "train/reward" in entry}
     assert sorted(metrics) == [1, 2]
     for row in rows:
-        values = {key: value for key, value in row.items() if key != "step"}
-        assert {key: metrics[row["step"]][key] for key in values} == pytest.approx(values)
-    tables = {entry["step"]: entry["completions"]["_value"] for entry in logged if "completions" in entry}
+        assert {key: metrics[row["step"]][key] for key in _tracked(row)} == pytest.approx(_tracked(row))
+    tables = {entry["train/global_step"]: entry["completions"]["_value"] for entry in logged if "completions" in entry}
     log = trainer.session.completions_log
     assert sorted(tables) == [1, 2]
     for step, table in tables.items():
@@ -207,20 +233,20 @@ def test_trackio_receives_the_metrics_jsonl_values_the_config_and_the_printed_co
     assert config["learning_rate"] == 1e-3 and config["max_steps"] == 2
 
 
-def test_mlflow_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, mlflow_store):
+def test_mlflow_receives_the_logged_rows_the_config_and_the_printed_completions(task, tmp_path, mlflow_store):
     # "<lambda>": not an MLflow name
     funcs = [*task.reward_funcs, lambda completions, **kwargs: [0.5] * len(completions)]
     trainer = _trainer(task, tmp_path / "out", reward_funcs=funcs, max_steps=2, report_to="mlflow", run_name="first",
                        log_completions=True, num_completions_to_print=3)
     trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in trainer.state.log_history if "reward" in row]
     (run,) = mlflow_store.search_runs([e.experiment_id for e in mlflow_store.search_experiments()])
     assert run.info.run_name == "first" and run.info.status == "FINISHED"
     for name in ("reward", "loss", "entropy", "rewards/correctness_reward/mean", "rewards/<lambda>/mean"):
         history = mlflow_store.get_metric_history(run.info.run_id, name.replace("<lambda>", "_lambda_"))
         assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r[name])) for r in rows]
     assert run.data.params["learning_rate"] == "0.001" and run.data.params["max_steps"] == "2"
-    assert len(run.data.params) == len(trainer.args.to_dict()) > 100  # sent in requests of at most 100
+    assert len(run.data.params) > 100  # sent in requests of at most 100
     log = trainer.session.completions_log
     for step in (1, 2):
         path = mlflow_store.download_artifacts(run.info.run_id, f"completions/step_{step}.json", str(tmp_path))
@@ -233,23 +259,27 @@ def test_mlflow_logs_into_a_run_the_user_started_and_leaves_it_open(task, tmp_pa
     import mlflow
 
     with mlflow.start_run(run_name="mine") as run:
-        mlflow.log_param("learning_rate", "mine")  # MLflow's parameters cannot change: the trainer leaves them
+        mlflow.log_param("note", "mine")
         _trainer(task, tmp_path / "out", max_steps=2, report_to="mlflow").train()
-        assert mlflow.active_run().info.run_id == run.info.run_id
+        assert mlflow.active_run().info.run_id == run.info.run_id  # still open: the user ends it
     finished = mlflow_store.get_run(run.info.run_id)
-    assert finished.data.params == {"learning_rate": "mine"} and finished.info.status == "FINISHED"
+    assert finished.data.params["note"] == "mine" and finished.data.params["max_steps"] == "2"
+    assert finished.info.status == "FINISHED"
     assert [m.step for m in mlflow_store.get_metric_history(run.info.run_id, "loss")] == [1, 2]
 
 
-def test_comet_receives_the_metrics_jsonl_values_the_config_and_the_printed_completions(task, tmp_path, monkeypatch):
+def test_comet_receives_the_logged_rows_the_config_and_the_printed_completions(task, tmp_path, monkeypatch):
     import zipfile
+
+    import comet_ml
 
     monkeypatch.setenv("COMET_START_ONLINE", "false")  # an archive for `comet upload`, no account
     monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
     trainer = _trainer(task, tmp_path / "out", max_steps=2, report_to="comet_ml", run_name="first",
                        log_completions=True, num_completions_to_print=3)
     trainer.train()
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    comet_ml.get_running_experiment().end()  # as the process's exit ends it: the archive is written then
+    rows = [row for row in trainer.state.log_history if "reward" in row]
     (archive,) = (tmp_path / "comet").glob("*.zip")
     with zipfile.ZipFile(archive) as files:
         messages = [json.loads(line) for line in files.read("messages.json").splitlines()]
@@ -260,12 +290,11 @@ def test_comet_receives_the_metrics_jsonl_values_the_config_and_the_printed_comp
                m["payload"]["metric"]["metricValue"]
                for m in messages if m["type"] == "metric_msg"}
     for row in rows:
-        values = {key: value for key, value in row.items() if key != "step"}
-        assert {key: metrics[row["step"], key] for key in values} == pytest.approx(values)
+        assert {key: metrics[row["step"], key] for key in _tracked(row)} == pytest.approx(_tracked(row))
     # Comet stores a single value under "param" and a list value (include_for_metrics) under "params"
     params = {p["paramName"]: p["paramValue"] for p in (m["payload"].get("param") or m["payload"]["params"]
                                                          for m in messages if m["type"] == "parameter_msg")}
-    assert params["learning_rate"] == 1e-3 and params["max_steps"] == 2
+    assert params["args|learning_rate"] == 1e-3 and params["args|max_steps"] == 2  # flattened by the callback
     names = [m["payload"]["value"] for m in messages if m["type"] == "log_other" and m["payload"]["key"] == "Name"]
     assert names == ["first"]
     log = trainer.session.completions_log
@@ -373,9 +402,9 @@ def test_a_crashed_run_resumes_from_its_checkpoint_and_finishes_identically(task
 
     events = EventAccumulator(str(tmp_path / "run" / "runs"))
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == [1, 2]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     offline_wandb.teardown()
-    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     exits = [r.exit.exit_code for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1] and sorted(_wandb_history_and_config(run_file)[0]) == [1, 2]
     (run,) = mlflow_store.search_runs([e.experiment_id for e in mlflow_store.search_experiments()])
@@ -421,7 +450,8 @@ def test_a_resumed_run_logs_the_steps_after_its_checkpoint_once(task, tmp_path):
     assert len(list((tmp_path / "runs").glob("events.out.tfevents.*"))) == 2  # one file per run
     events = EventAccumulator(str(tmp_path / "runs"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in again]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in again]
 
 
 @pytest.mark.parametrize("own_scheduler", [False, True])

@@ -23,7 +23,7 @@ from grpo_lab.ops.registry import CLIP_LOSSES, LOSS_TYPES, default_epsilon_high,
 from grpo_lab.errors import ConfigError
 
 SUPPORTED_REPORTERS = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml")
-"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl`` (:mod:`grpo_lab.trainer.reporting`):
+"""Where the trainer can send metrics besides ``output_dir/metrics.jsonl`` (:mod:`grpo_lab.trainer.trackers`):
 every tracker GRPOConfig accepts in ``report_to``."""
 
 SCALE_REWARDS = ("group", "batch", "none")

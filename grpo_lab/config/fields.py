@@ -291,10 +291,12 @@ class GRPOFields:
     adam_beta2: float = setting(0.999, "optimizer", """AdamW beta2.""")
     adam_epsilon: float = setting(1e-8, "optimizer", """AdamW epsilon.""")
     max_grad_norm: float = setting(1.0, "live", """Clip the gradient to this global norm; 0 disables clipping.""")
-    logging_steps: float = setting(10, "live", """Optimizer steps between two completion tables of the trainer
-        (``log_completions``; metrics are recorded every step); below 1, a fraction of the run, rounded up (TRL's
-        GRPO default: 10).""")
-    logging_dir: str | None = setting(None, "live", """TensorBoard directory; None uses output_dir/runs.""")
+    logging_steps: float = setting(10, "live", """Optimizer steps between two rows of the trainer's ``log_history``
+        (what the ``report_to`` trackers receive: each metric's mean over the steps since the last row) and two
+        completion tables (``log_completions``); ``metrics.jsonl`` and ``session.history`` record every step; below
+        1, a fraction of the run, rounded up (TRL's GRPO default: 10).""")
+    logging_dir: str | None = setting(None, "live", """TensorBoard directory; None uses ``$TENSORBOARD_LOGGING_DIR``,
+        else output_dir/runs.""")
     save_steps: float = setting(500, "live", """Optimizer steps between two checkpoints of the trainer; below 1, a
         fraction of the run, rounded up (``save_steps=0.25`` checkpoints four times).""")
     save_total_limit: int | None = setting(None, "live", """Keep at most this many of the run's checkpoints (oldest

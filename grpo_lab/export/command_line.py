@@ -15,7 +15,7 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
 
     from grpo_lab.state.checkpoint import check_complete
     from grpo_lab.config.grpo_config import GRPOConfig
-    from grpo_lab.trainer.reporting import reporter_names
+    from grpo_lab.trainer.trackers import tracker_names
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--resume_from", default=None)
@@ -37,7 +37,7 @@ def cli_config(base, argv: list[str] | None = None, edits: dict | None = None):
         if edits:
             base = dataclasses.replace(base, **edits)
         config = GRPOConfig.from_args(rest, base=base)
-        reporter_names(config.report_to)  # a tracker that is not installed, before the model loads
+        tracker_names(config.report_to)  # a tracker that is not installed, before the model loads
         return config, known.resume_from
     except (FileNotFoundError, ImportError, ValueError, TypeError, NotImplementedError) as error:
         print(f"error: {error}", file=sys.stderr)

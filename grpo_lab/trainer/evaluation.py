@@ -15,7 +15,6 @@ import time
 from grpo_lab.core.hf_trainer_types import speed_metrics
 
 from grpo_lab.state.checkpoint import load_saved_weights, saved_model_dir
-from grpo_lab.parallel.dist import on_main
 from grpo_lab.core.build import eval_sets, named_eval_dataset
 
 DEFAULT_BEST_METRIC = "loss"
@@ -45,7 +44,7 @@ class TrainerEvaluation:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate the policy on ``eval_dataset`` (default: the trainer's; a dict of named sets is
         reported set by set, ``eval_<name>_reward``...), log the metrics to ``state.log_history`` with
-        ``eval_runtime`` and the throughput (and, while ``train()`` runs, to the ``report_to`` trackers),
+        ``eval_runtime`` and the throughput (and, through the callbacks' ``on_log``, to the ``report_to`` trackers),
         run the callbacks' ``on_evaluate``, and return them.
         ``ignore_keys`` is accepted for transformers' signature; nothing is ignored."""
         start = time.time()
@@ -55,11 +54,7 @@ class TrainerEvaluation:
         per_call = self.args.per_device_eval_batch_size * self.accelerator.num_processes
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=sum(len(d) for d in sets),
                                      num_steps=sum(math.ceil(len(d) / per_call) for d in sets)))
-        self._events.log(metrics)
-        sinks, step = self._open_sinks, self.session.global_step
-        if sinks is not None:  # the same on every process (the list is filled on the main one): collective
-            on_main(self.accelerator, f"log the evaluation at step {step}",
-                    lambda: [sink.log({"step": step, **metrics}) for sink in sinks])
+        self._events.log(metrics)  # the report_to trackers get it through on_log, as transformers' Trainer sends it
         self._events.evaluated(metrics)
         return metrics
 

@@ -20,7 +20,9 @@ transformers' meaning:
 - with ``logging_nan_inf_filter`` (the default), a NaN or infinite loss is left out of ``loss``
   and ``train_loss``, as transformers leaves it out.
 
-``metrics.jsonl`` and the trackers still get every step's own row.
+``metrics.jsonl`` still gets every step's own row; the ``report_to`` trackers are transformers'
+integration callbacks among the others (:mod:`grpo_lab.trainer.trackers`), and get ``log_history``'s
+rows as a Trainer sends them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from grpo_lab.core.hf_trainer_types import (
     speed_metrics,
 )
 from grpo_lab.config.grpo_config import evaluation_due
+from grpo_lab.trainer.trackers import is_tracker
 
 LAST_STEP_KEYS = frozenset({"grad_norm", "learning_rate", "num_tokens", "epoch"})
 """Logged as the last step's value, not the window's mean: transformers' Trainer logs the last
@@ -88,14 +91,41 @@ class GRPOFlowCallback(DefaultFlowCallback):
         return control
 
 
+class GRPOCallbackHandler(CallbackHandler):
+    """transformers' ``CallbackHandler``, but for the config its tracker callbacks (transformers'
+    integrations) read: :class:`grpo_lab.trainer.trackers.TrackerArgs`, which leaves credentials out
+    of what they send; every other callback gets the config itself."""
+
+    def __init__(self, callbacks, tracker_args=None):
+        super().__init__(callbacks, None, None, None, None)
+        self.tracker_args = tracker_args
+        self.trackers_quiet = False  # a train() with nothing to train opens no empty tracker run
+
+    def call_event(self, event, args, state, control, **kwargs):
+        for callback in self.callbacks:
+            tracker = is_tracker(callback)
+            if tracker and self.trackers_quiet:
+                continue
+            seen = self.tracker_args if tracker and self.tracker_args is not None else args
+            result = getattr(callback, event)(
+                seen, state, control, model=self.model, processing_class=self.processing_class,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
+                eval_dataloader=self.eval_dataloader, **kwargs,
+            )
+            if result is not None:  # a callback that changes nothing may return None
+                control = result
+        return control
+
+
 class TrainerEvents:
     """The state, control and callbacks of one trainer, and the rows its loop logs."""
 
-    def __init__(self, args, callbacks, *, is_world_process_zero: bool, is_local_process_zero: bool):
+    def __init__(self, args, callbacks, *, is_world_process_zero: bool, is_local_process_zero: bool,
+                 tracker_args=None):
         self.state = TrainerState(is_world_process_zero=is_world_process_zero,
                                   is_local_process_zero=is_local_process_zero)
         self.control = TrainerControl()
-        self.handler = CallbackHandler([GRPOFlowCallback(), *(callbacks or [])], None, None, None, None)
+        self.handler = GRPOCallbackHandler([GRPOFlowCallback(), *(callbacks or [])], tracker_args)
         self.args = args
         self._window: list[dict] = []
         self._losses: list[float] = []

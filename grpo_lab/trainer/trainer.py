@@ -16,7 +16,6 @@ import gc
 import json
 import os
 import shutil
-from contextlib import ExitStack
 from pathlib import Path
 
 from grpo_lab import notices, ops
@@ -27,7 +26,15 @@ from grpo_lab.config.grpo_config import GRPOConfig, resolved_eval_steps, steps_b
 from grpo_lab.parallel.dist import from_main, on_main
 from grpo_lab.state.model_card import write_training_files
 from grpo_lab.progress import progress_bar
-from grpo_lab.trainer.reporting import open_reporters, reporter_names
+from grpo_lab.trainer.trackers import (
+    TrackerArgs,
+    end_failed_runs,
+    open_tensorboard_writers,
+    send_completions,
+    tracker_callbacks,
+    tracker_names,
+    users_tracker_runs,
+)
 from grpo_lab.state.safe_write import check_writable, first_process, full_disk_named, remove_partial_writes
 from grpo_lab.session.session import GRPOSession
 from grpo_lab.state.run_logs import drop_rows_after
@@ -58,8 +65,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         rollout_func=None,
         environment_factory=None,
     ):
-        self.reporters = reporter_names(getattr(args, "report_to", "none"))  # checked before the model loads
-        self._open_sinks: list | None = None  # the trackers while train() runs (filled on the main process)
+        self.trackers = tracker_names(getattr(args, "report_to", "none"))  # checked before the model loads
         if args is not None and first_process():  # the process that writes checkpoints
             check_writable(Path(args.output_dir), "write the run's output to")
         self._resume_kwargs = dict(
@@ -74,8 +80,11 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         self.output_dir = Path(self.args.output_dir)
         self._own_checkpoints: set[str] = set()  # the checkpoint-N this run wrote or resumed from: rotation's
         self.session.engine.layout.check_savable()  # the run ends with a checkpoint: refused now, not after training
+        # transformers' order: the flow, the report_to trackers, then the user's callbacks
+        callbacks = [*tracker_callbacks(self.trackers), *(callbacks or [])]
         self._events = TrainerEvents(self.args, callbacks, is_world_process_zero=self.accelerator.is_main_process,
-                                     is_local_process_zero=self.accelerator.is_local_main_process)
+                                     is_local_process_zero=self.accelerator.is_local_main_process,
+                                     tracker_args=TrackerArgs(self.args, self.output_dir))
         self._events.attach(self.session)
         self._check_evaluation()
         self._events.init_end()
@@ -149,8 +158,12 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                 f"Nothing to train: the run is at step {self.session.global_step} of {total}. Raise max_steps "
                 "(or num_train_epochs) in trainer.args to train further.",
             )
-        self._begin_events(total)
-        return self._events.train_end(steps_run=0, samples_per_step=0)
+        self.callback_handler.trackers_quiet = True  # no empty tracker run
+        try:
+            self._begin_events(total)
+            return self._events.train_end(steps_run=0, samples_per_step=0)
+        finally:
+            self.callback_handler.trackers_quiet = False
 
     def _begin_events(self, total: int) -> None:
         self._events.attach(self.session)
@@ -158,8 +171,19 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         eval_steps = resolved_eval_steps(self.args, total)
         save_steps = steps_between(self.args.save_steps, total)
         self._check_best_model_steps(save_steps, eval_steps)
-        self._events.train_begin(global_step=self.session.global_step, max_steps=total, logging_steps=logging_steps,
-                                 save_steps=save_steps, eval_steps=eval_steps)
+        if self.accelerator.is_main_process and not self.callback_handler.trackers_quiet:
+            open_tensorboard_writers(self.callback_handler.callbacks, self.args, self.output_dir,
+                                     self.session.global_step + 1)
+        failure = None
+        try:
+            self._events.train_begin(global_step=self.session.global_step, max_steps=total,
+                                     logging_steps=logging_steps, save_steps=save_steps, eval_steps=eval_steps)
+        except BaseException as error:  # the trackers open their runs here, on the main process alone
+            failure = error
+        on_main(self.accelerator, "start the callbacks (the report_to trackers open their runs)",
+                lambda: _raise(failure))
+        if failure is not None:
+            raise failure
 
     def _check_no_earlier_run(self) -> None:
         """A fresh run never writes over an earlier run's checkpoints: refused, on every process, where
@@ -209,20 +233,12 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         checkpointing every ``save_steps`` and at the end."""
         log_every = steps_between(self.args.logging_steps, total)
         events, first = self._events, self.session.global_step
-        self._begin_events(total)
+        main = self.accelerator.is_main_process
+        users_runs = users_tracker_runs(self.trackers) if main else set()
+        self._begin_events(total)  # the trackers' callbacks open their runs
         row: dict = {}
         saved_at, saving = None, self.args.save_strategy != "no"
-        shown = self.accelerator.is_main_process and self.args.disable_tqdm is not True
-        # The trackers live on the main process; opening them, logging a step and closing them go
-        # through on_main, so that a failure there stops every process with its cause.
-        closing, sinks = ExitStack(), []
-
-        def open_trackers() -> None:
-            first_step = self.session.global_step + 1
-            sinks.extend(closing.enter_context(open_reporters(self.reporters, self.args, self.output_dir, first_step)))
-
-        on_main(self.accelerator, f"open the trackers report_to names ({', '.join(self.reporters)})", open_trackers)
-        self._open_sinks = sinks if self.reporters else None  # evaluations while training go to them too
+        shown = main and self.args.disable_tqdm is not True
         try:
             if self.args.eval_on_start:
                 self.evaluate()
@@ -231,7 +247,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                     events.step_begin()
                     row = self.session.step()
                     bar.advance(row)
-                    on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, sinks, log_every))
+                    on_main(self.accelerator, f"log step {row['step']}", lambda: self._log(row, log_every))
                     control = events.step_end(row)
                     if control.should_evaluate:
                         self._evaluate_in_training()
@@ -244,13 +260,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                         break
             if row and saving and saved_at != row["step"]:
                 self.save_checkpoint()
-        except BaseException as error:
-            # what was logged reaches the trackers, marked failed
-            self._open_sinks = None
-            closing.__exit__(type(error), error, error.__traceback__)
+        except BaseException:
+            if main:  # what was logged stays in the trackers, in runs marked failed
+                end_failed_runs(self.trackers, users_runs, self.callback_handler.callbacks)
             raise
-        self._open_sinks = None
-        on_main(self.accelerator, "close the trackers", closing.close)
         self._load_best_model()
         samples = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         return events.train_end(steps_run=self.session.global_step - first,
@@ -278,12 +291,10 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
                 f"{step}, the step this run resumes from; they were removed, and the resumed steps write theirs."
             )
 
-    def _log(self, row: dict, sinks: list, completions_every: int) -> None:
+    def _log(self, row: dict, completions_every: int) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         with open(self.output_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(row) + "\n")
-        for sink in sinks:
-            sink.log(row)
         log_live_findings(self, row)
         if self.args.log_completions and row["step"] % completions_every == 0:
             log = self.session.completions_log
@@ -294,8 +305,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             if self.args.num_completions_to_print:
                 rows = rows.head(self.args.num_completions_to_print)
             self._print_completions(row["step"], rows)
-            for sink in sinks:
-                sink.log_completions(row["step"], rows)
+            send_completions(self.trackers, row["step"], rows)
 
     def _write_completions_file(self, step: int, rows) -> None:
         """``output_dir/completions/completions_<step>.parquet``: the step's scored completions as
@@ -445,3 +455,8 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
 
         on_main(self.accelerator, f"save the model to {target}", write)
         return target
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
