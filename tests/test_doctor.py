@@ -56,12 +56,19 @@ def test_the_healthy_configs_give_nothing_above_info(make_session, task, tmp_pat
         assert findings.above("info") == [], repr(findings)
 
 
-def test_truncation_names_the_cut_and_suggests_a_longer_limit(make_session):
-    finding = _only(make_session(max_completion_length=2).doctor(), "truncation")
+def test_truncation_names_the_cut_and_suggests_a_limit_the_probe_checked(make_session):
+    session = make_session(max_completion_length=2)
+    finding = _only(session.doctor(), "truncation")
     assert finding.severity == "error"
     assert "max_completion_length=2" in finding.message and "without an EOS" in finding.message
-    assert finding.evidence["truncated"] == "8 of 8 (100%)"
-    assert finding.fix.startswith("max_completion_length=4 ")  # nearly all cut: twice the limit
+    assert finding.evidence["truncated"] == "8 of 8 (100%)" and finding.evidence["ended lengths"] == "none ended"
+    # nearly all cut: the probe's batch was generated again with 4, 8... tokens until its lengths showed
+    (trial,) = [key for key in finding.evidence if key.startswith("generated again with max_completion_length=")]
+    assert finding.evidence[trial].split(";")[0] in {"0% cut", *(f"{p}% cut" for p in range(1, 10))}
+    suggested = int(re.match(r"max_completion_length=(\d+) \(nearly all were cut", finding.fix).group(1))
+    assert suggested > 2
+    session.config.max_completion_length = suggested
+    assert [f for f in session.doctor() if f.code == "truncation"] == []  # the proposed limit cuts none of them
 
 
 def test_a_constant_reward_function_is_named(make_session):

@@ -48,33 +48,51 @@ def suggested_max_completion_length(ended_lengths: list[int], truncated_share: f
     return int(math.ceil(wanted / 8) * 8)
 
 
+@dataclasses.dataclass(frozen=True)
+class LongerLimitTrial:
+    """The probe's batch generated again (the same prompts and random draws) with a longer limit,
+    for when nearly every completion was cut and the lengths they need are unknown: ``limit``
+    the longer limit, ``ended_lengths`` the lengths of the completions that ended within it,
+    ``cut_share`` the share still cut at it."""
+
+    limit: int
+    ended_lengths: list[int]
+    cut_share: float
+
+
+def _lengths_text(lengths: list[int]) -> str:
+    quantiles = torch.quantile(torch.tensor(lengths, dtype=torch.float64), torch.tensor([0.5, 0.9, 1.0],
+                                                                                         dtype=torch.float64))
+    return "/".join(f"{q:.0f}" for q in quantiles.tolist())
+
+
 def truncation(lengths_B: torch.Tensor, is_truncated_B: torch.Tensor, completions: list[str], *,
                max_completion_length: int, mask_truncated_completions: bool,
-               thresholds: Thresholds = DEFAULTS) -> list[Finding]:
+               thresholds: Thresholds = DEFAULTS, longer: LongerLimitTrial | None = None) -> list[Finding]:
     """Completions that hit ``max_completion_length`` without EOS (``completions/clipped_ratio``): a
-    warning from ``truncation_warning`` of them, an error above ``truncation_error``."""
+    warning from ``truncation_warning`` of them, an error above ``truncation_error``. The limit it
+    proposes comes from the ended completions' lengths; where nearly all were cut, from those of
+    ``longer`` (the batch generated again with a longer limit), else twice the limit."""
     truncated_B = is_truncated_B.bool().cpu()
     count, total = int(truncated_B.sum()), len(truncated_B)
     share = count / max(total, 1)
     if share < thresholds.truncation_warning:
         return []
     ended = lengths_B.cpu()[~truncated_B].tolist()
-    suggested = suggested_max_completion_length(ended, share, max_completion_length, thresholds)
     evidence = {"truncated": share_text(count, total), "max_completion_length": max_completion_length}
     if ended:
-        quantiles = torch.quantile(torch.tensor(ended, dtype=torch.float64), torch.tensor([0.5, 0.9, 1.0],
-                                                                                          dtype=torch.float64))
-        evidence["ended lengths p50/p90/max"] = "/".join(f"{q:.0f}" for q in quantiles.tolist())
+        evidence["ended lengths p50/p90/max"] = _lengths_text(ended)
     else:
         evidence["ended lengths"] = "none ended"
     evidence["truncated completions"] = [clipped(c) for c, cut in zip(completions, truncated_B.tolist()) if cut][
         :EXAMPLES]
+    suggested, how = _proposed_limit(ended, share, max_completion_length, thresholds, longer)
+    if longer is not None:
+        seen = (f"ended lengths p50/p90/max {_lengths_text(longer.ended_lengths)}" if longer.ended_lengths
+                else "none ended")
+        evidence[f"generated again with max_completion_length={longer.limit}"] = f"{longer.cut_share:.0%} cut; {seen}"
     dropped = (" and mask_truncated_completions=True leaves them out of the loss, so they teach nothing"
                if mask_truncated_completions else ", which the rewards then judge as they stand")
-    how = ("nearly all were cut, so the lengths they need are unknown: twice the limit is a start"
-           if share >= thresholds.nearly_all_truncated or not ended
-           else f"{thresholds.length_percentile:g}th percentile of the ended lengths with "
-                f"{thresholds.length_headroom:g}x headroom")
     return [Finding(
         "truncation", "error" if share > thresholds.truncation_error else "warning",
         f"{share:.0%} of the probe's completions reached max_completion_length={max_completion_length} tokens "
@@ -83,6 +101,26 @@ def truncation(lengths_B: torch.Tensor, is_truncated_B: torch.Tensor, completion
         f"max_completion_length={suggested} ({how}); or, to keep the limit, "
         "mask_truncated_completions=True so that cut completions do not count in the loss.",
     )]
+
+
+def _proposed_limit(ended: list[int], share: float, current: int, thresholds: Thresholds,
+                    longer: LongerLimitTrial | None) -> tuple[int, str]:
+    """The limit the truncation finding proposes, and how it was found."""
+    percentile = (f"{thresholds.length_percentile:g}th percentile of the ended lengths with "
+                  f"{thresholds.length_headroom:g}x headroom")
+    if share < thresholds.nearly_all_truncated and ended:
+        return suggested_max_completion_length(ended, share, current, thresholds), percentile
+    if longer is None:
+        return 2 * current, "nearly all were cut, so the lengths they need are unknown: twice the limit is a start"
+    if longer.cut_share >= thresholds.nearly_all_truncated or not longer.ended_lengths:
+        return 2 * longer.limit, (f"nearly all were cut even when the probe's batch was generated again with "
+                                  f"max_completion_length={longer.limit}: the model may not end its completions "
+                                  "(see the EOS findings); run the doctor again with the new limit")
+    # where none was cut at the longer limit, the ended lengths alone decide (with 1.25 x the old limit as floor)
+    floor = longer.limit if longer.cut_share > 0 else current
+    suggested = suggested_max_completion_length(longer.ended_lengths, longer.cut_share, floor, thresholds)
+    return suggested, (f"nearly all were cut, so the probe's batch was generated again with "
+                       f"max_completion_length={longer.limit}: the {percentile} there")
 
 
 # ---------------------------------------------------------------------------------------- rewards

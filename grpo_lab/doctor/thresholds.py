@@ -53,8 +53,10 @@ TABLE = (
               ("truncation", "truncation_in_training", "stop_never_matched")),
     Threshold("truncation_error", 0.50, "share", "truncated share above which truncation is an error: most rewards "
               "then judge unfinished answers", ("truncation", "truncation_in_training")),
-    Threshold("nearly_all_truncated", 0.90, "share", "truncated share from which the suggested "
-              "max_completion_length is twice the current one (the few ended lengths say nothing)", ("truncation",)),
+    Threshold("nearly_all_truncated", 0.90, "share", "truncated share from which the probe's batch is generated "
+              "again with 2x, 4x, 8x max_completion_length until under truncation_warning of it is cut, and the "
+              "suggested limit comes from the lengths seen there (the few ended lengths say nothing); twice the "
+              "limit where that cannot run", ("truncation",)),
     Threshold("length_percentile", 95, "percentile", "percentile of the ended completions' lengths that the "
               "suggested max_completion_length covers", ("truncation",)),
     Threshold("length_headroom", 1.5, "factor", "headroom on that percentile in the suggested max_completion_length "

@@ -16,6 +16,7 @@ counter, a log file) are theirs.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -85,7 +86,8 @@ def batch_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> l
     return rules.link_causes([
         *rules.truncation(rollout.completion_lengths_B, rollout.is_truncated_B, rollout.completion_texts,
                           max_completion_length=config.max_completion_length,
-                          mask_truncated_completions=config.mask_truncated_completions, thresholds=thresholds),
+                          mask_truncated_completions=config.mask_truncated_completions, thresholds=thresholds,
+                          longer=longer_limit_trial(engine, rollout, thresholds)),
         *rules.rewards(scores.rewards_BF, rollout.group_index_B, scores.reward_names, rollout.prompts,
                        declared_max=declared),
         *rules.zero_signal_groups(advantages.rewards_B, advantages.advantages_B, rollout.group_index_B,
@@ -97,6 +99,46 @@ def batch_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> l
                                             micro_batch_size=config.per_device_train_batch_size,
                                             skip_backward=config.skip_zero_advantage_backward, thresholds=thresholds),
     ])
+
+
+LONGER_LIMIT_ROUNDS = 3
+"""How many times the probe's batch may be generated again, each with twice the limit (up to 8x)."""
+
+
+def longer_limit_trial(engine, rollout, thresholds: Thresholds = DEFAULTS) -> rules.LongerLimitTrial | None:
+    """Where nearly every completion of the probe (``rollout``) was cut, the lengths they need are
+    unknown: generate the probe's batch again (``engine.scratch`` puts the random state back, so
+    the same prompts and the same draws, continued past the old limit) with twice the limit, then
+    four and eight times, stopping at the first that cuts fewer than ``truncation_warning`` of
+    them, and return what the last one saw. None where the probe's own lengths suffice, with a
+    rollout function (its lengths are its own), or where even twice the limit does not fit the
+    model's context or the memory."""
+    truncated_B = rollout.is_truncated_B.bool().cpu()
+    share = float(truncated_B.float().mean())
+    if engine.custom_rollout is not None or (share < thresholds.nearly_all_truncated and not bool(truncated_B.all())):
+        return None
+    trial, limit = None, engine.config.max_completion_length
+    context = engine.generation_stage.context
+    longest_prompt = int(rollout.prompt_mask_BP.sum(1).max())
+    for _ in range(LONGER_LIMIT_ROUNDS):
+        limit *= 2
+        if context is not None and longest_prompt + limit > context:
+            break
+        longer = copy.deepcopy(engine.config)
+        longer.max_completion_length = limit
+        try:
+            with engine.scratch(longer):
+                again = engine.generate()
+        except Exception as error:
+            if memory.is_out_of_memory(error):
+                break
+            raise
+        cut_B = again.is_truncated_B.bool().cpu()
+        trial = rules.LongerLimitTrial(limit, again.completion_lengths_B.cpu()[~cut_B].tolist(),
+                                       float(cut_B.float().mean()))
+        if trial.cut_share < thresholds.truncation_warning:  # the lengths they need are seen
+            break
+    return trial
 
 
 def token_findings(engine, probe: Probe, thresholds: Thresholds = DEFAULTS) -> list[Finding]:

@@ -16,6 +16,24 @@ def test_the_suggested_limit_covers_the_ended_lengths_with_headroom():
     assert rules.suggested_max_completion_length([3], 0.95, current=64) == 128  # nearly all cut: twice
 
 
+def test_with_nearly_all_cut_the_limit_comes_from_the_batch_generated_again_with_a_longer_one():
+    lengths_B, cut_B = torch.full((8,), 2), torch.ones(8, dtype=torch.bool)
+    def fix(longer):
+        (found,) = rules.truncation(lengths_B, cut_B, ["x"] * 8, max_completion_length=2,
+                                    mask_truncated_completions=False, longer=longer)
+        return found.fix
+    assert fix(None).startswith("max_completion_length=4 (nearly all were cut, so the lengths they need are unknown")
+    # none cut at 8, ended at 5 to 6: p95 6 x 1.5 = 9, above 1.25 x 2; rounded up to 16
+    assert fix(rules.LongerLimitTrial(8, [5, 5, 6, 6, 5, 6, 5, 6], 0.0)).startswith(
+        "max_completion_length=16 (nearly all were cut, so the probe's batch was generated again with "
+        "max_completion_length=8: the 95th percentile")
+    # half still cut at 8: at least 1.25 x 8 = 10 (the cut ones needed more), rounded up to 16
+    assert fix(rules.LongerLimitTrial(8, [4, 4, 4, 4], 0.5)).startswith("max_completion_length=16 ")
+    # nearly all still cut at 16: twice that, and the EOS findings named
+    still = fix(rules.LongerLimitTrial(16, [], 1.0))
+    assert still.startswith("max_completion_length=32 (nearly all were cut even when") and "EOS findings" in still
+
+
 def test_truncation_severity_follows_the_share():
     lengths_B = torch.tensor([4, 4, 4, 4, 4, 4, 4, 4, 4, 8])
     def severity(cut: int):
