@@ -223,6 +223,10 @@ def test_what_if_token_weights_are_the_losses_derivatives_by_hand(make_session):
     torch.testing.assert_close(found.token_weights[0], dapo, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(found.token_weights[1], grpo, rtol=1e-5, atol=1e-8)
     html = found._repr_html_()
+    # the table holds what tells the settings apart; what is alike is one line under it
+    header = re.search(r"<thead>(.*?)</thead>", html, re.S).group(1)
+    assert re.findall(r"<th>([^<]+)</th>", header) == ["loss_type", "loss", "grad_norm"]
+    assert "The same for every setting: advantage_abs_mean" in html and "entropy" in html
     assert "−d loss / d log-prob (red: made likelier, blue: made less likely, white: 0)" in html
     assert html.count("grpo-token") > 10
     # the colours of every signed token view: a token of a completion with a positive advantage is made

@@ -3,6 +3,7 @@ grpo_lab/session/reward_trial.py), on real sessions of the shipped model."""
 
 import copy
 import random
+import re
 
 import numpy as np
 import pytest
@@ -334,6 +335,9 @@ def test_the_result_displays_as_tables_and_histograms(make_session):
     text, page = repr(trial), trial._repr_html_()
     assert text.startswith("RewardTrial: 8 completions of the held batch") and "Largest rank differences" in text
     assert page.count("<svg") == 4 and "constant_reward" in page  # current, two functions, total
+    header = re.search(r"<thead>(.*?)</thead>", page, re.S).group(1)  # a column per function: a screen wide
+    assert re.findall(r"<th>([^<]+)</th>", header) == ["name", "correctness_reward", "constant_reward", "total"]
+    assert "<th>spearman</th>" in page
     figure = trial.figure()
     assert [bar.name for bar in figure.data] == ["current reward", "correctness_reward", "constant_reward", "total"]
     assert sum(figure.data[2].y) == 8

@@ -348,7 +348,8 @@ class RewardTrial:
         return figure
 
     def _tables_html(self) -> str:
-        table = self.to_pandas().to_html(float_format=lambda v: f"{v:.4g}", border=0)
+        # one column per function (its statistics as rows): a screen wide for the functions a trial compares
+        table = self.to_pandas().T.to_html(float_format=lambda v: f"{v:.4g}", border=0)
         examples = "".join(
             f"<p>Largest rank differences, <code>{html.escape(name)}</code> vs the current reward"
             + (f"</p>{frame.to_html(float_format=lambda v: f'{v:.4g}', border=0)}" if len(frame)

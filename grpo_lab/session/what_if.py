@@ -16,6 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import html
 import itertools
 
 import pandas as pd
@@ -140,11 +141,24 @@ class WhatIf:
                 f"({render.SIGNED_COLOURS}) {legend}</p>" + "".join(rows))
 
     def _repr_html_(self) -> str:
-        table = self.to_pandas().to_html(float_format=lambda v: f"{v:.4g}", border=0)
+        """The settings and what differs between them as a table that fits a screen; what is the same
+        for every setting on one line under it (``to_pandas()`` has every column)."""
+        frame = self.to_pandas()
+        fields = {name for case in self.cases for name in case}
+        # one setting has nothing to tell apart: every column is shown
+        varied = [c for c in frame.columns if len(frame) < 2 or c in fields or frame[c].astype(str).nunique() > 1]
+        same = [c for c in frame.columns if c not in varied]
+        table = frame[varied].to_html(float_format=lambda v: f"{v:.4g}", border=0)
+        alike = ("<p>The same for every setting: " + ", ".join(
+            f"{html.escape(c)} {_shown(frame[c].iloc[0])}" for c in same) + "</p>") if same else ""
         cosine = self.cosine.to_html(float_format=lambda v: f"{v:.6f}", border=0)
         heatmap = self.heatmap() if self.tokenizer is not None else ""
-        return (f"<p><b>WhatIf</b>: {self.summary()}</p>{table}<p>Cosine between the settings' gradients</p>"
+        return (f"<p><b>WhatIf</b>: {self.summary()}</p>{table}{alike}<p>Cosine between the settings' gradients</p>"
                 f"{cosine}{heatmap}")
+
+
+def _shown(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else html.escape(str(value))
 
 
 def _label(case: dict) -> str:
