@@ -43,7 +43,11 @@ def slow_setup(seconds: float, max_steps: int = 100) -> str:
 
 
 # What a drawn curves plot shows, read from the page: the plot of dashboard ``i`` in page order.
+# plotly classes a legend's texts by its id: "legendtext", "legend2text"...
+LEGEND_JS = "const LEGEND_TEXT = 'text[class^=\"legend\"][class$=\"text\"]';"
+
 FACTS = """(i) => {
+  LEGEND_JS
   const gd = [...document.querySelectorAll('.grpo-curves-plot .js-plotly-plot')][i];
   if (!gd || !gd._fullLayout) return null;
   const outside = [];
@@ -64,13 +68,15 @@ FACTS = """(i) => {
     panels: keys.filter((k) => /^xaxis\\d*$/.test(k)).length,
     legendsWanted: keys.filter((k) => /^legend\\d*$/.test(k)).length,
     legendsDrawn: gd.querySelectorAll('.infolayer > g[class^="legend"]').length,
+    legendsFilled: [...gd.querySelectorAll('.infolayer > g[class^="legend"]')]
+      .filter((g) => g.querySelector(LEGEND_TEXT)).length,
     xTitles: [...gd.querySelectorAll('.infolayer g[class^="g-x"][class$="title"]')]
       .filter((g) => /optimizer step/.test(g.textContent)).length,
     titles: [...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => a.textContent),
-    legendText: [...gd.querySelectorAll('.infolayer g[class^="legend"] .legendtext')].map((t) => t.textContent),
+    legendText: [...gd.querySelectorAll(`.infolayer g[class^="legend"] ${LEGEND_TEXT}`)].map((t) => t.textContent),
     outside,
   };
-}"""
+}""".replace("LEGEND_JS", LEGEND_JS)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,8 @@ def wait_reward_points(page, count: int, dashboard: int = 0, timeout: float = 60
     deadline, seen = time.time() + timeout, None
     while time.time() < deadline:
         seen = facts(page, dashboard)
-        if seen and seen["rewardPoints"] == count:
+        # plotly draws a figure's legends after its lines: each row of a panel's legend is one, and has entries
+        if seen and seen["rewardPoints"] == count and seen["legendsFilled"] == seen["legendsWanted"]:
             return seen
         time.sleep(0.25)
     raise AssertionError(f"dashboard {dashboard}: expected {count} reward points, the page shows {seen}")
@@ -378,6 +385,7 @@ a = GRPOSession(task.model, task.reward_funcs, train_dataset=task.train_dataset,
 # The comparison's first panel (reward), read from the page: each drawn trace's legend name and its
 # point and line path counts, every legend text and every annotation (titles, fork marks) of the plot.
 COMPARED_REWARD = """() => {
+  LEGEND_JS
   const gd = document.querySelector('.grpo-compare .grpo-curves-plot .js-plotly-plot');
   if (!gd || !gd._fullLayout) return null;
   const traces = [...gd.querySelectorAll('g.subplot.xy .scatterlayer g.trace')].map((g) => ({
@@ -387,10 +395,65 @@ COMPARED_REWARD = """() => {
   }));
   return {
     annotations: [...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => a.textContent),
-    legendText: [...gd.querySelectorAll('.infolayer g[class^="legend"] .legendtext')].map((t) => t.textContent),
+    legendText: [...gd.querySelectorAll(`.infolayer g[class^="legend"] ${LEGEND_TEXT}`)].map((t) => t.textContent),
     traces,
   };
+}""".replace("LEGEND_JS", LEGEND_JS)
+
+
+# Every box of the comparison's figure that must not overlap another: each legend (one per row of a
+# panel's legend), each annotation (panel titles, fork labels) and each panel's plot area.
+COMPARED_BOXES = """() => {
+  const gd = document.querySelector('.grpo-compare .grpo-curves-plot .js-plotly-plot');
+  if (!gd || !gd._fullLayout) return null;
+  const box = (element, kind) => {
+    const r = element.getBoundingClientRect();
+    return { kind, text: element.textContent, left: r.left, right: r.right, top: r.top, bottom: r.bottom };
+  };
+  const legends = [...gd.querySelector('.infolayer').children].filter((g) => /^legend/.test(g.getAttribute('class')));
+  return [
+    ...legends.map((g) => box(g, 'legend')),
+    ...[...gd.querySelectorAll('.infolayer .annotation-text')].map((a) => box(a, 'annotation')),
+    ...[...gd.querySelectorAll('.draglayer .nsewdrag')].map((d) => box(d, 'plot')),
+  ].filter((b) => b.right > b.left && b.bottom > b.top);
 }"""
+
+
+def overlapping(boxes: list[dict], slack: float = 1.0) -> list[tuple[str, str]]:
+    """The pairs of boxes that overlap (by more than ``slack`` pixels each way); a fork label may lie
+    inside a plot area (it marks a step there), nothing else may."""
+    pairs = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if {a["kind"], b["kind"]} == {"annotation", "plot"} or a["kind"] == b["kind"] == "plot":
+                continue
+            if min(a["right"], b["right"]) - max(a["left"], b["left"]) > slack and \
+                    min(a["bottom"], b["bottom"]) - max(a["top"], b["top"]) > slack:
+                pairs.append((f"{a['kind']} {a['text'][:40]!r}", f"{b['kind']} {b['text'][:40]!r}"))
+    return pairs
+
+
+def test_compare_labels_forks_of_one_step_once_and_keeps_each_legend_in_its_panel(jupyter, chromium, workdir):
+    lab.write_notebook(workdir / "forks.ipynb", [
+        COMPARE_SETUP, "a.step()\na.step()",
+        "b = a.fork('a-fork-with-a-rather-long-name', learning_rate=5e-4)\n"
+        "c = a.fork('another-fork-named-at-length', learning_rate=2e-4)",
+        "b.step()\nc.step()", "view = grpo_lab.compare(a, b, c)\nview",
+    ])
+    with lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, jupyter, workdir / "forks.ipynb")
+        for index in range(5):
+            lab.run_cell(page, index)
+        page.wait_for_function("() => document.querySelectorAll('.grpo-compare .grpo-curves-plot "
+                               "g.subplot.xy path.point').length > 0", timeout=60_000)
+        shown = page.evaluate(COMPARED_REWARD)
+        forked = [text for text in shown["annotations"] if text.startswith("forked:")]
+        # the two forks of step 2 named together, once a panel
+        assert forked and set(forked) == {"forked: a-fork-with-a-rather-long-name, another-fork-named-at-length"}
+        boxes = page.evaluate(COMPARED_BOXES)
+        assert sum(b["kind"] == "legend" for b in boxes) >= 2 and sum(b["kind"] == "plot" for b in boxes) >= 3
+        assert overlapping(boxes) == [], [b for b in boxes if b["kind"] != "plot"][:12]
+        assert lab.widget_problems(page) == []
 
 
 def wait_compared_points(page, wanted: dict[str, int], timeout: float = 60) -> dict:
