@@ -385,7 +385,6 @@ ANSWERS = {
     "getitem": lambda target, key: target[key],
     "setitem": lambda target, key, value: target.__setitem__(key, value),
     "delitem": lambda target, key: target.__delitem__(key),
-    "contains": lambda target, value: value in target,
     "len": len, "bool": bool, "iter": iter, "next": next, "repr": repr, "str": str,
 }
 """What the judge may ask of one of the solution's objects (``call`` aside), by the request's name."""

@@ -7,7 +7,8 @@ where the solution's code never runs. Every name the solution defined is here as
 a plain value (None, bool, int, float, complex, str, bytes, bytearray, and tuples, lists, dicts,
 sets and frozensets of them) as a copy, anything else (a function, a class, an instance, a
 module) as a ``Remote`` whose attribute reads and writes, calls, items, length, iteration,
-truth, ``repr`` and ``str`` are requests to the solution's process. What comes back is a plain
+truth, ``repr`` and ``str`` are requests to the solution's process (``x in`` one iterates over
+it and compares the plain values here). What comes back is a plain
 value, rebuilt here from JSON, or another ``Remote``; an exception the solution raised comes back
 as the built-in exception of that name (``RemoteError`` for its own classes) with its message.
 So nothing the solution does decides a comparison, an ``isinstance`` or an ``assert``: a value
@@ -77,7 +78,7 @@ class Channel:
             self._end("the solution's process ended")
         try:
             return json.loads(line)
-        except ValueError as error:  # RecursionError included
+        except (ValueError, RecursionError) as error:
             self._end(f"the solution's process sent something that is not a reply: {error}")
 
     def _end(self, why: str):
@@ -96,7 +97,7 @@ class Channel:
         if not isinstance(reply, dict):
             self._end("the solution's process sent something that is not a reply")
         if "raised" in reply:
-            raise _exception(reply["raised"])
+            raise _exception(reply["raised"], ends_iteration=operation == "next")
         for argument, state in zip(mutable, reply.get("arguments", ()), strict=False):
             if state is not None and isinstance(argument, MUTABLE):
                 _write_back(argument, self.decode(state))
@@ -107,11 +108,20 @@ def _dumps(document) -> str:
     return json.dumps(document, separators=(",", ":"))
 
 
-def _exception(raised) -> BaseException:
+# What ends a loop or a generator here: only a ``next`` request may raise it, as the end of an iteration.
+# From any other request it would end the tests' own loop early (``all(map(check, cases))`` true after
+# none of them), which is deciding a test, not answering it.
+ENDS_ITERATION = ("StopIteration", "StopAsyncIteration")
+
+
+def _exception(raised, ends_iteration: bool = False) -> BaseException:
     """The exception to raise here for what the solution raised: the built-in class of that name
-    (a name only, looked up in builtins: no class of the solution's), else ``RemoteError``."""
+    (a name only, looked up in builtins: no class of the solution's), else ``RemoteError``;
+    ``StopIteration`` only where ``ends_iteration`` (the answer to ``next``)."""
     name, message = (raised + ["", ""])[:2] if isinstance(raised, list) else ("", "")
     name, message = str(name), str(message)
+    if name in ENDS_ITERATION and not ends_iteration:
+        return RemoteError(f"{name}: {message}")
     kind = getattr(builtins, name, None) if name.isidentifier() else None
     if isinstance(kind, type) and issubclass(kind, BaseException):
         try:
@@ -175,9 +185,6 @@ class Remote:
 
     def __delitem__(self, key):
         self.__ask("delitem", self.__encode(key))
-
-    def __contains__(self, value):
-        return _checked(self.__ask("contains", self.__encode(value)), bool)
 
     def __len__(self):
         return _checked(self.__ask("len"), int)

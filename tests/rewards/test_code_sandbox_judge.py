@@ -99,10 +99,21 @@ def test_a_solution_cannot_decide_a_comparison_or_redefine_what_the_tests_use(sa
             return [1]
         builtins.sorted = lambda anything: [3]  # the tests' sorted is not this one
         builtins.AssertionError = type("Harmless", (Exception,), {})
+        class Everything:
+            def __contains__(self, value):
+                return True
+            def __iter__(self):
+                return iter([1])
+        def primes():
+            return Everything()
+        def is_prime(n):
+            raise StopIteration  # would end the tests' map early: all() of nothing is True
     """
     tests = ["assert add(1, 2) == 3", "assert not (add(1, 2) != 3)", "assert sorted(items()) == [3]",
-             "assert items() == [1]", "assert str(add(1, 2)).startswith('<')"]
-    assert passed(code, tests, **isolation) == [False, False, False, True, True]
+             "assert items() == [1]", "assert str(add(1, 2)).startswith('<')",
+             "assert 5 in primes()", "assert 1 in primes()",  # `in` iterates and compares here
+             "assert all(map(is_prime, [2, 3, 5]))"]
+    assert passed(code, tests, **isolation) == [False, False, False, True, True, False, True, False]
 
 
 def test_the_solutions_objects_work_from_the_tests(sandboxes):

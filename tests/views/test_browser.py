@@ -216,6 +216,42 @@ def test_a_reload_mid_run_is_live_again_within_two_updates_from_run_n_and_from_a
         assert lab.widget_problems(page) == []
 
 
+def test_the_page_shows_user_errors_on_one_screen_the_doctors_causes_first_and_no_red_first_cell(
+        jupyter, chromium, workdir):
+    zero_reward = SETUP.replace("task.reward_funcs,", "[lambda completions, **kwargs: [0.0] * len(completions)],")
+    lab.write_notebook(workdir / "errors.ipynb", [
+        SETUP,
+        "session.advantages()",  # a stage out of order
+        "session.config.temperature = -1.0\nsession.step()",  # a bad value, refused by the next stage
+        "session.config.temperature = 1.0\nsession.generate()\nsession.score()\nsession.loss()",  # out of order
+        "%tb",
+        zero_reward.replace("session = ", "zero = ") + "\nzero.doctor()",
+        SETUP.replace("max_steps=100", "max_completion_length=2").replace("session = ", "short = ")
+        + "\nshort.doctor()",
+    ])
+    with lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, jupyter, workdir / "errors.ipynb")
+        for index in range(7):
+            lab.run_cell(page, index)
+        # nothing red under the first cell: no dependency's notice on stderr, no error
+        first = lab.cell(page, 0)
+        red = first.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+        assert red.count() == 0, red.all_inner_texts()
+        # each user error is its message and the %tb hint, a screen at most; %tb then shows the traceback
+        for index, said in ((1, "advantages() needs"), (2, "temperature"), (3, "loss() needs")):
+            shown = lab.cell(page, index).locator(".jp-OutputArea").inner_text()
+            assert said in shown and "%tb" in shown, shown
+            assert len(shown.strip().splitlines()) <= 12, shown
+        traceback = lab.cell(page, 4).locator(".jp-OutputArea").inner_text()
+        assert "Traceback" in traceback and len(traceback.splitlines()) > 12
+        # the doctor names the cause first: the constant reward, the limit that cuts every answer
+        for index, cause in ((5, "reward_constant"), (6, "truncation")):
+            table = lab.cell(page, index).locator("table.grpo-findings")
+            assert table.locator("tr").nth(1).locator("code").first.inner_text() == cause
+        widgets = [text for text in lab.widget_problems(page) if re.search(r"widget|Failed to load model", text)]
+        assert widgets == []  # the errors above are this test's own
+
+
 def stop_from_the_dashboard(page) -> int:
     """Press the first dashboard's Stop while a run is going on; wait until the run has ended and the
     curves hold each of its steps; return the step it ended at."""
