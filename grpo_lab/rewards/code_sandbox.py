@@ -4,20 +4,22 @@
 ``PYTHON*`` variables, no user site-packages, no current folder on ``sys.path``; no bytecode
 written) in a new, empty temporary folder as its working directory, with a minimal environment
 (the default ``PATH``, ``HOME`` and ``TMPDIR`` set to that folder, a locale, one BLAS thread: none
-of this process's variables), leading a new process group, its output discarded.
+of this process's variables), leading a new process group, its error output discarded.
 The child program (``code_sandbox_child.py``) splits in two before any of the code runs: the
 solution's process sets its limits and Python-level guards, runs the code and then only answers
 requests; the judge (``code_sandbox_judge.py``), a process of its own under the same limits and
 guards, runs each test statement against stand-ins of the solution's names (a plain value as a
 copy, any other object as a handle whose uses are requests to the solution's process: only JSON
-crosses) and reports per-test results in a result file, on a line prefixed by a random nonce it
-alone received on stdin. This process waits at most ``timeout`` seconds (wall clock), then kills
-the child's whole process group, reads the result and removes the folder.
+crosses) and reports per-test results on its standard output, a pipe to this process that the
+solution's process does not hold, on a line prefixed by a random nonce it alone received on
+stdin. This process waits at most ``timeout`` seconds (wall clock), then kills the child's whole
+process group, reads the result and removes the folder.
 
 What the tests can do with the solution's objects: call them, read and set their attributes and
 items, take their length, truth, ``str`` and ``repr``, iterate over them; what they can pass: plain
 values (None, bool, int, float, complex, str, bytes, and tuples, lists, dicts and sets of them; a
-list, dict or set the call changed in place is changed on the tests' side too) and the solution's
+list, dict or set passed positionally that the call changed in place is changed on the tests' side
+too) and the solution's
 own objects. Not a function or an object of the tests' own (a lambda as an argument fails that
 test with TypeError), and no comparison of one of the solution's objects other than a plain
 value (``==`` on it fails the test: the solution's ``__eq__`` would decide it).
@@ -25,8 +27,8 @@ value (``==`` on it fails the test: the solution's ``__eq__`` would decide it).
 **OS isolation** (``isolation="os"``, the default) is what holds against code written to get out:
 the child runs in mount, network, PID, IPC and UTS namespaces of its own (and a user namespace
 when the trainer is not root), in a root of its own built on a 1 MB read-only tmpfs, which holds
-the sandbox folder (a tmpfs of its own, ``4 * max_file_mb`` MB: the limit of all it writes, whose
-one link to this machine is the result file bound into it), the system's programs and libraries
+the sandbox folder (a tmpfs of its own, ``4 * max_file_mb`` MB: the limit of all it writes, with no
+link to this machine's files), the system's programs and libraries
 and the interpreter's installation (bound read-only), a ``/proc`` of the PID namespace and the
 null, zero and random devices: no home folder, no ``/etc``, no ``/tmp``, no project, no other
 process, no shared memory or message queue of the machine's. It runs with every capability
@@ -73,11 +75,12 @@ What it protects against (an accident or a careless solution, the usual case in 
   that group);
 - the network: creating a socket raises; in the network namespace no interface is up;
 - forged results: the tests and the nonce of the result line are only ever in the judge's
-  process, which the solution's cannot read or trace (the judge is undumpable: no process of
-  its user may open its memory or ``/proc`` files, or attach to it; in the PID namespace it is
-  the namespace's first process, which no signal from inside ends); a value whose ``__eq__`` is
-  always true, or a built-in the solution redefines, stays in the solution's process: the tests
-  compare plain values with their own built-ins;
+  process, which the solution's cannot read or trace (the judge is undumpable from before the
+  split: no process of its user may open its memory or ``/proc`` files, or attach to it; in the
+  PID namespace it is the namespace's first process, which no signal from inside ends), and the
+  result goes over the judge's stdout, which the solution's process does not hold; a value whose
+  ``__eq__`` is always true, or a built-in the solution redefines or shadows with a name of its
+  own, stays in the solution's process: the tests compare plain values with their own built-ins;
 - the session keyring: the child joins a new, empty one before the split, so keys the trainer's
   session holds are not the child's to read (on the machines in ``KEYCTL`` of the child
   program: x86-64, ARM, RISC-V, POWER, s390x; where the kernel refuses the call to the child, a
@@ -109,7 +112,6 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -123,7 +125,6 @@ __all__ = ["ISOLATIONS", "SandboxResult", "check_isolation", "network_namespace_
 
 _CHILD = Path(__file__).with_name("code_sandbox_child.py")
 _JUDGE = Path(__file__).with_name("code_sandbox_judge.py")
-_RESULT = "result"
 _PROBE_TIMEOUT = 10.0
 
 
@@ -139,9 +140,9 @@ def _judge_source() -> str:
 
 def _job(code: str, statements: list[tuple[str, bool]], nonce: str, limits: dict[str, int]) -> bytes:
     """The child's stdin: a line with the sizes of its two parts, then the part read before it
-    splits (the solution's code, the limits, the result file's name), then the judge's alone
-    (the tests, the nonce, the judge's program)."""
-    launch = json.dumps({"code": code, "limits": limits, "result": _RESULT}).encode()
+    splits (the solution's code, the limits), then the judge's alone (the tests, the nonce, the
+    judge's program)."""
+    launch = json.dumps({"code": code, "limits": limits}).encode()
     judge = json.dumps({"nonce": nonce, "statements": statements, "judge": _judge_source()}).encode()
     return f"{len(launch)} {len(judge)}\n".encode() + launch + judge
 
@@ -244,8 +245,8 @@ UNPRIVILEGED_ID = 65534
 # Run by ``sh`` as the first process of new mount, network, PID, IPC and UTS namespaces (and a user
 # namespace where the trainer is not root): builds a root of its own on a small tmpfs, the system's
 # programs and libraries and the interpreter's installation bound read-only, the sandbox folder a
-# tmpfs of its own (its size the limit of all the code writes) whose one link to the machine is the
-# result file bound into it, a /proc of the PID namespace (where the kernel allows one) and four
+# tmpfs of its own (its size the limit of all the code writes), a /proc of the PID namespace (where the
+# kernel allows one) and four
 # device files; then enters it and runs the command there. Arguments: the mount and unshare
 # programs, the root's folder, the sandbox folder, its size in MB, the owner options of its tmpfs,
 # then pairs (bind PATH | link PATH), then --, then the command.
@@ -268,8 +269,6 @@ for device in null zero random urandom; do
   touch "$fs/dev/$device"; "$mount" --bind "/dev/$device" "$fs/dev/$device"
 done
 "$mount" -t tmpfs -o "size=${size}m,mode=700$owner" grpo_lab_sandbox_folder "$fs$work"
-touch "$fs$work/result"
-"$mount" --bind "$work/result" "$fs$work/result"
 "$mount" -t proc proc "$fs/proc" 2>/dev/null || true
 "$mount" -o remount,bind,ro "$fs"
 exec "$unshare" --root="$fs" --wd="$work" "$@"
@@ -355,16 +354,13 @@ if os.path.exists("/etc") or os.path.exists("/home"):
 
 
 def _make_folders() -> tuple[str, str]:
-    """A new sandbox folder (with its empty result file, both handed to the user the child runs as:
-    ``nobody`` when the trainer is root) and the folder its own root is mounted on."""
+    """A new sandbox folder (handed to the user the child runs as: ``nobody`` when the trainer is
+    root) and the folder its own root is mounted on."""
     root = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_"))
     try:
         fs = os.path.realpath(tempfile.mkdtemp(prefix="grpo_lab_sandbox_root_"))
-        result = os.path.join(root, _RESULT)
-        os.close(os.open(result, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         if os.geteuid() == 0:
             os.chown(root, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
-            os.chown(result, UNPRIVILEGED_ID, UNPRIVILEGED_ID)
     except OSError:
         _remove(root)
         raise
@@ -422,27 +418,25 @@ def _wait_exited(pid: int, deadline: float) -> bool:
         pause = min(pause * 2, 0.02)
 
 
-def _read_result(root: str, nonce: str, count: int) -> list[bool] | None:
-    """The per-test results the child wrote, or None. Opened without following a link and without
-    blocking, and read only from a regular file: code that put a link to a terminal or a FIFO in
-    its place must not hang the trainer."""
-    try:
-        fd = os.open(os.path.join(root, _RESULT), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, 1 << 20)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+def _read_result(output: bytes, nonce: str, count: int) -> list[bool] | None:
+    """The per-test results in the judge's ``output`` (its one line prefixed by the nonce), or None."""
     prefix = nonce.encode() + b" "
-    lines = [line[len(prefix):] for line in data.split(b"\n") if line.startswith(prefix)]
+    lines = [line[len(prefix):] for line in output.split(b"\n") if line.startswith(prefix)]
     if len(lines) != 1 or len(lines[0]) != count or lines[0].strip(b"01"):
         return None
     return [bit == ord("1") for bit in lines[0]]
+
+
+def _read_available(stream) -> bytes:
+    """What the judge wrote to its output pipe, without waiting: a process that kept the pipe's other
+    end open (none should) must not hang the trainer."""
+    os.set_blocking(stream.fileno(), False)
+    try:
+        return os.read(stream.fileno(), 1 << 20) or b""
+    except (BlockingIOError, OSError):
+        return b""
+    finally:
+        stream.close()
 
 
 def _remove(root: str) -> None:
@@ -474,12 +468,12 @@ def _feed(stream, payload: bytes) -> None:
             pass
 
 
-def _run_child(command: list[str], root: str, payload: bytes, timeout: float) -> bool:
+def _run_child(command: list[str], root: str, payload: bytes, timeout: float) -> tuple[bool, bytes]:
     """Start the child, give it its job (from a thread: a job larger than the pipe's buffer must not
     block past the deadline), wait; kill its process group in any case. Whether it exited within
-    ``timeout``."""
+    ``timeout``, and what the judge wrote on its output."""
     process = subprocess.Popen(command, cwd=root, env=_environment(root), stdin=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
                                start_new_session=True)
     deadline = time.monotonic() + timeout
     feeder = threading.Thread(target=_feed, args=(process.stdin, payload), daemon=True)
@@ -493,7 +487,8 @@ def _run_child(command: list[str], root: str, payload: bytes, timeout: float) ->
             pass
         process.wait()
         feeder.join(timeout=1.0)
-    return exited
+        output = _read_available(process.stdout)
+    return exited, output
 
 
 def run_in_sandbox(code: str, statements: list[tuple[str, bool]], *, timeout: float = 5.0, memory_mb: int = 512,
@@ -524,8 +519,8 @@ def run_in_sandbox(code: str, statements: list[tuple[str, bool]], *, timeout: fl
     try:
         if fs is not None:
             command = _os_isolation_command(root, fs, command, folder_mb=folder_mb(max_file_mb))
-        exited = _run_child(command, root, job, timeout)
-        passed = _read_result(root, nonce, count) if exited else None
+        exited, output = _run_child(command, root, job, timeout)
+        passed = _read_result(output, nonce, count) if exited else None
     finally:
         _remove_folders(root, fs)
     return SandboxResult(passed, timed_out=not exited, seconds=time.monotonic() - start, notes=notes)

@@ -1,21 +1,23 @@
 """The program that ``code_sandbox`` runs in its child process, as ``python -I -B -c <this source>``
 in a fresh temporary folder. Standard library only; grpo_lab never imports it.
 
-It reads the first part of its job (JSON on stdin: the solution's code and the limits), opens
-its result file, leaves the session keyring it was started with, and splits in two (``fork``):
+It reads the first part of its job (JSON on stdin: the solution's code and the limits), leaves
+the session keyring it was started with, makes itself undumpable (no process of its user may
+read its memory or trace it), and splits in two (``fork``):
 
-- **the solution's process** closes stdin and the result file, then, before any code of the job
+- **the solution's process** closes stdin and puts the null device in place of stdout (the
+  judge's report), becomes dumpable again for its own sake, then, before any code of the job
   runs: sets its resource limits; makes process creation, networking, signals to other
   processes, raising those limits, writes outside its folder (and changes of the folder's own
   mode or owner) and reads of other processes' files in ``/proc`` raise ``PermissionError``; and
   refuses the imports of ``REFUSED_IMPORTS``. It runs the solution, sends the names it defined,
   and then only answers the judge's requests (``serve``): get an attribute, call, iterate...
-- **the judge** (this process; the first of the PID namespace, when there is one) makes itself
-  undumpable (no process of its user may read its memory or trace it), reads the rest of the
-  job (the tests, the result's nonce and the judge's program, ``code_sandbox_judge.py``: the
-  solution's process never holds them), sets the same limits and guards, runs each test
-  statement against stand-ins of the solution's names, and writes one line,
-  ``<nonce> <one 0/1 per test>``, to the result file, then ends at once with ``os._exit``.
+- **the judge** (this process; the first of the PID namespace, when there is one) reads the
+  rest of the job (the tests, the result's nonce and the judge's program,
+  ``code_sandbox_judge.py``: the solution's process never holds them), sets the same limits and
+  guards, runs each test statement against stand-ins of the solution's names, and writes one
+  line, ``<nonce> <one 0/1 per test>``, to its stdout, a pipe to the trainer, then ends at once
+  with ``os._exit``.
 
 Between the two, only JSON (``to_wire``/``from_wire``): plain values, and handles of the
 solution's other objects. The solution cannot give the tests an object of its own to compare, nor
@@ -59,14 +61,15 @@ def limit(limits: dict) -> None:
 
 
 def block_processes() -> None:
-    """No new process and no program replacing this one: os's fork, exec, spawn, system and
-    popen functions, and subprocess (through ``_posixsubprocess.fork_exec``, which multiprocessing
-    uses too); ``refuse_imports`` stops the foreign-function interfaces, which could call fork
-    directly."""
+    """No new process, no program replacing this one and no leaving the process group: os's fork,
+    exec, spawn, system, popen and setsid/setpgid functions, and subprocess (through
+    ``_posixsubprocess.fork_exec``, which multiprocessing uses too); ``refuse_imports`` stops the
+    foreign-function interfaces, which could call fork directly."""
     import _posixsubprocess
     import posix
 
-    names = ["fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "fexecve"]
+    names = ["fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "fexecve",
+             "setsid", "setpgid", "setpgrp"]  # leaving the process group would outlive its kill
     names += [f"exec{s}" for s in ("l", "le", "lp", "lpe", "v", "ve", "vp", "vpe")]
     names += [f"spawn{s}" for s in ("l", "le", "lp", "lpe", "v", "ve", "vp", "vpe")]
     for name in names:
@@ -448,32 +451,40 @@ def serve(code: str, requests_fd: int, replies_fd: int) -> None:
 
 # The keyctl system call's number by machine (Linux's syscall tables); libc has no wrapper for it.
 KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "i386": 288, "i686": 288, "armv7l": 311, "armv8l": 311,
-          "ppc64le": 280, "ppc64": 280, "s390x": 280}
+          "ppc64le": 271, "ppc64": 271, "s390x": 280}
 KEYCTL_JOIN_SESSION_KEYRING, PR_SET_DUMPABLE = 1, 4
 
 
-def leave_session_keyring(libc) -> None:
-    """Join a new, empty session keyring: the keys the trainer's session holds (read by anyone
-    holding that keyring, whatever the user) are out of reach. Where the kernel refuses the
-    call to this process (a seccomp filter), it refuses the solution's too."""
+def _libc():
     import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def leave_session_keyring_and_become_undumpable() -> None:
+    """Join a new, empty session keyring: the keys the trainer's session holds (read by anyone
+    holding that keyring, whatever the user) are out of reach; where the kernel refuses the call to
+    this process (a seccomp filter), it refuses the solution's too. Then make this process
+    undumpable: no process of its user may read its memory or its files in ``/proc``, or trace it.
+    (ctypes is held in no frame the solution's code runs under.)"""
     import errno
 
+    ctypes, libc = _libc()
     number = KEYCTL.get(os.uname().machine)
-    if number is None:  # a machine outside the table: said in code_sandbox's docstring
-        return
-    if libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
-        code = ctypes.get_errno()
-        if code not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
-            raise OSError(code, "the code sandbox could not leave the session keyring")
-
-
-def undumpable(libc) -> None:
-    """No process of this user may read this process's memory or files in ``/proc``, or trace it."""
-    import ctypes
-
+    if number is not None:  # a machine outside the table: said in code_sandbox's docstring
+        if libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+            code = ctypes.get_errno()
+            if code not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+                raise OSError(code, "the code sandbox could not leave the session keyring")
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "the judge could not make itself undumpable")
+        raise OSError(ctypes.get_errno(), "the code sandbox could not make its judge undumpable")
+
+
+def become_dumpable() -> None:
+    """The solution's process, split from the undumpable judge, reads its own ``/proc/self`` again."""
+    ctypes, libc = _libc()
+    if libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "the code sandbox could not set up the solution's process")
 
 
 def guard(root: str, limits: dict) -> None:
@@ -509,20 +520,21 @@ def read_line(fd: int) -> bytes:
 
 
 def main() -> None:
-    import ctypes
-
     launch_size, judge_size = (int(size) for size in read_line(0).split())
     launch = json.loads(read_exactly(0, launch_size))
     root = os.path.realpath(os.getcwd())
-    result_fd = os.open(launch["result"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    libc = ctypes.CDLL(None, use_errno=True)
-    leave_session_keyring(libc)
+    # Before the split: the judge is never readable or traceable, not even between the fork and its first line.
+    leave_session_keyring_and_become_undumpable()
     requests_read, requests_write = os.pipe()
     replies_read, replies_write = os.pipe()
     if os.fork() == 0:
         try:
-            for fd in (0, result_fd, requests_write, replies_read):
+            # stdin holds the judge's part of the job, stdout is the judge's report: neither is the solution's
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            for fd in (0, null, requests_write, replies_read):
                 os.close(fd)
+            become_dumpable()  # its own /proc/self, as any process has
             guard(root, launch["limits"])
             serve(launch["code"], requests_read, replies_write)
         finally:
@@ -531,14 +543,13 @@ def main() -> None:
     try:
         os.close(requests_read)
         os.close(replies_write)
-        undumpable(libc)
         job = json.loads(read_exactly(0, judge_size))
         guard(root, launch["limits"])
         program = {"__name__": "code_sandbox_judge"}
         exec(compile(job["judge"], "code_sandbox_judge.py", "exec"), program)
         passed = program["judge"](job["statements"], requests_write, replies_read, to_wire, from_wire)
         if passed is not None:
-            write(result_fd, encode(job["nonce"] + " " + "".join("1" if ok else "0" for ok in passed) + "\n"))
+            write(1, encode(job["nonce"] + " " + "".join("1" if ok else "0" for ok in passed) + "\n"))
     finally:
         leave(0)
 

@@ -17,9 +17,10 @@ redefined built-in stays in the solution's process; the verdict and the nonce of
 never reach it.
 
 What the tests can pass to the solution: plain values and ``Remote`` objects (e.g. an instance
-of the solution's class); a list, dict, set or bytearray a call changed in place is changed here
-too. Not a function or an object of the tests' own (e.g. a lambda as a key): such a call raises
-TypeError, and the test fails."""
+of the solution's class); a list, dict, set or bytearray passed positionally that a call changed in
+place is changed here too. Not a function or an object of the tests' own (e.g. a lambda as an
+argument): such a call raises TypeError, and the test fails. A name the solution defines that is a
+built-in's (``sorted``, ``all``) is not given to the tests: theirs stay Python's."""
 
 import builtins
 import json
@@ -28,6 +29,8 @@ import sys
 import types
 
 PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+BUILT_IN_NAMES = frozenset(vars(builtins))
+"""Names the solution may define but the tests never see as its: a built-in it shadows stays the built-in."""
 MUTABLE = (list, dict, set, bytearray)
 
 
@@ -165,6 +168,10 @@ class Remote:
         return object.__getattribute__(self, "_Remote__channel").encode(value)
 
     def __getattr__(self, name):
+        # Python and libraries look special names up to decide how to treat an object (numpy's
+        # __array_interface__ would read memory at an address the answer names): not the solution's to answer.
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
         return self.__ask("getattr", name)
 
     def __setattr__(self, name, value):
@@ -227,7 +234,8 @@ def judge(statements: list, requests_fd: int, replies_fd: int, to_wire, from_wir
             return None
         module = types.ModuleType("solution")  # tests may also `from solution import f`
         for name, value in names.items():
-            setattr(module, str(name), channel.decode(value))
+            if str(name) not in BUILT_IN_NAMES:  # the tests' own sorted, all, abs... whatever the solution named
+                setattr(module, str(name), channel.decode(value))
     except (SolutionEnded, Exception):  # ended, or a value that cannot be rebuilt here (a set of lists)
         return None
     sys.modules["solution"] = module

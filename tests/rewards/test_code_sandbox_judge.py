@@ -108,12 +108,25 @@ def test_a_solution_cannot_decide_a_comparison_or_redefine_what_the_tests_use(sa
             return Everything()
         def is_prime(n):
             raise StopIteration  # would end the tests' map early: all() of nothing is True
+        def all(anything):  # a name of its own that is a built-in's: the tests keep Python's
+            return True
+        class Array:
+            __array_interface__ = {"data": (0, False), "shape": (1,), "typestr": "<i8", "version": 3}
+        def array():
+            return Array()
+        def leave_the_group():
+            import os
+            os.setsid()
     """
     tests = ["assert add(1, 2) == 3", "assert not (add(1, 2) != 3)", "assert sorted(items()) == [3]",
              "assert items() == [1]", "assert str(add(1, 2)).startswith('<')",
              "assert 5 in primes()", "assert 1 in primes()",  # `in` iterates and compares here
-             "assert all(map(is_prime, [2, 3, 5]))"]
-    assert passed(code, tests, **isolation) == [False, False, False, True, True, False, True, False]
+             "assert all(map(is_prime, [2, 3, 5]))", "assert all([False])",
+             # special names are not the solution's to answer (numpy would read memory at the address given)
+             "assert not hasattr(array(), '__array_interface__') and hasattr(array(), '__class__')",
+             "try:\n    leave_the_group()\nexcept PermissionError:\n    pass"]  # it would outlive the group's kill
+    assert passed(code, tests, **isolation) == [False, False, False, True, True, False, True, False, False, True,
+                                                True]
 
 
 def test_the_solutions_objects_work_from_the_tests(sandboxes):

@@ -5,7 +5,8 @@ original socket type, ctypes imported again), then tries to write outside its fo
 token in the trainer's home folder, another process's environment or a key in the trainer's
 session keyring, reach the network and fork. Each must be stopped by the operating system. And
 a wrong solution that goes looking for the result's nonce (in its frames and objects, in the
-judge's memory, by tracing the judge) and writes result lines must still score 0."""
+judge's memory, by tracing the judge, through the judge's report pipe) and writes result lines
+must still score 0."""
 
 import json
 import os
@@ -225,15 +226,17 @@ MEMORY_DENIED = MEMORY_DENIED and not denied("/proc/self/maps")  # its own: read
 TRACE_DENIED = libc.ptrace(ctypes.c_long(16), ctypes.c_long(JUDGE), None, None) == -1  # PTRACE_ATTACH
 if not TRACE_DENIED:
     libc.ptrace(ctypes.c_long(17), ctypes.c_long(JUDGE), None, None)  # PTRACE_DETACH
-for nonce in FOUND:
-    posix.write(posix.open("result", 0o1 | 0o2000), f"{nonce} 11111\\n".encode())  # O_WRONLY | O_APPEND
+REPORT_DENIED = stopped(lambda: posix.open(f"/proc/{JUDGE}/fd/1", 0o1))  # the judge's report pipe, for writing
+for nonce in FOUND:  # a result line for each: on its own stdout, and in a file named as the old result file
+    for fd in (1, posix.open("result", 0o1 | 0o100 | 0o2000, 0o600)):  # O_WRONLY | O_CREAT | O_APPEND
+        posix.write(fd, f"{nonce} 11111\\n".encode())
 class Always:
     def __eq__(self, other):
         return True
 def add(a, b):
     return Always()
 def looked_everywhere():
-    return PLANTED in FOUND and MEMORY_DENIED and TRACE_DENIED
+    return PLANTED in FOUND and MEMORY_DENIED and TRACE_DENIED and REPORT_DENIED
 """
 
 
