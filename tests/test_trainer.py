@@ -602,3 +602,24 @@ def test_close_frees_the_model_optimizer_and_accelerators_references_and_a_close
     trainer.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match="has no model: it was closed"):
         trainer.train()
+
+
+def test_the_trackers_see_the_config_without_credentials_and_refuse_what_they_cannot_do(task, tmp_path, monkeypatch):
+    import copy
+
+    from grpo_lab.errors import ConfigError
+    from grpo_lab.trainer.trackers import TrackerArgs
+
+    # an entry of its own: the warning that names an entry is said once a process (another test waits for 'token')
+    token = "hf_" + "Tr4ckerT0ken" * 3
+    config = task.config(**{**SMALL, "output_dir": str(tmp_path)}, model_init_kwargs={"api_key": token,
+                                                                                      "dtype": "float32"})
+    seen = TrackerArgs(config, tmp_path / "out")
+    # read through, credentials left out
+    assert seen.model_init_kwargs == {"dtype": "float32"} and seen.learning_rate == config.learning_rate
+    assert seen.output_dir == str(tmp_path / "out") and token not in seen.to_json_string()
+    assert copy.deepcopy(seen).learning_rate == config.learning_rate  # transformers' callbacks copy it
+    assert json.loads(seen.to_json_string())["learning_rate"] == config.learning_rate
+    monkeypatch.setenv("WANDB_LOG_MODEL", "end")
+    with pytest.raises(ConfigError, match="WANDB_LOG_MODEL=end.*WANDB_LOG_MODEL=checkpoint"):
+        _trainer(task, tmp_path, report_to="wandb")

@@ -22,7 +22,10 @@ import os
 import sys
 from pathlib import Path
 
+from grpo_lab import notices
 from grpo_lab.config.checks import SUPPORTED_REPORTERS
+from grpo_lab.credentials.config_values import without_secrets
+from grpo_lab.errors import ConfigError
 
 PACKAGES = {"comet_ml": "comet-ml"}
 """The package to install for a tracker whose module is named otherwise."""
@@ -47,6 +50,13 @@ def tracker_callbacks(names: list[str]) -> list:
     made as transformers' Trainer makes them."""
     if not names:
         return []
+    if "wandb" in names and os.environ.get("WANDB_LOG_MODEL", "").lower() == "end":
+        raise ConfigError(
+            "WANDB_LOG_MODEL=end has transformers' WandbCallback build a transformers Trainer to save the model at "
+            "the end, which cannot be made from grpo_lab's config. Use WANDB_LOG_MODEL=checkpoint (every checkpoint-N "
+            "is a model folder, logged as an artifact when it is saved), or log trainer.save_model()'s folder with "
+            "wandb.log_artifact yourself."
+        )
     from transformers.integrations import get_reporting_integration_callbacks
 
     return [kind() for kind in get_reporting_integration_callbacks(names)]
@@ -104,7 +114,11 @@ class TrackerArgs:
         self.__dict__["output_dir"] = str(output_dir)
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["_config"], name)
+        config = self.__dict__.get("_config")
+        if config is None or (name.startswith("__") and name.endswith("__")):  # copying, pickling
+            raise AttributeError(name)
+        value = getattr(config, name)
+        return without_secrets({name: value})[0][name]  # hub_token and the like read as None
 
     def __setattr__(self, name, value):  # WandbCallback clears run_name between hyperparameter trials
         self.__dict__[name] = value
@@ -178,7 +192,13 @@ def end_failed_runs(names: list[str], users_runs: set[str], callbacks) -> None:
         if callback.tb_writer is not None:
             callback.tb_writer.close()
             callback.tb_writer = None
-    ours = [name for name in names if name not in users_runs]
+    try:
+        _end_runs([name for name in names if name not in users_runs])
+    except Exception as error:  # the run's own failure is the one to raise; this one is told
+        notices.warn(f"Ending the trackers' runs after the failure failed too: {type(error).__name__}: {error}")
+
+
+def _end_runs(ours: list[str]) -> None:
     if "wandb" in ours:
         import wandb
 

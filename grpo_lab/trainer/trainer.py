@@ -171,11 +171,11 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         eval_steps = resolved_eval_steps(self.args, total)
         save_steps = steps_between(self.args.save_steps, total)
         self._check_best_model_steps(save_steps, eval_steps)
-        if self.accelerator.is_main_process and not self.callback_handler.trackers_quiet:
-            open_tensorboard_writers(self.callback_handler.callbacks, self.args, self.output_dir,
-                                     self.session.global_step + 1)
         failure = None
         try:
+            if self.accelerator.is_main_process and not self.callback_handler.trackers_quiet:
+                open_tensorboard_writers(self.callback_handler.callbacks, self.args, self.output_dir,
+                                         self.session.global_step + 1)
             self._events.train_begin(global_step=self.session.global_step, max_steps=total,
                                      logging_steps=logging_steps, save_steps=save_steps, eval_steps=eval_steps)
         except BaseException as error:  # the trackers open their runs here, on the main process alone
@@ -235,11 +235,11 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         events, first = self._events, self.session.global_step
         main = self.accelerator.is_main_process
         users_runs = users_tracker_runs(self.trackers) if main else set()
-        self._begin_events(total)  # the trackers' callbacks open their runs
         row: dict = {}
         saved_at, saving = None, self.args.save_strategy != "no"
         shown = main and self.args.disable_tqdm is not True
         try:
+            self._begin_events(total)  # the trackers' callbacks open their runs
             if self.args.eval_on_start:
                 self.evaluate()
             with progress_bar(total, done=self.session.global_step, enabled=shown) as bar:
