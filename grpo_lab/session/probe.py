@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_lab.doctor import memory, rules, tokens
+from grpo_lab.parallel import dist
 from grpo_lab.doctor.findings import Finding, Findings
 from grpo_lab.doctor.thresholds import DEFAULTS, Thresholds, resolve
 from grpo_lab.rollout.batch import eos_token_ids
@@ -112,14 +113,16 @@ def longer_limit_trial(engine, rollout, thresholds: Thresholds = DEFAULTS) -> ru
     four and eight times, stopping at the first that cuts fewer than ``truncation_warning`` of
     them, and return what the last one saw. None where the probe's own lengths suffice, with a
     rollout function (its lengths are its own), or where even twice the limit does not fit the
-    model's context or the memory."""
-    truncated_B = rollout.is_truncated_B.bool().cpu()
-    share = float(truncated_B.float().mean())
-    if engine.custom_rollout is not None or (share < thresholds.nearly_all_truncated and not bool(truncated_B.all())):
+    model's context (or, on one process, the memory). With several processes every decision is
+    taken on the numbers of all of them (generation is collective: each process must generate as
+    often as the others)."""
+    accelerator = engine.accelerator
+    cut_share = float(dist.mean(accelerator, rollout.is_truncated_B.float().mean().reshape(())))
+    if engine.custom_rollout is not None or cut_share < thresholds.nearly_all_truncated:
         return None
     trial, limit = None, engine.config.max_completion_length
     context = engine.generation_stage.context
-    longest_prompt = int(rollout.prompt_mask_BP.sum(1).max())
+    longest_prompt = int(dist.gather(accelerator, rollout.prompt_mask_BP.sum(1).max().reshape(1)).max())
     for _ in range(LONGER_LIMIT_ROUNDS):
         limit *= 2
         if context is not None and longest_prompt + limit > context:
@@ -129,13 +132,14 @@ def longer_limit_trial(engine, rollout, thresholds: Thresholds = DEFAULTS) -> ru
         try:
             with engine.scratch(longer):
                 again = engine.generate()
-        except Exception as error:
-            if memory.is_out_of_memory(error):
-                break
-            raise
-        cut_B = again.is_truncated_B.bool().cpu()
-        trial = rules.LongerLimitTrial(limit, again.completion_lengths_B.cpu()[~cut_B].tolist(),
-                                       float(cut_B.float().mean()))
+        except Exception as error:  # a longer generation that does not fit: stop at what was seen
+            if not memory.is_out_of_memory(error) or accelerator.num_processes > 1:  # the others would wait
+                raise
+            break
+        cut_B = again.is_truncated_B.bool()
+        ended = dist.gather_ragged(accelerator, again.completion_lengths_B[~cut_B].to(torch.long))
+        trial = rules.LongerLimitTrial(limit, ended.cpu().tolist(),
+                                       float(dist.mean(accelerator, cut_B.float().mean().reshape(()))))
         if trial.cut_share < thresholds.truncation_warning:  # the lengths they need are seen
             break
     return trial

@@ -349,7 +349,7 @@ class RewardTrial:
 
     def _tables_html(self) -> str:
         # one column per function (its statistics as rows): a screen wide for the functions a trial compares
-        table = self.to_pandas().T.to_html(float_format=lambda v: f"{v:.4g}", border=0)
+        table = self.to_pandas().T.to_html(float_format=_number, border=0)
         examples = "".join(
             f"<p>Largest rank differences, <code>{html.escape(name)}</code> vs the current reward"
             + (f"</p>{frame.to_html(float_format=lambda v: f'{v:.4g}', border=0)}" if len(frame)
@@ -373,3 +373,8 @@ class RewardTrial:
 
         display(HTML(self._tables_html()))
         display(self.figure())
+
+
+def _number(value: float) -> str:
+    """A table's number: a count as a whole number (a transposed table makes counts floats), the rest to 4 digits."""
+    return f"{value:.0f}" if float(value).is_integer() and abs(value) < 1e15 else f"{value:.4g}"

@@ -1,5 +1,5 @@
 // The curves view in the browser: draws the widget's whole state with plotly.js, again on every
-// change of that state and when the view's width changes the number of columns.
+// change of that state and when the view's width changes (its columns and legend rows follow the width).
 
 const PANEL_HEIGHT = 250;
 // A panel's legend: rows of entries between its title and its plot, each row a plotly legend of its own
@@ -9,7 +9,7 @@ const LEGEND_ROW = 30, LEGEND_PAD = 2, ENTRY_PX = 46, CHAR_PX = 6; // pixels (a 
 const MARGIN = { l: 56, r: 56, t: 28, b: 36 };
 // A fork's label: one per step forked at (the forks of that step named together), each a row lower than
 // the one before, so that no two overprint.
-const FORK_LABEL_ROW = 0.09; // of a panel's height
+const FORK_LABEL_ROW = 0.09, FORK_LABEL_ROWS = 8; // of a panel's height; the ninth step's label starts at the top again
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"];
 // In a comparison a colour is a run; a run's metrics in one panel differ by line style ("dot" is the right axis's).
 const DASHES = ["solid", "dash", "dashdot", "longdash"];
@@ -160,6 +160,7 @@ function figure(spec, arrays, columns, widthPx) {
     const xDomain = [x0, x0 + cellW], yDomain = [y1 - cellH, y1 - band];
     legendRowsOf.forEach((members, r) => {
       const id = newLegend();
+      if (r === 0) for (const t of traces) t.legend = id; // those out of the legend too: a double-click isolates within one
       for (const i of members) entries[i].legend = id;
       layout[id] = {
         x: xDomain[0], y: y1 - (r * LEGEND_ROW) / layout.height, xref: "paper", yref: "paper", xanchor: "left",
@@ -202,7 +203,7 @@ function figure(spec, arrays, columns, widthPx) {
       const here = spec.forks.filter((f) => f.step === step);
       const names = here.map((f) => `<span style="color:${COLOURS[f.run % COLOURS.length]}">${escapeHtml(f.name)}</span>`);
       layout.annotations.push({
-        text: `forked: ${names.join(", ")}`, x: step, y: 1 - level * FORK_LABEL_ROW, xref: xa, yref: `${ya} domain`,
+        text: `forked: ${names.join(", ")}`, x: step, y: 1 - (level % FORK_LABEL_ROWS) * FORK_LABEL_ROW, xref: xa, yref: `${ya} domain`,
         showarrow: false, xanchor: "left", yanchor: "top", font: { size: 9, color: "#555" },
         hovertext: `${here.map((f) => escapeHtml(f.name)).join(", ")} forked at step ${step}`,
       });
@@ -225,7 +226,7 @@ async function render({ model, el }) {
   el.append(header, plot);
 
   const Plotly = await loadPlotly(model);
-  let columns = 0, pending = false, drawn = false;
+  let pending = false, drawn = false;
   const draw = () => {
     pending = false;
     const spec = model.get("spec");
@@ -242,17 +243,16 @@ async function render({ model, el }) {
       if (drawn) { Plotly.purge(plot); drawn = false; }
       return;
     }
-    columns = columnsFor(el.clientWidth || 1000);
-    const { data, layout } = figure(spec, arrays, columns, el.clientWidth || 1000);
+    const { data, layout } = figure(spec, arrays, columnsFor(el.clientWidth || 1000), el.clientWidth || 1000);
     Plotly.react(plot, data, layout, { displayModeBar: false, responsive: true });
     drawn = true;
   };
   const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(draw); } };
   model.on("change:spec", schedule);
   model.on("change:arrays", schedule);
+  // A new width can change the columns and how many entries a legend row holds: drawn again, once a frame.
   const resize = new ResizeObserver(() => {
-    if (!drawn) return;
-    if (columnsFor(el.clientWidth) !== columns) { if (!pending) { pending = true; requestAnimationFrame(draw); } } else Plotly.Plots.resize(plot);
+    if (drawn && !pending) { pending = true; requestAnimationFrame(draw); }
   });
   resize.observe(el);
   draw();
