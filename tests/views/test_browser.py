@@ -377,8 +377,10 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(jupyter, chromium, 
         # 1 step by update() + 50 by arun(50): 51 points in the reward trace, grown while arun(50) ran.
         shown = wait_reward_points(page, 51)
         growth = sorted(set(n for n in seen if 1 < n < 51))
-        # the views refresh in rounds (grpo_lab.views.base.Pacer): two counts between 1 and 51 show growth
-        assert len(growth) >= 2, f"curves did not grow while arun(50) executed: point counts seen {sorted(set(seen))}"
+        # The views refresh in rounds (grpo_lab.views.base.Pacer), each at least 39x its own cost after the last:
+        # on a fast machine arun(50) lasts a few seconds and holds one or two rounds (a fresh clone's CI saw only
+        # 9), on a slow one more (15 and 43). A count between 1 and 51 seen while the cell ran is the live update.
+        assert growth, f"curves did not grow while arun(50) executed: point counts seen {sorted(set(seen))}"
         assert (shown["outside"] == [] and shown["legendsDrawn"] == shown["legendsWanted"]
                 and shown["xTitles"] == shown["panels"])
         assert page.locator(".grpo-completions-view .grpo-token").count() > 8
