@@ -114,6 +114,16 @@ def facts(page, dashboard: int = 0):
     return page.evaluate(FACTS, dashboard)
 
 
+# The first dashboard's reward band, read from the page: {step: [reward - std, reward + std]}.
+REWARD_BAND = """() => {
+  const gd = document.querySelector('.grpo-dashboard .grpo-curves-plot .js-plotly-plot');
+  const traces = gd._fullData.filter((t) => t.xaxis === 'x');
+  const upper = traces.findIndex((t) => t.name.startsWith('± reward_std')), lower = traces[upper - 1];
+  const high = traces[upper];
+  return Object.fromEntries(Array.from(high.x, (step, j) => [String(step), [lower.y[j], high.y[j]]]));
+}"""
+
+
 def wait_reward_points(page, count: int, dashboard: int = 0, timeout: float = 60) -> dict:
     deadline, seen = time.time() + timeout, None
     while time.time() < deadline:
@@ -385,6 +395,18 @@ def test_quickstart_dashboard_renders_updates_live_and_steps(jupyter, chromium, 
                 and shown["xTitles"] == shown["panels"])
         assert page.locator(".grpo-completions-view .grpo-token").count() > 8
         assert "next stage: generate()" in controls_text(page)
+        # the reward panel's band is labelled as what it is, and is reward ± reward_std of the notebook's history
+        # (its last cell prints the last five steps: step, reward, reward_std, ...)
+        assert "± reward_std (the whole batch)" in shown["legendText"]
+        band = page.evaluate(REWARD_BAND)
+        last = page.locator(".jp-Notebook .jp-Cell").count() - 1
+        printed = lab.cell(page, last).locator(".jp-OutputArea").inner_text()
+        rows = [line.split() for line in printed.splitlines() if re.match(r"\s*\d+\s+\d+\s", line)]
+        assert len(rows) == 5
+        for _, step, reward, reward_std, *_ in rows:
+            low, high = band[str(int(step))]
+            assert low == pytest.approx(float(reward) - float(reward_std), abs=1e-5)
+            assert high == pytest.approx(float(reward) + float(reward_std), abs=1e-5)
 
         step_button(page).click()
         wait_reward_points(page, 52)
