@@ -28,7 +28,6 @@ import os
 import sys
 import types
 
-PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
 BUILT_IN_NAMES = frozenset(vars(builtins))
 """Names the solution may define but the tests never see as its: a built-in it shadows stays the built-in."""
 MUTABLE = (list, dict, set, bytearray)
