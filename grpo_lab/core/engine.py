@@ -30,6 +30,7 @@ from grpo_lab.parallel import dist, zero
 from grpo_lab.core import build
 from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config.grpo_config import GRPOConfig
+from grpo_lab.core.dynamic_sampling import check_dynamic_sampling, reused_scores
 from grpo_lab.core.evaluation import EvaluationStage
 from grpo_lab.core.generation import GenerationStage
 from grpo_lab.core.hf_trainer_types import TrainerState, set_seed
@@ -97,6 +98,8 @@ class Engine:
         self.reward_funcs, self.reward_processing_classes, self.reward_names = build.reward_functions(
             reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device,
             self.environments)
+        check_dynamic_sampling(config, self.batching, self.accelerator.num_processes, self.reward_names,
+                               self.environments)
         self.global_step = self.num_input_tokens_seen = 0
         self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (LossStage.loss)
         self.routes_to_experts = routes_to_experts(self.unwrapped_model)
@@ -289,7 +292,12 @@ class Engine:
         return self.generation_stage.generate()
 
     def score(self, rollout: Rollout) -> Scores:
-        """Call every reward function on the completions (TRL's keyword-argument convention)."""
+        """Call every reward function on the completions (TRL's keyword-argument convention); a batch
+        that dynamic sampling filled was scored by ``generate()``, whose rewards are returned while the
+        reward functions are the same objects."""
+        reused = reused_scores(self, rollout)
+        if reused is not None:
+            return reused
         completion_ids = [  # as Python lists: one indexing call per row would take longer than the rewards
             [token for token, kept in zip(ids, mask) if kept]
             for ids, mask in zip(rollout.completion_ids_BT.tolist(), rollout.completion_mask_BT.tolist())
@@ -328,7 +336,8 @@ class Engine:
                 epoch=self.sampler.epoch_progress,
             )
             | sampling_metrics(self.accelerator, scores.rollout.sampling_stats)
-            | tool_metrics(self.accelerator, scores.rollout.columns),
+            | tool_metrics(self.accelerator, scores.rollout.columns)
+            | ({} if scores.rollout.dynamic_sampling is None else scores.rollout.dynamic_sampling.metrics),
         )
 
     def loss(self, advantages: Advantages, batch_step: int = 0) -> LossResult:

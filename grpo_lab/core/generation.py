@@ -7,6 +7,7 @@ import torch
 
 from grpo_lab import ops
 from grpo_lab.parallel import dist
+from grpo_lab.core.dynamic_sampling import fill_batch
 from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
@@ -33,11 +34,38 @@ class GenerationStage:
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see train_rows
 
     def generate(self) -> Rollout:
-        """Draw the next generation batch of prompts and sample ``num_generations`` completions each."""
+        """Draw the next generation batch of prompts and sample ``num_generations`` completions each;
+        with ``dynamic_sampling``, rounds of them scored until the batch holds groups with a signal
+        (:func:`grpo_lab.core.dynamic_sampling.fill_batch`). Then the log-prob passes the loss needs."""
         engine = self.engine
         config = engine.config
         if engine.published_version != engine.global_step:
             engine.publish_weights()
+        if config.dynamic_sampling:
+            sampler_state = engine.sampler.state_dict()
+            try:
+                rollout = fill_batch(engine, self.generate_round)
+            except BaseException:
+                engine.sampler.load_state_dict(sampler_state)
+                raise
+        else:
+            rollout = self.generate_round()
+        with engine.accelerator.autocast():
+            if engine.needs_old_logprobs():
+                rollout.old_logprobs_BT = engine.batch_logprobs(engine.model, rollout)
+            if config.beta > 0:
+                rollout.ref_logprobs_BT = engine.reference_logprobs(rollout)
+        if engine.corrects_sampling() and rollout.sampling_logprobs_BT is not None:
+            importance_weights(rollout, config)
+        tokens = rollout.prompt_mask_BP.sum() + rollout.completion_lengths_B.sum()
+        engine.num_input_tokens_seen += int(dist.total(engine.accelerator, tokens))
+        return rollout
+
+    def generate_round(self) -> Rollout:
+        """Draw one generation batch of prompts and sample their completions, without the log-prob
+        passes; the sampler is put back where it was if anything fails."""
+        engine = self.engine
+        config = engine.config
         sampler_state = engine.sampler.state_dict()
         try:
             indices = engine.sampler.next_indices()
@@ -56,7 +84,7 @@ class GenerationStage:
             engine.sampler.load_state_dict(sampler_state)
             raise
         completion_texts = engine.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
-        rollout = Rollout(
+        return Rollout(
             prompts=prompts,
             completions=wrap_completions(prompts, completion_texts) if completions is None else completions,
             completion_texts=completion_texts,
@@ -74,16 +102,6 @@ class GenerationStage:
             extra_keys=tuple(extra),
             environments=environments,
         )
-        with engine.accelerator.autocast():
-            if engine.needs_old_logprobs():
-                rollout.old_logprobs_BT = engine.batch_logprobs(engine.model, rollout)
-            if config.beta > 0:
-                rollout.ref_logprobs_BT = engine.reference_logprobs(rollout)
-        if engine.corrects_sampling() and rollout.sampling_logprobs_BT is not None:
-            importance_weights(rollout, config)
-        tokens = batch.prompt_mask_BP.sum() + rollout.completion_lengths_B.sum()
-        engine.num_input_tokens_seen += int(dist.total(engine.accelerator, tokens))
-        return rollout
 
     def counted_prompt_tokens(self) -> list[int] | None:
         """The token count of every training prompt, as counted when the engine was built (None where

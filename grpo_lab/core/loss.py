@@ -151,13 +151,17 @@ class LossStage:
         engine.optimization.entropy.pending_step_entropy = float(entropy_sum / tokens.clamp(min=1.0))
 
     def _loss_mask_and_normalizer(self, rollout: Rollout, step_index: torch.Tensor):
-        """The (B, T) mask of the tokens the loss counts, and the step-token normalizer: losses that
+        """The (B, T) mask of the tokens the loss counts (``mask_truncated_completions`` and a masked
+        dynamic-sampling filler leave rows out), and the step-token normalizer: losses that
         normalize globally (dapo's) divide by the tokens of the whole optimizer step, counted over all
         processes; DDP averages gradients over processes, hence the division by their number."""
         engine = self.engine
         loss_mask_BT = rollout.generated_mask_BT.float()
         if engine.config.mask_truncated_completions:
             loss_mask_BT = ops.truncation_mask(loss_mask_BT, rollout.is_truncated_B)
+        filling = rollout.dynamic_sampling
+        if filling is not None and engine.config.dynamic_sampling_fill == "masked":  # train on the kept groups only
+            loss_mask_BT = loss_mask_BT * (~filling.filler_B).to(loss_mask_BT.device, loss_mask_BT.dtype)[:, None]
         global_tokens = dist.total(engine.accelerator, loss_mask_BT[step_index].sum())
         return loss_mask_BT, (global_tokens / engine.accelerator.num_processes).clamp(min=1.0)
 

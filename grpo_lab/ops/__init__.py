@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "advantages": ("AdvantageStats", "batch_std", "compute_advantages", "nanstd"),
+    "advantages": ("AdvantageStats", "batch_std", "compute_advantages", "groups_with_signal", "nanstd"),
     "importance": ("IS_MODES", "importance_sampling_stats", "vllm_importance_weights"),
     "logprobs": ("entropy_from_logits", "selective_log_softmax"),
     "masks": ("completion_mask_from_ids", "entropy_mask", "quantile_mask", "truncation_mask"),

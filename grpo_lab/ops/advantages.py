@@ -101,6 +101,23 @@ def compute_advantages(
     )
 
 
+def groups_with_signal(values_B: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(N,) True for each group of ``num_generations`` consecutive values that are not all equal
+    (NaN entries left out; a group with fewer than two numbers has no signal).
+
+    DAPO's dynamic sampling keeps a group only when 0 < |{o_i : o_i correct}| < G (arXiv:2503.14476,
+    eq. 11): a group whose rewards are all equal has advantages of exactly 0 and teaches nothing.
+    Here "all equal" is the test :func:`compute_advantages` zeroes a group's advantages by, so that
+    a kept group is one whose advantages are not all 0 (before ``scale_rewards="batch"``).
+
+    Args:
+        values_B: (B,) one reward per completion, B a multiple of num_generations.
+    """
+    if values_B.shape[0] % num_generations:
+        raise ValueError(f"{values_B.shape[0]} completions do not split into groups of {num_generations}.")
+    return ~_tied(values_B.float().view(-1, num_generations), dim=1)
+
+
 def _mean_and_std(values: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and sample std along ``dim`` (all of ``values`` when None) leaving NaN out; with no NaN,
     exactly ``torch.mean`` and ``torch.std`` (their summation order, so results stay bit for bit)."""

@@ -91,9 +91,9 @@ def safe_batch(pending: tuple):
 
 
 def _batch_types():
-    from grpo_lab.types import Advantages, Rollout, Scores
+    from grpo_lab.types import Advantages, DynamicSampling, Rollout, Scores
 
-    return torch.serialization.safe_globals([Rollout, Scores, Advantages])
+    return torch.serialization.safe_globals([Rollout, Scores, Advantages, DynamicSampling])
 
 
 def saved_model_dir(directory: Path) -> Path:
