@@ -87,7 +87,7 @@ class DynamicSampling:
     filler_B: torch.Tensor
     """(B,) True for the completions of a dropped group taken in because the rounds ran out."""
     dropped: dict[str, list]
-    """One value per dropped completion (this process's): round, group, prompt, completion, reward
+    """One value per dropped completion (this process's): round, group, prompt (as text), completion, reward
     (the decided-on value) and why ("too easy" or "too hard")."""
     metrics: dict[str, float]
     """The ``dynamic_sampling/*`` metrics of the batch, over all processes."""
@@ -161,7 +161,7 @@ class Rollout(_Table):
     def to_dict(self) -> dict[str, list]:
         return {
             "group": self.group_index_B.tolist(),
-            "prompt": [_text(p) for p in self.prompts],
+            "prompt": [prompt_text(p) for p in self.prompts],
             "completion": list(self.completion_texts),
             "length": self.completion_lengths_B.tolist(),
             "truncated": self.is_truncated_B.tolist(),
@@ -273,7 +273,8 @@ class LossResult(_Table):
         return pd.DataFrame(self.to_dict(), index=self.sample_index_B.tolist())
 
 
-def _text(prompt) -> str:
+def prompt_text(prompt) -> str:
+    """A prompt as text: itself, or its messages' contents joined by " | "."""
     if isinstance(prompt, list):
         return " | ".join(str(m.get("content", "")) for m in prompt if isinstance(m, dict))
     return str(prompt)

@@ -26,7 +26,7 @@ from grpo_lab import ops
 from grpo_lab.errors import ConfigError
 from grpo_lab.parallel import dist
 from grpo_lab.rewards.preparation import weights_tensor
-from grpo_lab.types import DynamicSampling, Rollout, Scores
+from grpo_lab.types import DynamicSampling, Rollout, Scores, prompt_text
 
 def check_dynamic_sampling(config, batching, num_processes: int, reward_names: list[str], environments) -> None:
     """Refuse settings dynamic sampling cannot fill a batch under: a process's generation batch that
@@ -172,7 +172,7 @@ def _record(engine, rounds: list[_Round], dropped: list, chosen: list, filler: l
         for row in range(group * G, (group + 1) * G):
             columns["round"].append(r)
             columns["group"].append(group)
-            columns["prompt"].append(round_.rollout.prompts[row])
+            columns["prompt"].append(prompt_text(round_.rollout.prompts[row]))
             columns["completion"].append(round_.rollout.completion_texts[row])
             columns["reward"].append(float(round_.values_B[row]))
             columns["why"].append("too easy" if value > mean_value else "too hard")

@@ -90,6 +90,29 @@ def zero_signal(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[
     ), float(streak))]
 
 
+def dynamic_sampling_exhausted(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
+    """Dynamic sampling ran out of rounds (``dynamic_sampling/frac_groups_filled`` > 0) on each of the
+    last ``persistent_steps`` steps: the batches were filled with groups that carry no signal."""
+    streak = _streak(history, lambda row: (row.get("dynamic_sampling/frac_groups_filled") or 0) > 0)
+    if streak < thresholds.persistent_steps:
+        return []
+    steps = thresholds.persistent_steps
+    filled = _mean([row["dynamic_sampling/frac_groups_filled"] for row in history[-steps:]])
+    row = history[-1]
+    return [Diagnosis(Finding(
+        "dynamic_sampling_exhausted", "warning",
+        f"dynamic_sampling ran out of rounds on each of the last {streak} steps: {filled:.0%} of those batches' "
+        "groups were dropped ones filled in, which carry no signal, after "
+        f"{row.get('dynamic_sampling/rounds', 0):g} rounds of generation each.",
+        {"step": row["step"], f"dynamic_sampling/frac_groups_filled, mean of {steps} steps": filled,
+         "dynamic_sampling/rounds": row.get("dynamic_sampling/rounds"),
+         "too easy / too hard": f"{row.get('dynamic_sampling/frac_groups_dropped_too_easy', 0):.0%} / "
+                                f"{row.get('dynamic_sampling/frac_groups_dropped_too_hard', 0):.0%}"},
+        "Prompts of the right difficulty (the dropped shares say which way), more num_generations or a higher "
+        "temperature, or a larger dynamic_sampling_max_rounds (each round costs a generation batch).",
+    ), filled)]
+
+
 def entropy_collapse(history: list[dict], thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
     """Entropy (mean over the ``recent_steps`` latest steps) below ``entropy_collapse_fraction`` of its
     early value (the ``early_steps`` first steps)."""
@@ -222,7 +245,7 @@ def length_rewarded(history: list[dict], thresholds: Thresholds = DEFAULTS) -> l
 def diagnose_step(history: list[dict], *, beta: float, max_completion_length: int,
                   thresholds: Thresholds = DEFAULTS) -> list[Diagnosis]:
     """Every live rule over ``history`` (the step's row last), under ``thresholds``."""
-    return [*zero_signal(history, thresholds),
+    return [*zero_signal(history, thresholds), *dynamic_sampling_exhausted(history, thresholds),
             *truncation(history, max_completion_length=max_completion_length, thresholds=thresholds),
             *entropy_collapse(history, thresholds), *kl_climbing(history, beta=beta, thresholds=thresholds),
             *clip_ratio_climbing(history, thresholds), *importance_ratio_drift(history, thresholds),

@@ -229,7 +229,8 @@ _ZERO_KINDS = {
 
 
 def zero_signal_groups(rewards_B: torch.Tensor, advantages_B: torch.Tensor, group_B: torch.Tensor, prompts: list, *,
-                       pass_threshold: float, thresholds: Thresholds = DEFAULTS) -> list[Finding]:
+                       pass_threshold: float, thresholds: Thresholds = DEFAULTS,
+                       dynamic_sampling: bool = False) -> list[Finding]:
     """Prompt groups whose advantages are all zero (``frac_reward_zero_std``), told apart by the total
     reward they tied at: the highest seen on the probe (too easy), the lowest (too hard) or another.
     Where the whole probe has one reward value, it counts as solved when at least ``pass_threshold``
@@ -272,6 +273,9 @@ def zero_signal_groups(rewards_B: torch.Tensor, advantages_B: torch.Tensor, grou
         if not rows or code not in _ZERO_KINDS:
             continue
         cause, fix = _ZERO_KINDS[code]
+        if severity == "warning" and not dynamic_sampling:
+            fix += (" Or dynamic_sampling=True: generate() then draws and scores further prompts until the batch "
+                    "holds only groups whose rewards differ (more generation per step).")
         value = float(rewards_B[rows[0]])
         findings.append(Finding(
             code, severity,

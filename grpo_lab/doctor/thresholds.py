@@ -42,8 +42,8 @@ KINDS = {
 }
 """The kinds of threshold and the values each takes."""
 
-_LIVE = ("truncation_in_training", "no_signal_steps", "entropy_collapse", "kl_climbing", "clip_ratio_climbing",
-         "importance_ratio_drift", "reward_rising_with_length")
+_LIVE = ("truncation_in_training", "no_signal_steps", "dynamic_sampling_exhausted", "entropy_collapse", "kl_climbing",
+         "clip_ratio_climbing", "importance_ratio_drift", "reward_rising_with_length")
 _GROUPS = ("groups_too_easy", "groups_too_hard", "groups_tied")
 
 TABLE = (
@@ -69,7 +69,8 @@ TABLE = (
               "which the two engines disagree", ("vllm_logprob_gap",)),
     # ---------------------------------------------------------------- live rules, after every optimizer step
     Threshold("persistent_steps", 5, "steps", "steps in a row a per-step cause must hold to be raised (one step "
-              "of a small batch is noisy)", ("truncation_in_training", "no_signal_steps", "importance_ratio_drift")),
+              "of a small batch is noisy)", ("truncation_in_training", "no_signal_steps", "dynamic_sampling_exhausted",
+                                               "importance_ratio_drift")),
     Threshold("early_steps", 3, "steps", "the first steps, whose mean is a metric's early value",
               ("entropy_collapse", "reward_rising_with_length")),
     Threshold("recent_steps", 3, "steps", "the latest steps, whose mean is a metric's current value (a climb "

@@ -68,7 +68,9 @@ class CompletionsView(View):
         values_BT = data.token_values_BT(batch, quantity)
         scale = data.token_scale(values_BT, quantity)
         self.groups.value = render.groups_html(flags)
-        self.overview.value = (f"<p style='margin:2px 0'>{self._counts(frame, flags)}</p>"
+        record = batch.rollout.dynamic_sampling
+        dropped = "" if record is None else render.dropped_html(record)
+        self.overview.value = (f"<p style='margin:2px 0'>{self._counts(frame, flags)}</p>{dropped}"
                                f"{render.token_legend(quantity, scale)}")
         rows = data.group_table(frame, self.group.value)
         tokens = {

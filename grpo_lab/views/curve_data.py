@@ -33,6 +33,12 @@ def _diagnostics(columns: list[str]) -> list[str]:
     return [c for c in columns if c in _DIAGNOSTIC_NAMES or c.startswith(_DIAGNOSTIC_PREFIXES)]
 
 
+DYNAMIC_SAMPLING_SHARES = ("dynamic_sampling/frac_groups_dropped_too_easy", "dynamic_sampling/frac_groups_dropped_too_hard",
+                           "dynamic_sampling/frac_groups_filled")
+"""With dynamic_sampling: which groups the rounds dropped, and how much of the batch was filled, beside
+the share of groups with equal rewards."""
+
+
 @dataclass(frozen=True)
 class PanelSpec:
     title: str
@@ -47,8 +53,10 @@ class PanelSpec:
 CURVE_PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("reward", "reward (mean)", ("reward",), band=("reward", "reward_std")),
     PanelSpec("reward per function", "reward (mean)", pick=_reward_means),
-    PanelSpec(LEARNING_SIGNAL, "share", ("frac_reward_zero_std", NONZERO_ADVANTAGE), right=("grad_norm", "grad norm"),
-              y_range=SHARE_RANGE),
+    PanelSpec(LEARNING_SIGNAL, "share", ("frac_reward_zero_std", NONZERO_ADVANTAGE, *DYNAMIC_SAMPLING_SHARES),
+              right=("grad_norm", "grad norm"), y_range=SHARE_RANGE),
+    PanelSpec("dynamic sampling", "rounds per batch", ("dynamic_sampling/rounds",),
+              right=("dynamic_sampling/tokens_per_kept_group", "tokens per kept group")),
     PanelSpec("completion length", "tokens",
               ("completions/mean_length", "completions/min_length", "completions/max_length")),
     PanelSpec("truncated share", "share of completions", ("completions/clipped_ratio",)),

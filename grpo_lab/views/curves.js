@@ -34,7 +34,14 @@ function floats(view) {
   return new Float64Array(bytes.buffer);
 }
 
-const LABELS = { frac_reward_zero_std: "groups with equal rewards" };
+const LABELS = {
+  frac_reward_zero_std: "groups with equal rewards",
+  "dynamic_sampling/frac_groups_dropped_too_easy": "dropped: too easy",
+  "dynamic_sampling/frac_groups_dropped_too_hard": "dropped: too hard",
+  "dynamic_sampling/frac_groups_filled": "filled in (no signal)",
+  "dynamic_sampling/rounds": "rounds",
+  "dynamic_sampling/tokens_per_kept_group": "tokens per kept group",
+};
 
 function shortName(name) {
   if (LABELS[name]) return LABELS[name];

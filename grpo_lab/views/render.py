@@ -265,6 +265,35 @@ def groups_html(flags: pd.DataFrame) -> str:
     return f"<div style='max-height:14em;overflow-y:auto'>{table}</div>"
 
 
+_DROPPED_COLUMNS = [
+    Column("round", "round", "the generation round that drew the group (0: the first)", format="{:.0f}"),
+    Column("group", "group", "the group's place in its round", format="{:.0f}"),
+    Column("prompt", "prompt", "the group's prompt", text=True),
+    Column("completion", "completion", "the completion's text", text=True),
+    Column("reward", "value", "the value dynamic_sampling_metric decides on (the same for every completion of a "
+           "dropped group)"),
+    Column("why", "why", "too easy: above the mean value of everything drawn for the batch; too hard: at or below",
+           text=True),
+]
+
+
+def dropped_html(record) -> str:
+    """A batch's dynamic-sampling record: the rounds it took, then its dropped groups' completions
+    folded away under a summary line (they were not trained on)."""
+    frame = record.dropped_frame()
+    groups = len(frame.drop_duplicates(["round", "group"])) if len(frame) else 0
+    filled = int(record.filler_B.sum())
+    summary = html.escape(
+        f"dynamic sampling: {record.rounds} round(s) drawn; {groups} group(s) dropped for equal values, not trained on"
+        + (f"; {filled} completions of dropped groups filled in (the rounds ran out)" if filled else "")
+    )
+    if frame.empty:
+        return f"<p style='margin:2px 0'>{summary}.</p>"
+    table = table_html(frame, _DROPPED_COLUMNS, "dropped groups", css_class="grpo-dropped")
+    return (f"<details class='grpo-dropped-groups'><summary>{summary} (show them)</summary>"
+            f"<div style='max-height:14em;overflow-y:auto'>{table}</div></details>")
+
+
 # ---------------------------------------------------------------------------------- rewards
 _SUMMARY_COLUMNS = [
     Column("function", "function", "reward function", text=True),

@@ -7,6 +7,7 @@ from grpo_lab.doctor.live import (
     Diagnosis,
     LiveWatch,
     clip_ratio_climbing,
+    dynamic_sampling_exhausted,
     entropy_collapse,
     importance_ratio_drift,
     kl_climbing,
@@ -47,6 +48,21 @@ def test_all_groups_tied_is_an_error_after_five_steps_in_a_row():
     assert (finding.code, finding.severity) == ("no_signal_steps", "error")
     assert finding.evidence["steps in a row"] == 5 and diagnosis.measure == 5
     assert "every advantage was 0" in finding.message and "num_generations" in finding.fix
+
+
+def test_dynamic_sampling_running_out_of_rounds_is_a_warning_after_five_steps_in_a_row():
+    filled = "dynamic_sampling/frac_groups_filled"
+    assert dynamic_sampling_exhausted(_rows(**{filled: [0.5, 0.5, 0.0, 0.5, 0.5, 0.5, 0.5]})) == []
+    assert dynamic_sampling_exhausted(_rows(frac_reward_zero_std=[1.0] * 6)) == []  # dynamic sampling off
+    (diagnosis,) = dynamic_sampling_exhausted(_rows(**{
+        filled: [0.0, 0.25, 0.5, 0.25, 0.5, 0.5], "dynamic_sampling/rounds": [3, 10, 10, 10, 10, 10],
+        "dynamic_sampling/frac_groups_dropped_too_easy": [0.9] * 6,
+        "dynamic_sampling/frac_groups_dropped_too_hard": [0.05] * 6}))
+    finding = diagnosis.finding
+    assert (finding.code, finding.severity) == ("dynamic_sampling_exhausted", "warning")
+    assert diagnosis.measure == pytest.approx(0.4)  # (0.25 + 0.5 + 0.25 + 0.5 + 0.5) / 5
+    assert finding.evidence["too easy / too hard"] == "90% / 5%" and "after 10 rounds" in finding.message
+    assert "dynamic_sampling_max_rounds" in finding.fix
 
 
 def test_entropy_collapse_compares_the_latest_steps_with_the_first():

@@ -57,12 +57,17 @@ def test_zero_signal_groups_are_told_apart_by_the_reward_they_tied_at():
     # 3 of 4 groups without signal reaches ZERO_SIGNAL_WARNING (0.75)
     assert {f.severity for f in found.values()} == {"warning"}
     assert found["groups_too_easy"].evidence["groups with zero advantages"] == "3 of 4 (75%)"
+    # a warning proposes dynamic sampling, unless it is on
+    assert all("dynamic_sampling=True" in f.fix for f in found.values())
+    again = rules.zero_signal_groups(rewards_B, advantages_B, group_B, prompts, pass_threshold=1, dynamic_sampling=True)
+    assert not any("dynamic_sampling" in f.fix for f in again)
 
 
 def test_one_reward_value_over_the_whole_probe_is_judged_by_the_pass_threshold():
     tied = dict(advantages_B=torch.zeros(4), group_B=torch.tensor([0, 0, 1, 1]), prompts=["a"] * 4)
-    assert [f.code for f in rules.zero_signal_groups(torch.full((4,), 0.5), pass_threshold=1.0, **tied)] == [
-        "groups_too_hard"]
+    (every,) = rules.zero_signal_groups(torch.full((4,), 0.5), pass_threshold=1.0, **tied)
+    assert every.code == "groups_too_hard" and every.severity == "error"
+    assert "dynamic_sampling" not in every.fix  # no group has a signal: more rounds would find none either
     assert [f.code for f in rules.zero_signal_groups(torch.full((4,), 0.5), pass_threshold=0.5, **tied)] == [
         "groups_too_easy"]
 

@@ -1,6 +1,7 @@
 """The batch views: which batch each view shows and says it shows, the numbers of the batch charts
 (hand-built inputs, hand-derived numbers) and what the completions and rewards views display."""
 
+import html
 import math
 import re
 from types import SimpleNamespace
@@ -274,3 +275,17 @@ def test_a_batch_that_feeds_two_steps_keeps_its_tokens_between_them(make_session
     assert 'title="logprob = ' in view.table.value  # coloured by the loss() of step 1
     session.loss()
     assert "Batch for step 2, after loss()" in view.header.value
+
+
+def test_the_completions_view_shows_what_dynamic_sampling_dropped_folded_away(make_session):
+    from tests.test_dynamic_sampling import SPREAD, parity_reward
+
+    session = make_session(reward_funcs=[parity_reward], **SPREAD)
+    record = session.generate().dynamic_sampling
+    shown = session.completions_view().overview.value
+    groups = len(record.dropped_frame().drop_duplicates(["round", "group"]))
+    assert groups > 0
+    assert f"dynamic sampling: {record.rounds} round(s) drawn; {groups} group(s) dropped for equal values" in shown
+    assert "<details class='grpo-dropped-groups'>" in shown and "filled in" not in shown
+    first = record.dropped_frame().iloc[0]
+    assert f"title='{html.escape(first['completion'], quote=True)}'" in shown and f">{first['why']}<" in shown

@@ -49,6 +49,23 @@ def test_panels_carry_the_history_with_units_and_reward_std_as_a_band():
     assert signal.right_unit == "grad norm" and signal.y_range == curve_data.SHARE_RANGE
 
 
+def test_dynamic_sampling_draws_its_shares_with_the_learning_signal_and_its_cost_on_a_panel_of_its_own():
+    history = _history(frac_reward_zero_std=[0.0, 0.0, 0.25], grad_norm=[1.0, 2.0, 1.5], **{
+        "dynamic_sampling/rounds": [2.0, 3.0, 10.0], "dynamic_sampling/tokens_per_kept_group": [80.0, 95.0, 400.0],
+        "dynamic_sampling/frac_groups_dropped_too_easy": [0.1, 0.3, 0.6],
+        "dynamic_sampling/frac_groups_dropped_too_hard": [0.4, 0.2, 0.3],
+        "dynamic_sampling/frac_groups_filled": [0.0, 0.0, 0.25]})
+    panels = _panels(curve_data.curve_panels(history))
+    signal = panels[curve_data.LEARNING_SIGNAL]
+    assert [s.name for s in signal.series] == ["frac_reward_zero_std", *curve_data.DYNAMIC_SAMPLING_SHARES, "grad_norm"]
+    assert {s.name: s.y.tolist() for s in signal.series}["dynamic_sampling/frac_groups_filled"] == [0.0, 0.0, 0.25]
+    cost = panels["dynamic sampling"]
+    assert [(s.name, s.right) for s in cost.series] == [("dynamic_sampling/rounds", False),
+                                                      ("dynamic_sampling/tokens_per_kept_group", True)]
+    assert cost.unit == "rounds per batch" and cost.right_unit == "tokens per kept group"
+    assert curve_data.LOGGED not in panels  # every dynamic_sampling/* metric is grpo_lab's own
+
+
 def test_learning_signal_share_of_completions_with_nonzero_advantage():
     log = [
         {"step": [1, 1, 1, 1], "advantage": [0.0, 0.0, 0.7, -0.7]},  # 2 of 4 move the policy
