@@ -4,8 +4,8 @@ what it buys in learning signal and held-out accuracy.
 Two measurements, each run with dynamic sampling off and on from the same seed:
 
 1. ``from_base``: 100 steps of the demo's configuration (``grpo_lab.tasks.DEMO_CONFIG``: 8 prompts x
-   8 completions a step) from the shipped base model, under ``--seeds`` seeds; the report gives held-out greedy accuracy and
-   pass@8 after training, the completion tokens generated in all, per kept group, the mean
+   8 completions a step) from the shipped base model, under ``--seeds`` seeds; the report gives
+   held-out greedy accuracy and pass@8 after training, the completion tokens generated in all, per kept group, the mean
    ``frac_reward_zero_std`` of the trained batches and the wall time.
 2. ``after_training``: from the model the "off" run of (1) with seed 0 trained (most groups all correct), 10
    more steps; the report gives each step's ``frac_reward_zero_std`` and rounds, and the tokens per
@@ -28,8 +28,8 @@ from grpo_lab.tasks import DEMO_CONFIG, default_task
 
 def train(task, model, steps: int, dynamic: bool, output_dir: str, max_rounds: int, seed: int = 0) -> dict:
     """Train ``steps`` steps from ``model`` and return the run's figures and its trainer."""
-    config = task.config(**{**DEMO_CONFIG, "seed": seed, "max_steps": steps, "save_strategy": "no", "output_dir": output_dir,
-                            "report_to": "none", "disable_tqdm": True, "doctor": "off",
+    config = task.config(**{**DEMO_CONFIG, "seed": seed, "max_steps": steps, "save_strategy": "no",
+                            "output_dir": output_dir, "report_to": "none", "disable_tqdm": True, "doctor": "off",
                             "dynamic_sampling": dynamic, "dynamic_sampling_max_rounds": max_rounds})
     trainer = GRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train_dataset)
     start = time.perf_counter()
@@ -51,7 +51,8 @@ def train(task, model, steps: int, dynamic: bool, output_dir: str, max_rounds: i
     }
     if dynamic:
         figures["rounds_by_step"] = [int(v) for v in history["dynamic_sampling/rounds"]]
-        figures["mean_tokens_per_kept_group"] = round(float(history["dynamic_sampling/tokens_per_kept_group"].mean()), 1)
+        tokens = history["dynamic_sampling/tokens_per_kept_group"]
+        figures["mean_tokens_per_kept_group"] = round(float(tokens.mean()), 1)
         figures["mean_frac_groups_filled"] = round(float(history["dynamic_sampling/frac_groups_filled"].mean()), 3)
     else:  # every group is trained on
         figures["mean_tokens_per_kept_group"] = round(float(generated) / (groups * len(history)), 1)

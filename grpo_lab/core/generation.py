@@ -7,7 +7,8 @@ import torch
 
 from grpo_lab import ops
 from grpo_lab.parallel import dist
-from grpo_lab.core.dynamic_sampling import fill_batch
+from grpo_lab.core.dynamic_sampling import check_dynamic_sampling, fill_batch
+from grpo_lab.core.generation_ahead import DrawnRound, GenerationAhead, check_async_generation
 from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
@@ -32,6 +33,7 @@ class GenerationStage:
         self._prompt_tokens, self._counted_dataset = prompt_tokens, counted_dataset
         self._in_rollout = False  # while the rollout function runs: generate() from inside it would recurse
         self._rows_source = self._rows_view = None  # a format-free view of train_dataset, see train_rows
+        self.ahead = GenerationAhead(self)  # with async_generation: the batch prepared one generate() ahead
 
     def generate(self) -> Rollout:
         """Draw the next generation batch of prompts and sample ``num_generations`` completions each;
@@ -48,6 +50,8 @@ class GenerationStage:
             except BaseException:
                 engine.sampler.load_state_dict(sampler_state)
                 raise
+        elif self.ahead.active(config):
+            rollout = self.prepared_rollout()
         else:
             rollout = self.generate_round()
         with engine.accelerator.autocast():
@@ -65,24 +69,41 @@ class GenerationStage:
         """Draw one generation batch of prompts and sample their completions, without the log-prob
         passes; the sampler is put back where it was if anything fails."""
         engine = self.engine
-        config = engine.config
         sampler_state = engine.sampler.state_dict()
         try:
-            indices = engine.sampler.next_indices()
-            global_rows = [i for i in indices for _ in range(config.num_generations)]
-            group_B = [position // config.num_generations for position in range(len(global_rows))]
-            local = dist.local_slice(engine.accelerator, len(global_rows))
-            rows = self.train_rows(global_rows[local])
-            prompts, environments = self.start_rows(rows, global_rows[local])
-            batch, env_mask_BT, extra, completions = self.generate_batch(prompts, list(rows))
-            batch, env_mask_BT = padded_to_multiple(
-                batch, env_mask_BT, config.pad_multiple(), pad_token_id=engine.tokenizer.pad_token_id
-            )
-            rows.update(extra)
-            self.check_policy_version(batch)
+            drawn = self.draw_round()
+            return self.finished_round(drawn, self.generate_batch(drawn.prompts, list(drawn.rows)))
         except BaseException:
             engine.sampler.load_state_dict(sampler_state)
             raise
+
+    def draw_round(self) -> DrawnRound:
+        """The next generation batch's prompts, this process's share, checked against the context."""
+        engine = self.engine
+        config = engine.config
+        indices = engine.sampler.next_indices()
+        global_rows = [i for i in indices for _ in range(config.num_generations)]
+        group_B = [position // config.num_generations for position in range(len(global_rows))]
+        local = dist.local_slice(engine.accelerator, len(global_rows))
+        rows = self.train_rows(global_rows[local])
+        prompts, environments = self.start_rows(rows, global_rows[local])
+        return DrawnRound(rows, prompts, global_rows[local], group_B[local], environments)
+
+    def rendered(self, prompts: list) -> list:
+        """The prompts as the backend takes them (chat messages through the chat template)."""
+        return render_prompts(prompts, self.engine.tokenizer, self.engine.config.chat_template_kwargs)
+
+    def finished_round(self, drawn: DrawnRound, generated: CustomBatch, *, lag: int = 0) -> Rollout:
+        """The :class:`Rollout` of ``drawn``'s completions (padded as configured, decoded), refused where
+        an inference engine generated it with a policy more than ``lag`` optimizer steps old."""
+        engine = self.engine
+        batch, env_mask_BT, extra, completions = generated
+        batch, env_mask_BT = padded_to_multiple(
+            batch, env_mask_BT, engine.config.pad_multiple(), pad_token_id=engine.tokenizer.pad_token_id
+        )
+        rows, prompts = dict(drawn.rows), drawn.prompts
+        rows.update(extra)
+        self.check_policy_version(batch, lag)
         completion_texts = engine.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
         return Rollout(
             prompts=prompts,
@@ -94,14 +115,38 @@ class GenerationStage:
             completion_ids_BT=batch.completion_ids_BT,
             completion_mask_BT=batch.completion_mask_BT,
             is_truncated_B=batch.is_truncated_B,
-            group_index_B=torch.tensor(group_B[local]),
+            group_index_B=torch.tensor(drawn.group_B),
             step=engine.global_step,
             sampling_logprobs_BT=batch.sampling_logprobs_BT,
             policy_version=batch.policy_version,
             env_mask_BT=env_mask_BT,
             extra_keys=tuple(extra),
-            environments=environments,
+            environments=drawn.environments,
         )
+
+    def prepared_rollout(self) -> Rollout:
+        """With ``async_generation``: the batch prepared at the last ``generate()`` (generated with the
+        weights of then), the next one launched (:class:`~grpo_lab.core.generation_ahead.GenerationAhead`)."""
+        engine = self.engine
+        taken = self.ahead.take()
+        try:
+            rollout = self.finished_round(taken.drawn, CustomBatch(taken.batch, None, {}, None),
+                                          lag=engine.steps_per_batch)
+        except BaseException:
+            self.ahead.put_back(taken)
+            raise
+        if rollout.policy_version is None:  # in-process: generated with the weights of its launch
+            rollout.policy_version = taken.version
+        rollout.async_timing = taken.timing
+        return rollout
+
+    def check_modes(self) -> None:
+        """Refuse ``dynamic_sampling`` and ``async_generation`` settings they cannot run under (once the
+        engine's reward functions, batch layout and rollout are known)."""
+        engine = self.engine
+        check_async_generation(engine.config, engine.custom_rollout)
+        check_dynamic_sampling(engine.config, engine.batching, engine.accelerator.num_processes, engine.reward_names,
+                               engine.environments)
 
     def counted_prompt_tokens(self) -> list[int] | None:
         """The token count of every training prompt, as counted when the engine was built (None where
@@ -137,10 +182,11 @@ class GenerationStage:
         )
         return rows
 
-    def check_policy_version(self, batch) -> None:
-        """Refuse completions an inference engine generated with another policy than the current one."""
+    def check_policy_version(self, batch, lag: int = 0) -> None:
+        """Refuse completions an inference engine generated with another policy than the current one
+        (with ``async_generation``: than one of the ``lag`` optimizer steps before it, or it)."""
         engine = self.engine
-        if batch.policy_version is not None and batch.policy_version != engine.global_step:
+        if batch.policy_version is not None and not 0 <= engine.global_step - batch.policy_version <= lag:
             raise RuntimeError(
                 f"The {engine.rollout_backend.name} backend generated with the policy of step {batch.policy_version}, "
                 f"but the trainer is at step {engine.global_step}: the server was restarted (resume the run from "
@@ -175,8 +221,7 @@ class GenerationStage:
         backend. ``columns``: the names the rollout function's extra keys may not take."""
         engine = self.engine
         if engine.custom_rollout is None:
-            texts = render_prompts(prompts, engine.tokenizer, engine.config.chat_template_kwargs)
-            return CustomBatch(engine.rollout_backend.generate(texts, engine.config), None, {}, None)
+            return CustomBatch(engine.rollout_backend.generate(self.rendered(prompts), engine.config), None, {}, None)
         if self._in_rollout:
             raise RuntimeError(
                 "generate() (or step(), evaluate()) was called from inside the rollout function: sample its "

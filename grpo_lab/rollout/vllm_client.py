@@ -16,6 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from grpo_lab import notices
@@ -138,25 +139,32 @@ class VLLMServerBackend:
 
     # ------------------------------------------------------------------ backend
     def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
+        return self.generate_later(prompts, config)()
+
+    def generate_later(self, prompts: list[str] | list[list[int]], config) -> Callable[[], GeneratedBatch]:
+        """The request for ``prompts``' completions, prepared now (tokens, the context check, the seeds
+        drawn from torch's generator) and sent when called: ``async_generation`` calls it from a
+        worker thread, where nothing may draw from the trainer's generators."""
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
-        answer = self._call(
-            "/generate",
-            {"prompt_token_ids": token_lists, "settings": sampling_settings(config),
-             "seeds": draw_seeds(len(token_lists))}
-        )
-        if answer["run"] != self.run:
-            raise RuntimeError(
-                f"The vLLM server at {self.url} generated with a policy pushed by another training run. Give each "
-                "run its own server (--port)."
+        payload = {"prompt_token_ids": token_lists, "settings": sampling_settings(config),
+                   "seeds": draw_seeds(len(token_lists))}
+        eos, device = eos_token_ids(self.tokenizer, model), self.accelerator.device
+
+        def send() -> GeneratedBatch:
+            answer = self._call("/generate", payload)
+            if answer["run"] != self.run:
+                raise RuntimeError(
+                    f"The vLLM server at {self.url} generated with a policy pushed by another training run. Give "
+                    "each run its own server (--port)."
+                )
+            return batch_from_token_lists(
+                prompt_ids_BP.to(device), prompt_mask_BP.to(device), answer["completion_ids"], answer["logprobs"],
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos, policy_version=answer["version"],
             )
-        device = self.accelerator.device
-        return batch_from_token_lists(
-            prompt_ids_BP.to(device), prompt_mask_BP.to(device), answer["completion_ids"], answer["logprobs"],
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_token_ids(self.tokenizer, model),
-            policy_version=answer["version"],
-        )
+
+        return send
 
     def sync_weights(self, model, version: int) -> None:
         """The main process pushes the new version; the others wait until it is in place (under FSDP,

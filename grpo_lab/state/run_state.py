@@ -123,6 +123,8 @@ def engine_counters(engine) -> dict:
         # which parameters a backward pass reaches, once known (skip_zero_advantage_backward)
         "trained_parameters": (None if engine.trained_parameter_names is None
                                else sorted(engine.trained_parameter_names)),
+        # async_generation: the batch prepared for the next generate(), waited for
+        "generation_ahead": engine.generation_stage.ahead.state_dict(),
     }
 
 
@@ -133,6 +135,7 @@ def load_engine_counters(engine, state: dict) -> None:
     engine.num_input_tokens_seen = state["num_input_tokens_seen"]
     if state["trained_parameters"] is not None:
         engine.trained_parameter_names = set(state["trained_parameters"])
+    engine.generation_stage.ahead.load_state_dict(state.get("generation_ahead"))  # absent from older states
 
 
 def _refuse_sharded(engine) -> None:

@@ -33,8 +33,8 @@ def _diagnostics(columns: list[str]) -> list[str]:
     return [c for c in columns if c in _DIAGNOSTIC_NAMES or c.startswith(_DIAGNOSTIC_PREFIXES)]
 
 
-DYNAMIC_SAMPLING_SHARES = ("dynamic_sampling/frac_groups_dropped_too_easy", "dynamic_sampling/frac_groups_dropped_too_hard",
-                           "dynamic_sampling/frac_groups_filled")
+DYNAMIC_SAMPLING_SHARES = ("dynamic_sampling/frac_groups_dropped_too_easy",
+                           "dynamic_sampling/frac_groups_dropped_too_hard", "dynamic_sampling/frac_groups_filled")
 """With dynamic_sampling: which groups the rounds dropped, and how much of the batch was filled, beside
 the share of groups with equal rewards."""
 
@@ -57,6 +57,9 @@ CURVE_PANELS: tuple[PanelSpec, ...] = (
               right=("grad_norm", "grad norm"), y_range=SHARE_RANGE),
     PanelSpec("dynamic sampling", "rounds per batch", ("dynamic_sampling/rounds",),
               right=("dynamic_sampling/tokens_per_kept_group", "tokens per kept group")),
+    PanelSpec("generation ahead", "seconds per step",
+              ("async_generation/trainer_wait", "async_generation/generator_idle"),
+              right=("async_generation/staleness", "staleness (optimizer steps)")),
     PanelSpec("completion length", "tokens",
               ("completions/mean_length", "completions/min_length", "completions/max_length")),
     PanelSpec("truncated share", "share of completions", ("completions/clipped_ratio",)),

@@ -41,6 +41,9 @@ const LABELS = {
   "dynamic_sampling/frac_groups_filled": "filled in (no signal)",
   "dynamic_sampling/rounds": "rounds",
   "dynamic_sampling/tokens_per_kept_group": "tokens per kept group",
+  "async_generation/trainer_wait": "trainer waited for the batch",
+  "async_generation/generator_idle": "generator idle",
+  "async_generation/staleness": "staleness",
 };
 
 function shortName(name) {

@@ -65,6 +65,17 @@ def test_dynamic_sampling_running_out_of_rounds_is_a_warning_after_five_steps_in
     assert "dynamic_sampling_max_rounds" in finding.fix
 
 
+def test_importance_ratio_drift_under_async_generation_names_the_lag():
+    rows = _rows(**{"sampling/importance_sampling_ratio/mean": [0.7] * 5, "async_generation/staleness": [1.0] * 5})
+    (diagnosis,) = importance_ratio_drift(rows)
+    finding = diagnosis.finding
+    assert finding.code == "importance_ratio_drift" and finding.evidence["async_generation/staleness"] == 1.0
+    assert "1 optimizer step(s) old (async_generation)" in finding.message
+    assert finding.fix.startswith("A lower learning_rate") and "async_generation=False" in finding.fix
+    (synchronous,) = importance_ratio_drift(_rows(**{"sampling/importance_sampling_ratio/mean": [0.7] * 5}))
+    assert "async_generation" not in synchronous.finding.message + synchronous.finding.fix
+
+
 def test_entropy_collapse_compares_the_latest_steps_with_the_first():
     # early mean 1.0; latest mean (0.3 + 0.2 + 0.1) / 3 = 0.2, under 0.25 x 1.0
     (diagnosis,) = entropy_collapse(_rows(entropy=[1.0, 1.0, 1.0, 0.3, 0.2, 0.1]))

@@ -66,6 +66,19 @@ def test_dynamic_sampling_draws_its_shares_with_the_learning_signal_and_its_cost
     assert curve_data.LOGGED not in panels  # every dynamic_sampling/* metric is grpo_lab's own
 
 
+def test_generation_ahead_draws_the_waits_with_the_staleness_on_the_right():
+    history = _history(reward=[0.1, 0.2, 0.3], **{
+        "async_generation/trainer_wait": [0.5, 0.0, 0.1], "async_generation/generator_idle": [0.2, 0.3, 0.25],
+        "async_generation/staleness": [0.0, 1.0, 1.0]})
+    panels = _panels(curve_data.curve_panels(history))
+    ahead = panels["generation ahead"]
+    assert [(s.name, s.right) for s in ahead.series] == [("async_generation/trainer_wait", False),
+                                                       ("async_generation/generator_idle", False),
+                                                       ("async_generation/staleness", True)]
+    assert ahead.unit == "seconds per step" and ahead.right_unit == "staleness (optimizer steps)"
+    assert curve_data.LOGGED not in panels
+
+
 def test_learning_signal_share_of_completions_with_nonzero_advantage():
     log = [
         {"step": [1, 1, 1, 1], "advantage": [0.0, 0.0, 0.7, -0.7]},  # 2 of 4 move the policy

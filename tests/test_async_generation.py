@@ -1,0 +1,92 @@
+"""async_generation (one-step-off): generate() returns the batch launched at the previous generate(),
+generated with the weights of then; runs are deterministic and resume exactly. In-process backends
+here (transformers); the vLLM server's overlap is tested in tests/rollout/test_vllm.py."""
+
+
+import pandas as pd
+import pytest
+import torch
+
+from grpo_lab import GRPOSession
+from grpo_lab.errors import ConfigError
+from tests.conftest import SMALL
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+TIMES = ["step_time", "async_generation/trainer_wait", "async_generation/generator_idle"]
+
+
+def _comparable(history: pd.DataFrame) -> pd.DataFrame:
+    return history.drop(columns=[c for c in TIMES if c in history.columns]).reset_index(drop=True)
+
+
+def _weights(model) -> dict:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _assert_same_weights(model, weights: dict) -> None:
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+
+def test_each_batch_is_the_one_launched_a_generate_before_with_the_weights_of_then(make_session):
+    session = make_session(async_generation=True)
+    backend, launched_at = session.engine.rollout_backend, []
+    generate = backend.generate
+
+    def recorded(texts, config):
+        launched_at.append((session.global_step, _weights(session.model)["model.embed_tokens.weight"]))
+        return generate(texts, config)
+
+    backend.generate = recorded
+    trained = []
+    session.on(lambda stage, result: trained.append(result) if stage == "generate" else None)
+    session.run(4, progress=False)
+    # the first generate() generates its batch and the next one; every later one launches one more
+    assert [step for step, _ in launched_at] == [0, 0, 1, 2, 3]
+    assert [rollout.policy_version for rollout in trained] == [0, 0, 1, 2]
+    assert [rollout.step for rollout in trained] == [0, 1, 2, 3]
+    assert session.history["async_generation/staleness"].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert (session.history["async_generation/trainer_wait"] >= 0).all()
+    assert (session.history["async_generation/generator_idle"] >= 0).all()
+    assert not torch.equal(launched_at[1][1], launched_at[2][1])  # the weights moved between the launches
+
+
+def test_async_runs_are_deterministic_and_off_is_todays_run(make_session):
+    first = make_session(async_generation=True)  # each built and run before the next is built: a session draws
+    first.run(4, progress=False)                 # from the process's generators until its first call ends
+    second = make_session(async_generation=True)
+    second.run(4, progress=False)
+    pd.testing.assert_frame_equal(_comparable(first.history), _comparable(second.history))
+    _assert_same_weights(second.model, _weights(first.model))
+    plain = make_session()
+    plain.run(4, progress=False)
+    assert not any(c.startswith("async_generation/") for c in plain.history.columns)
+    assert not plain.history["reward"].equals(first.history["reward"])  # other batches at other weights
+
+
+def test_a_saved_run_resumes_with_its_prepared_batch_and_undo_and_the_doctor_leave_it_alone(make_session, tmp_path):
+    whole = make_session(async_generation=True)
+    whole.run(5, progress=False)
+    part = make_session(async_generation=True)
+    part.run(3, progress=False)
+    part.doctor()  # its probe generates a batch of its own
+    part.step()
+    part.undo()  # back to step 3, with the batch prepared then
+    part.save(tmp_path / "run")
+    loaded = GRPOSession.load(tmp_path / "run")
+    assert loaded.global_step == 3
+    loaded.run(2, progress=False)
+    pd.testing.assert_frame_equal(_comparable(loaded.history), _comparable(whole.history))
+    _assert_same_weights(loaded.model, _weights(whole.model))
+
+
+def test_settings_async_generation_cannot_run_under_are_refused(make_session, task, tmp_path):
+    with pytest.raises(ConfigError, match="async_generation and dynamic_sampling cannot be combined"):
+        make_session(async_generation=True, dynamic_sampling=True)
+
+    def rollout(prompts, trainer):
+        raise AssertionError("never called: the session is refused first")
+
+    config = task.config(**{**SMALL, "async_generation": True, "output_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="async_generation is not supported with rollout_func"):
+        GRPOSession(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset, rollout_func=rollout)
