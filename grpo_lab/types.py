@@ -80,15 +80,16 @@ class DynamicSampling:
     """Generation rounds drawn for this batch (the first included)."""
     rewards_BF: torch.Tensor
     reward_names: list[str]
-    scored_by: list[int]
-    """Which reward function objects scored them (their ids): another set is called again."""
+    scored_by: str
+    """The ``Engine.reward_funcs_token`` of the reward functions that scored them: replaced functions,
+    or another engine (a loaded run, a fork), call theirs again."""
     extras: dict[str, list]
     reward_metrics: dict[str, list[float]]
     filler_B: torch.Tensor
     """(B,) True for the completions of a dropped group taken in because the rounds ran out."""
     dropped: dict[str, list]
-    """One value per dropped completion (this process's): round, group, prompt (as text), completion, reward
-    (the decided-on value) and why ("too easy" or "too hard")."""
+    """One value per dropped completion (this process's): round, group, prompt (as text), completion,
+    value (what ``dynamic_sampling_metric`` decides on) and why ("too easy" or "too hard")."""
     metrics: dict[str, float]
     """The ``dynamic_sampling/*`` metrics of the batch, over all processes."""
 
@@ -134,9 +135,10 @@ class Rollout(_Table):
 
     dynamic_sampling: DynamicSampling | None = None
     """With ``dynamic_sampling``: how the batch was filled and what was dropped; None without."""
-    async_timing: dict[str, float] = field(default_factory=dict)
-    """With ``async_generation``: how long ``generate()`` waited for the batch, and how long the
-    generator was idle before the next launch (seconds); empty without."""
+    async_timing: dict[str, float] | None = None
+    """With ``async_generation``: how long the trainer waited for the batch, and how long the generator
+    was idle before the next launch (seconds); None without (a class-level default, so that a batch
+    pickled before this field existed loads)."""
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "environments": None}

@@ -2,12 +2,14 @@
 scoring further rounds; the dropped groups stay on the batch. Resuming after a kill and two processes:
 tests/test_generation_modes_resume.py."""
 
+from types import SimpleNamespace
+
 import pandas as pd
 import pytest
 import torch
 
 from grpo_lab import GRPOConfig, GRPOTrainer, ops
-from grpo_lab.core.dynamic_sampling import check_dynamic_sampling
+from grpo_lab.core.dynamic_sampling import check_dynamic_sampling, dropped_kind, groups_kept
 from grpo_lab.errors import ConfigError
 from grpo_lab.tasks.addition import completion_text
 from tests.conftest import SMALL
@@ -33,6 +35,29 @@ def test_groups_with_signal_are_those_whose_values_are_not_all_equal():
     assert ops.groups_with_signal(values_B, 3).tolist() == [False, True, False, True, False]
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         ops.groups_with_signal(values_B, 4)
+
+
+def test_a_dropped_group_is_too_easy_nearer_the_highest_value_drawn_and_by_the_pass_threshold_when_all_tie():
+    assert dropped_kind(1.0, highest=1.0, lowest=0.0, pass_threshold=1.0) == "too easy"
+    assert dropped_kind(0.0, highest=1.0, lowest=0.0, pass_threshold=1.0) == "too hard"
+    assert dropped_kind(0.75, highest=1.0, lowest=0.0, pass_threshold=1.0) == "too easy"
+    assert dropped_kind(0.5, highest=1.0, lowest=0.0, pass_threshold=1.0) == "too hard"  # midway: not easy
+    assert dropped_kind(1.0, highest=1.0, lowest=1.0, pass_threshold=1.0) == "too easy"  # every group solved
+    assert dropped_kind(0.5, highest=0.5, lowest=0.5, pass_threshold=1.0) == "too hard"
+
+
+def test_under_normalize_then_sum_a_group_is_kept_where_any_weighted_function_differs():
+    # two groups of two; group 0: a tied sum (1 + 0, 0 + 1) of differing functions; group 1: both tied
+    scores = SimpleNamespace(rewards_BF=torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]]),
+                             reward_names=["a", "b"])
+    sums_B = scores.rewards_BF.sum(dim=1)
+    gdpo = SimpleNamespace(num_generations=2, dynamic_sampling_metric="reward", reward_weights=None,
+                           multi_objective_aggregation="normalize_then_sum")
+    assert groups_kept(scores, sums_B, gdpo).tolist() == [True, False]
+    trl = SimpleNamespace(**{**vars(gdpo), "multi_objective_aggregation": "sum_then_normalize"})
+    assert groups_kept(scores, sums_B, trl).tolist() == [False, False]  # the sums are all that counts there
+    unweighted_b = SimpleNamespace(**{**vars(gdpo), "reward_weights": [1.0, 0.0]})
+    assert groups_kept(scores, sums_B, unweighted_b).tolist() == [True, False]  # a differs in group 0
 
 
 def test_a_filled_batch_holds_only_groups_with_a_spread_scored_once_and_keeps_the_dropped_ones(make_session):
@@ -70,7 +95,7 @@ def test_a_filled_batch_holds_only_groups_with_a_spread_scored_once_and_keeps_th
         # the dropped groups: each of one value, the reason given, counted in the metrics
         dropped = record.dropped_frame()
         assert len(dropped) % G == 0 and set(dropped["why"]) <= {"too easy", "too hard"}
-        assert all(frame["reward"].nunique() == 1 for _, frame in dropped.groupby(["round", "group"]))
+        assert all(frame["value"].nunique() == 1 for _, frame in dropped.groupby(["round", "group"]))
         drawn = record.rounds * prompts_per_round
         dropped_share = (advantages.metrics["dynamic_sampling/frac_groups_dropped_too_easy"]
                          + advantages.metrics["dynamic_sampling/frac_groups_dropped_too_hard"])
@@ -82,6 +107,16 @@ def test_a_filled_batch_holds_only_groups_with_a_spread_scored_once_and_keeps_th
         assert sampler.epoch * sampler.dataset_size + sampler.position == (
             position["epoch"] * sampler.dataset_size + position["position"] + drawn)
         session.loss(), session.update()
+
+
+def solved_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_when_every_group_is_solved_the_dropped_ones_are_too_easy(make_session):
+    row = make_session(reward_funcs=[solved_reward], dynamic_sampling=True, dynamic_sampling_max_rounds=3).step()
+    assert row["dynamic_sampling/frac_groups_dropped_too_easy"] == pytest.approx(2 / 3)
+    assert row["dynamic_sampling/frac_groups_dropped_too_hard"] == 0.0
 
 
 def test_when_the_rounds_run_out_dropped_groups_fill_the_batch_trained_on_or_masked(make_session):
@@ -159,3 +194,26 @@ def test_a_saved_filled_batch_loads_with_its_record_and_trains_on_as_it_would_ha
     assert torch.equal(record.rewards_BF, saved.rewards_BF)
     a, b = original.step(), loaded.step()
     assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
+
+
+def test_a_reward_function_failing_in_a_later_round_puts_every_round_back(make_session):
+    calls, failing = [], [True]
+
+    def parity_failing_in_round_two(completions, answer, **kwargs):
+        calls.append(len(completions))
+        if failing[0] and len(calls) in (2, 3):  # round two's call and its retry
+            raise RuntimeError("the judge is down")
+        return parity_reward(completions, answer)
+
+    whole = make_session(reward_funcs=[parity_reward], **SPREAD, doctor="off")
+    whole.step()
+    session = make_session(reward_funcs=[parity_failing_in_round_two], **SPREAD, doctor="off")
+    position = session.engine.sampler.state_dict()
+    with pytest.raises(Exception, match="the judge is down"):
+        session.generate()
+    assert session.engine.sampler.state_dict() == position and session.next_stage == "generate"
+    failing[0] = False
+    row = session.step()  # the same rounds again, from the same prompts and draws
+    expected = whole.history.iloc[0].to_dict()
+    assert {k: v for k, v in row.items() if k not in ("step_time",) and "parity" not in k} == pytest.approx(
+        {k: v for k, v in expected.items() if k not in ("step_time",) and "parity" not in k})

@@ -72,6 +72,7 @@ TWO_PROCESSES = """
 import json, sys
 import torch
 from accelerate.state import AcceleratorState, GradientState
+from transformers import TrainerCallback
 from grpo_lab import GRPOConfig, GRPOTrainer
 from grpo_lab.tasks import default_task
 from tests.test_dynamic_sampling import parity_reward
@@ -84,12 +85,17 @@ for name, mode in MODES.items():  # one launch for both: its start-up is most of
     config = GRPOConfig(output_dir=folder, max_steps=4, save_steps=2, num_generations=4, per_device_train_batch_size=4,
                         gradient_accumulation_steps=2, max_completion_length=6, learning_rate=1e-3, seed=0,
                         disable_tqdm=True, **{"temperature": 2.0, **mode})
-    trainer = GRPOTrainer(task.model, [parity_reward], args=config, train_dataset=task.train_dataset)
     batches = []
-    trainer.session.on(lambda stage, result: batches.append(
-        [len(result), sorted(set(result.columns["answer"])), result.policy_version, result.step,
-         None if result.dynamic_sampling is None else result.dynamic_sampling.rounds])
-        if stage == "generate" else None)
+
+    class Batches(TrainerCallback):  # after each step: the batch it trained on (a resume builds a new session)
+        def on_step_end(self, args, state, control, **kwargs):
+            result = trainer.session.last_trained.advantages.scores.rollout
+            batches.append([len(result), result.columns["answer"], result.policy_version, result.step,
+                            None if result.dynamic_sampling is None else result.dynamic_sampling.rounds,
+                            result.group_index_B.tolist()])
+
+    trainer = GRPOTrainer(task.model, [parity_reward], args=config, train_dataset=task.train_dataset,
+                          callbacks=[Batches()])
     trainer.train(resume_from_checkpoint=sys.argv[3] + f"/{name}/checkpoint-2" if resume else None)
     rank = trainer.accelerator.process_index
     history = trainer.session.history.drop(columns=["step_time", "async_generation/trainer_wait",
@@ -121,10 +127,15 @@ def test_two_processes_train_alike_in_both_modes_and_resume_exactly(tmp_path):
         assert runs[0]["history"] == runs[1]["history"]  # the metrics are over both processes
         history, batches = runs[0]["history"], list(zip(runs[0]["batches"], runs[1]["batches"]))
         for first, second in batches:
-            assert first[0] == second[0] == 8 and first[2:] == second[2:]  # each its share, at the same versions
+            assert first[0] == second[0] == 8 and first[2:5] == second[2:5]  # each its share, at the same versions
+            assert first[5] == [0] * 4 + [1] * 4 and second[5] == [2] * 4 + [3] * 4  # numbered over both processes
+        for rank in (0, 1):  # the resumed run trains on the batches the uninterrupted one trained at steps 3 and 4
+            resumed = json.loads((tmp_path / "resumed" / name / f"batches-{rank}.json").read_text())
+            assert resumed["batches"] == runs[rank]["batches"][2:], (name, rank)
         if name == "dynamic_sampling":
             assert history["frac_reward_zero_std"] == [0.0] * 4
             assert all(int(a) % 2 == 1 for first, second in batches for a in first[1] + second[1])
+            assert first[1] != second[1]  # each process its own prompts
         else:
             assert history["async_generation/staleness"] == [0.0, 1.0, 1.0, 1.0]
             assert [first[2] for first, _ in batches] == [0, 0, 1, 2]

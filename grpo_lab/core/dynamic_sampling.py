@@ -79,7 +79,7 @@ def fill_batch(engine, generate_round) -> Rollout:
         rollout = generate_round()
         scores = engine.score(rollout)
         values_B = decided_values(scores, config)
-        signal_N = ops.groups_with_signal(values_B, G)
+        signal_N = groups_kept(scores, values_B, config)
         rounds.append(_Round(rollout, scores, values_B, signal_N))
         for group, keep in enumerate(signal_N.tolist()):
             (kept if keep else dropped).append((len(rounds) - 1, group))
@@ -106,9 +106,27 @@ def decided_values(scores: Scores, config) -> torch.Tensor:
                                   scale_rewards="none").rewards_B
 
 
-def _rows(pairs: list[tuple[int, int]], round_index: int, G: int) -> list[int]:
-    """The completion rows of round ``round_index`` that the (round, group) ``pairs`` hold, in order."""
-    return [group * G + i for r, group in pairs if r == round_index for i in range(G)]
+def groups_kept(scores: Scores, values_B: torch.Tensor, config) -> torch.Tensor:
+    """(N,) the groups with a signal: ``values_B`` not all equal in the group; under
+    ``multi_objective_aggregation="normalize_then_sum"`` with ``"reward"``, any weighted function's
+    rewards not all equal (GDPO normalizes each function within its group, so a tied sum can still
+    leave advantages)."""
+    G = config.num_generations
+    if config.dynamic_sampling_metric != "reward" or config.multi_objective_aggregation != "normalize_then_sum":
+        return ops.groups_with_signal(values_B, G)
+    weights = weights_tensor(config.reward_weights, scores.reward_names, 0)
+    weighted = [f for f in range(len(scores.reward_names)) if weights is None or float(weights[f]) != 0.0]
+    return torch.stack([ops.groups_with_signal(scores.rewards_BF[:, f], G) for f in weighted]).any(dim=0)
+
+
+def dropped_kind(value: float, highest: float, lowest: float, pass_threshold: float) -> str:
+    """Why a group whose completions all have ``value`` was dropped, among the values drawn for the
+    batch (every process) from ``lowest`` to ``highest``: "too easy" nearer the highest, "too hard"
+    nearer the lowest (or midway); where every value drawn is the same, "too easy" when it reaches
+    ``pass_threshold`` (``eval_pass_threshold``), as the doctor's probe decides."""
+    if highest == lowest:
+        return "too easy" if value >= pass_threshold else "too hard"
+    return "too easy" if value - lowest > highest - value else "too hard"
 
 
 def _assembled(rounds: list[_Round], pairs: list[tuple[int, int]], G: int, pad_token_id: int) -> Rollout:
@@ -161,21 +179,24 @@ def _record(engine, rounds: list[_Round], dropped: list, chosen: list, filler: l
     taken = chosen + filler
     scores = [(rounds[r].scores, [group * G + i for i in range(G)]) for r, group in taken]
     first = rounds[0].scores
-    all_values = torch.cat([round_.values_B for round_ in rounds])
-    mean_value = float(torch.nanmean(dist.gather(engine.accelerator, all_values.to(engine.accelerator.device))))
-    columns = {"round": [], "group": [], "prompt": [], "completion": [], "reward": [], "why": []}
+    values_B = torch.cat([round_.values_B for round_ in rounds]).to(engine.accelerator.device)
+    drawn_values = dist.gather(engine.accelerator, values_B)
+    finite = drawn_values[~torch.isnan(drawn_values)]
+    highest, lowest = (float(finite.max()), float(finite.min())) if len(finite) else (0.0, 0.0)
+    columns = {"round": [], "group": [], "prompt": [], "completion": [], "value": [], "why": []}
     too_easy = 0
     for r, group in dropped:
         round_ = rounds[r]
         value = float(torch.nanmean(round_.values_B[group * G:(group + 1) * G]))
-        too_easy += value > mean_value
+        why = dropped_kind(value, highest, lowest, engine.config.eval_pass_threshold)
+        too_easy += why == "too easy"
         for row in range(group * G, (group + 1) * G):
             columns["round"].append(r)
             columns["group"].append(group)
             columns["prompt"].append(prompt_text(round_.rollout.prompts[row]))
             columns["completion"].append(round_.rollout.completion_texts[row])
-            columns["reward"].append(float(round_.values_B[row]))
-            columns["why"].append("too easy" if value > mean_value else "too hard")
+            columns["value"].append(float(round_.values_B[row]))
+            columns["why"].append(why)
     counts = torch.tensor([
         float(sum(len(round_.signal_N) for round_ in rounds)), float(too_easy), float(len(dropped) - too_easy),
         float(len(chosen)), float(len(filler)),
@@ -190,7 +211,7 @@ def _record(engine, rounds: list[_Round], dropped: list, chosen: list, filler: l
         rounds=len(rounds),
         rewards_BF=torch.cat([scores_.rewards_BF[rows] for scores_, rows in scores]),
         reward_names=list(first.reward_names),
-        scored_by=[id(function) for function in engine.reward_funcs],
+        scored_by=engine.reward_funcs_token,
         extras={name: [scores_.extras[name][row] for scores_, rows in scores for row in rows] for name in first.extras},
         reward_metrics=reward_metrics,
         filler_B=torch.tensor([pair in filler for pair in taken]).repeat_interleave(G),
@@ -207,11 +228,10 @@ def _record(engine, rounds: list[_Round], dropped: list, chosen: list, filler: l
 
 def reused_scores(engine, rollout: Rollout) -> Scores | None:
     """The scores ``generate()`` computed for ``rollout`` under dynamic sampling, while the engine's
-    reward functions are those that computed them; None otherwise (score it)."""
+    reward functions are those that computed them (the same ``reward_funcs_token``: not replaced
+    since, not another engine's); None otherwise (score it)."""
     record = rollout.dynamic_sampling
-    if record is None or record.scored_by != [id(function) for function in engine.reward_funcs]:
-        return None
-    if record.reward_names != list(engine.reward_names):
+    if record is None or record.scored_by != engine.reward_funcs_token:
         return None
     return Scores(rollout, record.rewards_BF.clone(), list(record.reward_names),
                   {name: list(values) for name, values in record.extras.items()},

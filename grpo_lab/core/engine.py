@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import uuid
 from collections.abc import Callable
 
 import torch
@@ -95,9 +96,9 @@ class Engine:
         self.steps_per_batch = config.num_iterations * spg // ga
         self.optimization = Optimization(optimizer, scheduler, config, self.total_steps(),
                                          owns_optimizer=given_optimizer is None)
-        self.reward_funcs, self.reward_processing_classes, self.reward_names = build.reward_functions(
+        self.set_reward_functions(*build.reward_functions(
             reward_funcs, reward_processing_classes, config, self.reward_columns(), self.accelerator.device,
-            self.environments)
+            self.environments))
         self.generation_stage.check_modes()  # dynamic sampling and generation ahead, now that the parts are built
         self.global_step = self.num_input_tokens_seen = 0
         self.trained_parameter_names: set[str] | None = None  # parameters a backward pass reaches (LossStage.loss)
@@ -112,6 +113,13 @@ class Engine:
         self.torn: str | None = None  # what a second Ctrl-C stopped midway, or None: see mark_torn
         note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
                                  main_process=self.accelerator.is_main_process)
+
+    def set_reward_functions(self, funcs: list, processing_classes: list, names: list[str]) -> None:
+        """Score with ``funcs`` (prepared, with their processing classes and names) from the next
+        ``score()``; ``reward_funcs_token`` changes with them, so that a batch dynamic sampling scored
+        with the ones before is scored again."""
+        self.reward_funcs, self.reward_processing_classes, self.reward_names = funcs, processing_classes, names
+        self.reward_funcs_token = uuid.uuid4().hex
 
     @property
     def optimizer(self):
@@ -346,7 +354,7 @@ class Engine:
         """With ``async_generation``: the batch's staleness (optimizer steps between the weights that
         generated it and those it trains), the trainer's wait and the generator's idle time, the
         times as the slowest process measured them."""
-        if not rollout.async_timing:
+        if rollout.async_timing is None:
             return {}
         times = torch.tensor([rollout.async_timing["async_generation/trainer_wait"],
                               rollout.async_timing["async_generation/generator_idle"]], device=self.accelerator.device)
@@ -396,9 +404,11 @@ class Engine:
         """Hand the policy after the latest update to the generation backend (vLLM; nothing to do for
         transformers). Called after each update and, where that hand-over failed (a server that did
         not answer), again before the next generation, which would otherwise sample a stale policy.
-        A batch in flight (``async_generation``) is waited for first: it was launched with the weights
-        before, and a server must not switch weights under it."""
+        A batch in flight (``async_generation``) is waited for first, on every process: it was launched
+        with the weights before, and a server must not switch weights under any process's request."""
         self.generation_stage.ahead.wait()
+        if self.config.async_generation and self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
         self.rollout_backend.sync_weights(self.unwrapped_model, self.global_step)
         self.published_version = self.global_step
 

@@ -43,6 +43,7 @@ class GenerationStage:
         config = engine.config
         if engine.published_version != engine.global_step:
             engine.publish_weights()
+        check_async_generation(config, engine.custom_rollout)  # dynamic_sampling is live: it may be on since
         if config.dynamic_sampling:
             sampler_state = engine.sampler.state_dict()
             try:

@@ -73,11 +73,13 @@ class _Prepared:
 
     drawn: DrawnRound
     version: int
+    sampler_before: dict  # where the sampler stood before its prompts were drawn
     call: object | None = None  # the server request (re-sent after a failure), None in-process
     future: Future | None = None
     batch: GeneratedBatch | None = None
     finished_at: float | None = None
     launched_at: float = field(default_factory=time.perf_counter)
+    waited: float = 0.0  # seconds the trainer spent waiting for it (after an update, and when it is taken)
 
 
 class Taken(NamedTuple):
@@ -86,7 +88,9 @@ class Taken(NamedTuple):
     drawn: DrawnRound
     batch: GeneratedBatch
     version: int
+    sampler_before: dict
     timing: dict[str, float]
+    launched_now: bool  # by this take() (the first batch, or after a load without one)
 
 
 class GenerationAhead:
@@ -107,45 +111,60 @@ class GenerationAhead:
     def take(self) -> Taken:
         """The prepared batch (generated now where none is: the run's first, or after a load without
         one) and the timing metrics, with the next batch launched with the current weights."""
-        engine = self.stage.engine
-        if self._prepared is None:
+        launched_now = self._prepared is None
+        if launched_now:
             self._prepared = self._launch()
-        started = time.perf_counter()
         self.wait()
-        waited = time.perf_counter() - started
         prepared, self._prepared = self._prepared, None
         try:
-            if engine.published_version != engine.global_step:
-                engine.publish_weights()  # a failed hand-over after the last update, tried again
             self._prepared = self._launch()
         except BaseException:
-            self._prepared = prepared  # taken again by the next generate()
+            self._undo_take(prepared, launched_now)
             raise
         timing = {
-            "async_generation/trainer_wait": waited,
+            "async_generation/trainer_wait": prepared.waited,
             "async_generation/generator_idle": self._prepared.launched_at - prepared.finished_at,
         }
-        return Taken(prepared.drawn, prepared.batch, prepared.version, timing)
+        return Taken(prepared.drawn, prepared.batch, prepared.version, prepared.sampler_before, timing, launched_now)
 
     def put_back(self, taken: Taken) -> None:
-        """Undo :meth:`take` after a failure further on: the taken batch is prepared again and the
-        batch launched after it dropped (its prompts are drawn again, as the caller puts the sampler back)."""
+        """Undo :meth:`take` after a failure further on (see :meth:`_undo_take`)."""
+        if self._prepared is not None:
+            self.stage.engine.sampler.load_state_dict(self._prepared.sampler_before)
         self.discard()
-        self._prepared = _Prepared(taken.drawn, taken.version, batch=taken.batch, finished_at=time.perf_counter())
+        prepared = _Prepared(taken.drawn, taken.version, taken.sampler_before, batch=taken.batch,
+                             finished_at=time.perf_counter())
+        self._undo_take(prepared, taken.launched_now)
+
+    def _undo_take(self, prepared: _Prepared, launched_now: bool) -> None:
+        """Leave things as before the failed ``generate()``, which puts the sampler and the random
+        state back as they were at its start: a batch prepared before it is prepared again; one it
+        launched itself is dropped too (its prompts and draws are undone), to be launched again."""
+        if launched_now:
+            self.stage.engine.sampler.load_state_dict(prepared.sampler_before)
+            self._prepared = None
+        else:
+            self._prepared = prepared
 
     def _launch(self) -> _Prepared:
-        """Draw the next batch's prompts and start its generation with the current weights."""
+        """Draw the next batch's prompts and start its generation with the current weights; the
+        sampler is put back if that fails."""
         stage = self.stage
         engine = stage.engine
-        drawn = stage.draw_round()
-        texts = stage.rendered(drawn.prompts)
-        prepared = _Prepared(drawn, engine.global_step)
-        request = getattr(engine.rollout_backend, "generate_later", None)
-        if request is None:  # in-process: generated here and now
-            prepared.batch = engine.rollout_backend.generate(texts, engine.config)
-            prepared.finished_at = time.perf_counter()
-            return prepared
-        prepared.call = request(texts, engine.config)  # tokens and seeds drawn here, in the trainer's thread
+        before = engine.sampler.state_dict()
+        try:
+            drawn = stage.draw_round()
+            texts = stage.rendered(drawn.prompts)
+            prepared = _Prepared(drawn, engine.global_step, before)
+            request = getattr(engine.rollout_backend, "generate_later", None)
+            if request is None:  # in-process: generated here and now
+                prepared.batch = engine.rollout_backend.generate(texts, engine.config)
+                prepared.finished_at = time.perf_counter()
+                return prepared
+            prepared.call = request(texts, engine.config)  # tokens and seeds drawn here, in the trainer's thread
+        except BaseException:
+            engine.sampler.load_state_dict(before)
+            raise
         self._submit(prepared)
         return prepared
 
@@ -161,17 +180,22 @@ class GenerationAhead:
         prepared.future = self._executor.submit(generate)
 
     def wait(self) -> None:
-        """Wait for the batch in flight, if any (a failed one is sent again first, then raises again
-        if it fails again)."""
+        """Wait for the batch in flight, if any. A failed request is sent again by the next wait (the
+        same prompts and seeds); an interrupt leaves it in flight, waited for again next time."""
         prepared = self._prepared
         if prepared is None or prepared.batch is not None:
             return
         if prepared.future is None:  # failed before: the same request again
             self._submit(prepared)
+        started = time.perf_counter()
         try:
             prepared.batch = prepared.future.result()
-        finally:
+        except Exception:
             prepared.future = None
+            raise
+        finally:
+            prepared.waited += time.perf_counter() - started
+        prepared.future = None
 
     def discard(self) -> None:
         """Drop the prepared batch (waiting for a request in flight to end first)."""
@@ -200,6 +224,7 @@ class GenerationAhead:
             "drawn": {"rows": prepared.drawn.rows, "prompts": prepared.drawn.prompts,
                       "indices": prepared.drawn.indices, "group_B": prepared.drawn.group_B},
             "version": prepared.version,
+            "sampler_before": prepared.sampler_before,
             "batch": {name: None if getattr(batch, name) is None else getattr(batch, name).detach().cpu().clone()
                       for name in _BATCH_TENSORS} | {"policy_version": batch.policy_version},
         }
@@ -212,5 +237,5 @@ class GenerationAhead:
         tensors = {name: None if state["batch"][name] is None else state["batch"][name].to(device)
                    for name in _BATCH_TENSORS}
         batch = GeneratedBatch(**tensors, policy_version=state["batch"]["policy_version"])
-        self._prepared = _Prepared(DrawnRound(**state["drawn"]), int(state["version"]), batch=batch,
-                                   finished_at=time.perf_counter())
+        self._prepared = _Prepared(DrawnRound(**state["drawn"]), int(state["version"]), state["sampler_before"],
+                                   batch=batch, finished_at=time.perf_counter())

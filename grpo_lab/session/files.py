@@ -17,6 +17,7 @@ from grpo_lab.state.checkpoint import (
     load_state,
     own_process_state,
     per_process_states,
+    safe_state,
     plain_values,
     restore_engine,
     safe_batch,
@@ -52,7 +53,14 @@ def save(session, path, *, overwrite: bool, trainer_state: str | None) -> Path:
             "(numbers, strings, lists, dicts, tensors) to keep it."
         )
         pending = (None, None, None)
-    per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending})
+    ahead, unsafe = safe_state(session.engine.generation_stage.ahead.state_dict())
+    if unsafe is not None:
+        notices.warn(
+            f"The generation batch prepared for the next step (async_generation) holds {unsafe}, which a checkpoint "
+            "does not store (loading it would mean unpickling code); the save leaves it out, and a run loaded from "
+            "it generates that batch again, with the weights of the step it resumes at."
+        )
+    per_process = gather_to_main(accelerator, {"rng": rng_state(), "pending": pending, "generation_ahead": ahead})
     gathered = (  # a sharded (FSDP) model's, optimizer's and reference's whole states, gathered by every process
         engine.layout.full_model_state(engine.model, adapter_only=engine.is_peft),
         engine.layout.full_optimizer_state(engine.model, engine.optimizer),
@@ -239,6 +247,7 @@ def _restore(session, state: dict, built: dict) -> None:
     })
     session.batch_step = extra["batch_step"]
     session.findings_record.load_state_dict(extra.get("findings"), session.record.last_step)  # absent before kept
+    session.engine.generation_stage.ahead.load_state_dict(own.get("generation_ahead"))  # absent before it existed
     if own["pending"] is None or own["pending"][0] is None:  # dropped, or saved between batches
         session.discard_batch()
         return

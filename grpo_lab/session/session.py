@@ -132,10 +132,9 @@ class GRPOSession:
         environments = self.engine.environments
         if environments is not None and isinstance(funcs, (list, tuple)):
             funcs = environments.user_reward_funcs(funcs)
-        self.engine.reward_funcs, self.engine.reward_processing_classes, self.engine.reward_names = (
-            prepare_reward_funcs(*reward_sources(funcs, None, environments), self.config.model_kwargs(),
-                                 columns=self.engine.reward_columns())
-        )
+        self.engine.set_reward_functions(*prepare_reward_funcs(
+            *reward_sources(funcs, None, environments), self.config.model_kwargs(),
+            columns=self.engine.reward_columns()))
 
     @property
     def rollout_func(self):

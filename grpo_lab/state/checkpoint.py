@@ -78,16 +78,30 @@ def safe_batch(pending: tuple):
     if scores is not None:
         scores.extras, scores.metrics = (plain_values(scores.extras, unknown=keep),
                                          plain_values(scores.metrics, unknown=keep))
+    refused = _refused_type(pending)
+    return (None, refused) if refused else (pending, None)
+
+
+def safe_state(state):
+    """Like :func:`safe_batch` for any state (the batch ``async_generation`` prepared ahead): made
+    plain, and ``(state, None)``, or ``(None, the type)`` where :func:`load_state` would refuse it."""
+    state = plain_values(state, unknown=lambda value: value)
+    refused = _refused_type(state)
+    return (None, refused) if refused else (state, None)
+
+
+def _refused_type(value) -> str | None:
+    """The type :func:`load_state` (``weights_only``) would refuse in ``value``, None where it loads."""
     buffer = io.BytesIO()
-    torch.save(pending, buffer)
+    torch.save(value, buffer)
     buffer.seek(0)
     try:
         with _batch_types():
             torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))
-        return None, found.group(1) if found else "an object of another type"
-    return pending, None
+        return found.group(1) if found else "an object of another type"
+    return None
 
 
 def _batch_types():
@@ -324,8 +338,9 @@ def own_process_state(state: dict, process_index: int, num_processes: int) -> di
     """This process's entry of :func:`per_process_states`.
 
     A checkpoint written by another number of processes cannot continue exactly: the half-finished
-    batch is dropped (``pending`` None) and a process without a saved state gets ``rng`` None (it is
-    seeded afresh).
+    batch and the one prepared ahead (``async_generation``) are dropped (``pending`` and
+    ``generation_ahead`` None) and a process without a saved state gets ``rng`` None (it is seeded
+    afresh).
     """
     saved = per_process_states(state)
     if len(saved) == num_processes:
@@ -337,7 +352,8 @@ def own_process_state(state: dict, process_index: int, num_processes: int) -> di
             "continues, but not exactly as an uninterrupted run would (random states and the sharding of prompts "
             f"differ){dropped}.",
         )
-    return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None}
+    return {"rng": saved[process_index]["rng"] if process_index < len(saved) else None, "pending": None,
+            "generation_ahead": None}
 
 
 def restore_engine(engine, state: dict, rng: dict | None) -> None:

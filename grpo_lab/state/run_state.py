@@ -123,8 +123,6 @@ def engine_counters(engine) -> dict:
         # which parameters a backward pass reaches, once known (skip_zero_advantage_backward)
         "trained_parameters": (None if engine.trained_parameter_names is None
                                else sorted(engine.trained_parameter_names)),
-        # async_generation: the batch prepared for the next generate(), waited for
-        "generation_ahead": engine.generation_stage.ahead.state_dict(),
     }
 
 
@@ -135,7 +133,6 @@ def load_engine_counters(engine, state: dict) -> None:
     engine.num_input_tokens_seen = state["num_input_tokens_seen"]
     if state["trained_parameters"] is not None:
         engine.trained_parameter_names = set(state["trained_parameters"])
-    engine.generation_stage.ahead.load_state_dict(state.get("generation_ahead"))  # absent from older states
 
 
 def _refuse_sharded(engine) -> None:
@@ -188,13 +185,15 @@ def session_records(session) -> dict:
 def session_state_dict(session, *, copy_records=copy.deepcopy, with_reference: bool = True) -> dict:
     """Copies of everything the session needs to continue exactly: the engine's state
     (:func:`engine_state_dict`), the session's random states (this process's), the half-used batch
-    (rollout, scores, advantages) and the records (copied by ``copy_records``)."""
+    (rollout, scores, advantages), the batch prepared one ``generate()`` ahead (``async_generation``;
+    waited for) and the records (copied by ``copy_records``)."""
     pending = (session.rollout, session.scores, session.advantages_result)
     return {
         "format_version": FORMAT_VERSION,
         "engine": engine_state_dict(session.engine, with_reference=with_reference),
         "rng": session.random_state(),
         "pending": on_device(pending, "cpu"),
+        "generation_ahead": session.engine.generation_stage.ahead.state_dict(),  # async_generation's next batch
         "records": copy_records(session_records(session)),
         "config": copy.deepcopy(session.config.to_dict()),
     }
@@ -216,4 +215,5 @@ def load_session_state_dict(session, state: dict) -> None:
         setattr(session.config, name, value)
     session.rollout, session.scores, session.advantages_result = on_device(
         state["pending"], session.engine.accelerator.device)
+    session.engine.generation_stage.ahead.load_state_dict(state.get("generation_ahead"))  # absent before it existed
     session.loss_result = None

@@ -270,10 +270,10 @@ _DROPPED_COLUMNS = [
     Column("group", "group", "the group's place in its round", format="{:.0f}"),
     Column("prompt", "prompt", "the group's prompt", text=True),
     Column("completion", "completion", "the completion's text", text=True),
-    Column("reward", "value", "the value dynamic_sampling_metric decides on (the same for every completion of a "
+    Column("value", "value", "the value dynamic_sampling_metric decides on (the same for every completion of a "
            "dropped group)"),
-    Column("why", "why", "too easy: above the mean value of everything drawn for the batch; too hard: at or below",
-           text=True),
+    Column("why", "why", "too easy: nearer the highest value drawn for the batch than the lowest (where all are "
+           "equal: at or above eval_pass_threshold); too hard: the others", text=True),
 ]
 
 

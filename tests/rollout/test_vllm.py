@@ -202,7 +202,9 @@ def test_one_step_off_generation_trains_each_batch_one_step_after_the_weights_th
     assert versions == [(0, 0)] + [(step - 1, step) for step in range(1, 20)]
     history = session.history
     assert history["async_generation/staleness"].tolist() == [0.0] + [1.0] * 19
-    assert ((history["async_generation/trainer_wait"] >= 0) & (history["async_generation/generator_idle"] >= 0)).all()
+    # on this machine the server's generation outlasts the rest of a step: the trainer waits for it
+    assert (history["async_generation/trainer_wait"][1:] > 0).all()
+    assert (history["async_generation/generator_idle"] >= 0).all()
     # the correction's ratios now hold the lag too: 1 where there is none (the first batch), off 1 after
     check_sampling_metrics(history, tolerance=0.3)
     drift = (history["sampling/importance_sampling_ratio/mean"] - 1).abs()
