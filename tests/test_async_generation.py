@@ -53,9 +53,8 @@ def test_each_batch_is_the_one_launched_a_generate_before_with_the_weights_of_th
 
 
 def test_async_runs_are_deterministic(make_session):
-    first = make_session(async_generation=True)  # each built and run before the next is built: a session draws
-    first.run(4, progress=False)                 # from the process's generators until its first call ends
-    second = make_session(async_generation=True)
+    first, second = make_session(async_generation=True), make_session(async_generation=True)
+    first.run(4, progress=False)
     second.run(4, progress=False)
     pd.testing.assert_frame_equal(_comparable(first.history), _comparable(second.history))
     _assert_same_weights(second.model, _weights(first.model))

@@ -80,6 +80,15 @@ def test_a_fork_without_edits_stepped_beside_its_parent_stays_bitwise_equal(make
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(parent.model.parameters(), child.model.parameters()))
 
 
+def test_sessions_built_together_draw_what_each_would_alone_whichever_runs_first(make_session):
+    alone = make_session()
+    alone.run(3, progress=False)
+    first, second = make_session(), make_session()  # both built before either draws
+    second.run(3, progress=False)
+    first.run(3, progress=False)
+    assert _history(first).equals(_history(alone)) and _history(second).equals(_history(alone))
+
+
 def test_a_fork_applies_its_edits_and_leaves_the_parent_as_it_was(make_session, tmp_path):
     parent = make_session()
     parent.run(1, progress=False)

@@ -236,7 +236,7 @@ def _restore(session, state: dict, built: dict) -> None:
     accelerator = session.engine.accelerator
     own = own_process_state(state, accelerator.process_index, accelerator.num_processes)
     restore_engine(session.engine, state, own["rng"])
-    session.own_random.adopt(own["rng"])  # its own from here: a session built before its first stage draws elsewhere
+    session.own_random.adopt(own["rng"])  # its own from here: the checkpoint's, not the one it was built with
     session.name, session.fork_point = extra.get("name"), extra.get("fork_point")  # absent before forks existed
     built_changes = [{"step": state["global_step"] + 1, "field": name, "old": old, "new": new}
                      for name, (old, new) in built.items()]

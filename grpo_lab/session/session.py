@@ -87,6 +87,8 @@ class GRPOSession:
                 optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
                 tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
             )
+            built_state = rng_state()  # the session's own from here: another session run before its first
+            # call would otherwise move the process's generators it starts from
         self.engine.rollout_owner = self
         self.config = self.engine.config
         self.record = RunRecord(self.config.to_dict())
@@ -99,7 +101,7 @@ class GRPOSession:
         self.undo_ring = UndoRing()
         self.findings_record = FindingsRecord()
         self.reward_swaps = RewardSwaps()
-        self.own_random = OwnRandomState()
+        self.own_random = OwnRandomState(built_state)
         self.name: str | None = None
         self.fork_point: int | None = None  # the parent's global step a fork started from
         self.branches: list[GRPOSession] = []

@@ -60,8 +60,8 @@ class OwnRandomState:
     generators while a call of the session runs (:meth:`drawing`) and kept when it ends, so that
     sessions in one process, a fork and its parent among them, draw what each would alone."""
 
-    def __init__(self):
-        self.kept: dict | None = None  # None until the first call ends: the process's state is the session's
+    def __init__(self, state: dict):
+        self.kept = copy.deepcopy(state)  # the process's state when the session was built (seeded by it)
         self.held = False  # a call of the session runs, with its state in the process's generators
 
     @contextlib.contextmanager
@@ -74,15 +74,14 @@ class OwnRandomState:
         with RANDOM_STATE_LOCK:  # another thread's session (arun) must not draw from it meanwhile
             self.held = True
             try:
-                if self.kept is not None:
-                    set_rng_state(self.kept)
+                set_rng_state(self.kept)
                 yield
             finally:
                 self.kept, self.held = rng_state(), False
 
     def current(self) -> dict:
-        """The session's random state: the process's while a call runs or before the first, else the kept one."""
-        return rng_state() if self.held or self.kept is None else copy.deepcopy(self.kept)
+        """The session's random state: the process's while a call runs, else the kept one."""
+        return rng_state() if self.held else copy.deepcopy(self.kept)
 
     def adopt(self, state: dict) -> None:
         """Make ``state`` the session's own from here (a loaded checkpoint's, or the one before a fork
