@@ -83,10 +83,11 @@ class OwnRandomState:
         """The session's random state: the process's while a call runs, else the kept one."""
         return rng_state() if self.held else copy.deepcopy(self.kept)
 
-    def adopt(self, state: dict) -> None:
+    def adopt(self, state: dict | None) -> None:
         """Make ``state`` the session's own from here (a loaded checkpoint's, or the one before a fork
-        was built, which drew from the process's generators)."""
-        self.kept = copy.deepcopy(state)
+        was built, which drew from the process's generators); None: the process's now (a process a
+        checkpoint kept no state for, seeded afresh)."""
+        self.kept = rng_state() if state is None else copy.deepcopy(state)
 
 
 class StepClock:
