@@ -37,7 +37,7 @@ from grpo_lab.core.generation import GenerationStage
 from grpo_lab.core.hf_trainer_types import TrainerState, set_seed
 from grpo_lab.core.loss import LossStage
 from grpo_lab.parallel.layout import layout_for
-from grpo_lab.core.metrics import generation_metrics, sampling_metrics, tool_metrics
+from grpo_lab.core.metrics import async_generation_metrics, generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.core.models import router_aux_loss_weight, routes_to_experts
 from grpo_lab.core.optimization import Optimization, optimizer_for
 from grpo_lab.core.policy_forward import TokenScores, note_compact_unsupported, score_tokens
@@ -347,20 +347,8 @@ class Engine:
             | sampling_metrics(self.accelerator, scores.rollout.sampling_stats)
             | tool_metrics(self.accelerator, scores.rollout.columns)
             | ({} if scores.rollout.dynamic_sampling is None else scores.rollout.dynamic_sampling.metrics)
-            | self._async_metrics(scores.rollout),
+            | async_generation_metrics(self.accelerator, scores.rollout, self.global_step),
         )
-
-    def _async_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """With ``async_generation``: the batch's staleness (optimizer steps between the weights that
-        generated it and those it trains), the trainer's wait and the generator's idle time, the
-        times as the slowest process measured them."""
-        if rollout.async_timing is None:
-            return {}
-        times = torch.tensor([rollout.async_timing["async_generation/trainer_wait"],
-                              rollout.async_timing["async_generation/generator_idle"]], device=self.accelerator.device)
-        wait, idle = dist.gather(self.accelerator, times[None]).amax(0).tolist()
-        return {"async_generation/staleness": float(self.global_step - rollout.policy_version),
-                "async_generation/trainer_wait": wait, "async_generation/generator_idle": idle}
 
     def loss(self, advantages: Advantages, batch_step: int = 0) -> LossResult:
         """Forward and backward passes for optimizer step ``batch_step`` of the current batch

@@ -171,3 +171,16 @@ def tool_metrics(accelerator, columns: dict[str, list]) -> dict[str, float]:
     counts_B2 = dist.gather(accelerator, counts_B2.to(accelerator.device)).cpu()
     calls, failed = counts_B2.sum(0).tolist()
     return {"tools/call_frequency": calls / len(counts_B2), "tools/failure_frequency": failed / calls if calls else 0.0}
+
+
+def async_generation_metrics(accelerator, rollout, global_step: int) -> dict[str, float]:
+    """With ``async_generation``: the batch's staleness (optimizer steps between the weights that
+    generated it and those it trains at ``global_step``), the trainer's wait for it and the
+    generator's idle time, the times as the slowest process measured them; {} without."""
+    if rollout.async_timing is None:
+        return {}
+    times = torch.tensor([rollout.async_timing["async_generation/trainer_wait"],
+                          rollout.async_timing["async_generation/generator_idle"]], device=accelerator.device)
+    wait, idle = dist.gather(accelerator, times[None]).amax(0).tolist()
+    return {"async_generation/staleness": float(global_step - rollout.policy_version),
+            "async_generation/trainer_wait": wait, "async_generation/generator_idle": idle}
