@@ -262,6 +262,40 @@ def test_the_page_shows_user_errors_on_one_screen_the_doctors_causes_first_and_n
         assert widgets == []  # the errors above are this test's own
 
 
+SIGNED_TOKENS_JS = """(root) => [...root.querySelectorAll('span.grpo-token')].map(span => {
+    const value = parseFloat((span.title.split('= ')[1] || 'NaN'));
+    return [value, getComputedStyle(span).backgroundColor];
+}).filter(([value]) => Number.isFinite(value) && value !== 0)"""
+"""Each signed token's value (from its hover text) and its background colour as the page draws it."""
+
+
+def test_both_signed_token_views_colour_made_likelier_red_under_one_legend(jupyter, chromium, workdir):
+    lab.write_notebook(workdir / "colours.ipynb", [
+        SETUP,
+        "session.step()\nsession.generate(), session.score(), session.advantages(), session.loss()\n"
+        "view = session.completions_view()\nview.quantity.value = 'advantage_x_ratio'\nview",
+        "from IPython.display import HTML\nHTML(session.what_if(loss_type=['dapo', 'grpo']).heatmap(completions=8))",
+    ])
+    with lab.new_page(chromium, height=2400) as page:
+        lab.open_notebook(page, jupyter, workdir / "colours.ipynb")
+        for index in range(3):
+            lab.run_cell(page, index)
+        legends, tokens = [], []
+        for index in (1, 2):
+            output = lab.cell(page, index).locator(".jp-OutputArea")
+            output.locator("span.grpo-token").first.wait_for(timeout=60_000)
+            legends.append(output.locator(".grpo-token-legend").first.inner_text())
+            tokens.append(output.evaluate(SIGNED_TOKENS_JS))
+        for legend in legends:  # one convention, said the same way in both
+            assert "red: made likelier, blue: made less likely" in legend, legend
+        signs = {value > 0 for drawn in tokens for value, _ in drawn}
+        assert all(tokens) and signs == {True, False}, tokens  # both views colour tokens, of both signs
+        for drawn in tokens:  # and draw them as said: positive values red, negative ones blue
+            for value, colour in drawn:
+                expected = r"rgba?\(214, 39, 40\b" if value > 0 else r"rgba?\(31, 119, 180\b"  # red, blue (any alpha)
+                assert re.match(expected, colour), (value, colour)
+
+
 def stop_from_the_dashboard(page) -> int:
     """Press the first dashboard's Stop while a run is going on; wait until the run has ended and the
     curves hold each of its steps; return the step it ended at."""
