@@ -217,3 +217,13 @@ def test_a_reward_function_failing_in_a_later_round_puts_every_round_back(make_s
     expected = whole.history.iloc[0].to_dict()
     assert {k: v for k, v in row.items() if k not in ("step_time",) and "parity" not in k} == pytest.approx(
         {k: v for k, v in expected.items() if k not in ("step_time",) and "parity" not in k})
+
+
+def test_the_doctors_probe_judges_a_batch_drawn_as_without_dynamic_sampling(make_session):
+    from grpo_lab.session.probe import run_probe
+
+    session = make_session(reward_funcs=[parity_reward], **SPREAD)
+    probe = run_probe(session.engine)
+    assert probe.advantages.scores.rollout.dynamic_sampling is None  # the prompts and rewards as they come
+    assert probe.advantages.metrics["frac_reward_zero_std"] > 0  # here: the even answers' tied groups
+    assert session.config.dynamic_sampling and session.engine.sampler.state_dict() == {"epoch": 0, "position": 0}

@@ -138,9 +138,10 @@ class GRPOFields:
         the kept groups only.""")
 
     async_generation: bool = built(False, "batch_layout", """grpo_lab only (one-step-off generation: verl's
-        one-step-off policy, TRL's AsyncGRPOTrainer with max_staleness=1): generate() returns the batch launched at
-        the previous generate(), generated with the weights of then, and launches the next with the current ones,
-        so that a batch trains one batch's optimizer steps (steps_per_batch) after the weights that generated it.
+        one-step-off policy, TRL's AsyncGRPOTrainer held to one step of staleness): generate() returns the batch
+        launched at the previous generate(), generated with the weights of then, and launches the next with the
+        current ones, so that a batch trains as many optimizer steps after the weights that generated it as one
+        batch feeds.
         With a vLLM server the next batch is generated while this one trains; in-process backends generate it at
         once (no overlap, the same staleness). With vLLM, vllm_importance_sampling_correction covers the lag (the
         old log-probs are the training weights', the sampling ones the generating weights'); an in-process

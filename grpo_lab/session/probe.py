@@ -16,6 +16,8 @@ counter, a log file) are theirs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import math
 from dataclasses import dataclass
@@ -48,8 +50,11 @@ def _grad_norm(model) -> float:
 
 def run_probe(engine) -> Probe:
     """Generate, score, compute advantages and one loss pass (the batch's first optimizer step) on
-    ``engine``, which is left as it was; the memory taken is measured over the whole."""
-    with engine.scratch(), memory.MemoryWatch(engine.accelerator.device) as watch:
+    ``engine``, which is left as it was; the memory taken is measured over the whole. The batch is
+    drawn as without ``dynamic_sampling``: the rules judge the prompts and rewards as they come (a
+    filled batch holds only the groups that passed its filter, which would hide a reward's faults)."""
+    plain = dataclasses.replace(engine.config, dynamic_sampling=False) if engine.config.dynamic_sampling else None
+    with engine.scratch(plain), memory.MemoryWatch(engine.accelerator.device) as watch:
         rollout = engine.generate()
         watch.sample()
         advantages = engine.advantages(engine.score(rollout))

@@ -70,7 +70,7 @@ class CompletionsView(View):
         self.groups.value = render.groups_html(flags)
         record = batch.rollout.dynamic_sampling
         dropped = "" if record is None else render.dropped_html(record)
-        self.overview.value = (f"<p style='margin:2px 0'>{self._counts(frame, flags)}</p>{dropped}"
+        self.overview.value = (f"<p style='margin:2px 0'>{self._counts(frame, flags, record is not None)}</p>{dropped}"
                                f"{render.token_legend(quantity, scale)}")
         rows = data.group_table(frame, self.group.value)
         tokens = {
@@ -81,12 +81,15 @@ class CompletionsView(View):
         self.table.value = render.group_html(frame, self.group.value, tokens)
 
     @staticmethod
-    def _counts(frame, flags) -> str:
-        """Completions, groups, equal-reward groups (once scored) and truncated completions."""
+    def _counts(frame, flags, scored_in_generate: bool) -> str:
+        """Completions, groups, equal-reward groups (once scored) and truncated completions;
+        ``scored_in_generate``: dynamic sampling scored the batch in ``generate()``."""
         if "std_zero" in flags:
             rewards = f"{int(flags['std_zero'].sum())} group(s) with equal rewards (no learning signal)"
         elif any(column.startswith("rewards/") for column in frame.columns):
             rewards = "rewards scored, advantages not computed yet: run session.advantages()"
+        elif scored_in_generate:
+            rewards = "rewards computed by generate() (dynamic sampling), not taken yet: run session.score()"
         else:
             rewards = "rewards not scored yet: run session.score()"
         return html.escape(

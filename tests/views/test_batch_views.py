@@ -287,5 +287,6 @@ def test_the_completions_view_shows_what_dynamic_sampling_dropped_folded_away(ma
     assert groups > 0
     assert f"dynamic sampling: {record.rounds} round(s) drawn; {groups} group(s) dropped for equal values" in shown
     assert "<details class='grpo-dropped-groups'>" in shown and "filled in" not in shown
+    assert "rewards computed by generate() (dynamic sampling), not taken yet: run session.score()" in shown
     first = record.dropped_frame().iloc[0]
     assert f"title='{html.escape(first['completion'], quote=True)}'" in shown and f">{first['why']}<" in shown
