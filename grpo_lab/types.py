@@ -135,6 +135,11 @@ class Rollout(_Table):
 
     dynamic_sampling: DynamicSampling | None = None
     """With ``dynamic_sampling``: how the batch was filled and what was dropped; None without."""
+    image_inputs_B: list | None = None
+    """For a vision-language model: each completion's prompt's processor outputs besides its token ids
+    (:class:`grpo_lab.rollout.vision.ImageInputs`: pixel values and the like), which every log-prob
+    pass gives the model again; None for text (a class-level default, so that a batch pickled before
+    this field existed loads)."""
     async_timing: dict[str, float] | None = None
     """With ``async_generation``: how long the trainer waited for the batch, and how long the generator
     was idle before the next launch (seconds); None without (a class-level default, so that a batch

@@ -182,3 +182,21 @@ def test_trls_own_grpo_script_runs_with_the_import_changed(task, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2] and "rewards/correctness_reward/mean" in rows[0]
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_the_vlm_lora_script_runs_with_the_import_changed(family, tmp_path):
+    """TRL's grpo_vlm.py manner (an image column, the processor, LoRA) on a tiny random VLM saved with
+    its processor: grpo_lab and TRL 1.16 log the same keys, and grpo_lab saves the adapter and the processor."""
+    from grpo_lab.tasks.tiny_vlm import tiny_vlm
+
+    model, processor = tiny_vlm(family)
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    script = SCRIPTS / "vlm_lora.py"
+    ours = _run(script, tmp_path / "ours", "--model", str(tmp_path / "vlm"))
+    theirs = _run(script, tmp_path / "trl", "--model", str(tmp_path / "vlm"), trl=True)
+    _compare_keys(ours, theirs)
+    assert all(math.isfinite(row["loss"]) for row in ours if "loss" in row)
+    assert (tmp_path / "ours" / "adapter_config.json").exists()
+    assert (tmp_path / "ours" / "processor_config.json").exists()

@@ -44,6 +44,7 @@ from grpo_lab.rollout.environments import (
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens
 from grpo_lab.rollout.tools import ToolCalling, check_tools
+from grpo_lab.rollout.vision import check_image_training, is_vision_processor
 from grpo_lab.core.sampler import PromptSampler
 from grpo_lab.core.stream_sampler import StreamSampler, first_row, is_stream
 
@@ -116,6 +117,11 @@ def named_eval_dataset(eval_dataset):
     return None if eval_dataset is None else kept(eval_dataset)
 
 
+def named_datasets(train_dataset, eval_dataset) -> list[tuple[str, object]]:
+    """``(name, dataset)`` of the train dataset and each eval set, named as errors name them."""
+    return [("train_dataset", train_dataset)] + [(eval_set_label(n), d) for n, d in eval_sets(eval_dataset).items()]
+
+
 def eval_set_label(name: str | None) -> str:
     return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
 
@@ -168,8 +174,10 @@ def start_accelerator(config: GRPOConfig):
 
 
 def tokenizer_for(model, processing_class, config: GRPOConfig):
-    """``(tokenizer, name)``: the prepared tokenizer (``processing_class``, a tokenizer or its path, or
-    the model's own), and the model's path or hub id (None for a model object without one)."""
+    """``(tokenizer, processor, name)``: the prepared tokenizer (``processing_class``, a tokenizer or
+    its path, or the model's own; a vision-language model's processor's tokenizer), the processor
+    where it takes images (else None), and the model's path or hub id (None for a model object
+    without one)."""
     if isinstance(model, (str, os.PathLike)):
         name = str(model)
         # before its tokenizer is read from it: a directory that holds no model fails there without saying why
@@ -183,14 +191,24 @@ def tokenizer_for(model, processing_class, config: GRPOConfig):
         processing_class = load_tokenizer(name, trust_remote_code=remote_code)
     elif isinstance(processing_class, (str, os.PathLike)):  # a tokenizer's directory or hub id
         processing_class = load_tokenizer(str(processing_class), trust_remote_code=remote_code)
-    return prepare_tokenizer(processing_class), name
+    if is_vision_processor(processing_class):
+        return prepare_tokenizer(processing_class.tokenizer), processing_class, name
+    return prepare_tokenizer(processing_class), None, name
 
 
-def load_policy(model, config: GRPOConfig, tokenizer, quantization_config=None):
+def load_policy(model, config: GRPOConfig, processing_class, quantization_config, train_dataset, eval_dataset,
+                generation: tuple):
     """The model to train (loaded where ``model`` is a path, ``quantization_config`` merged in as TRL
-    does), refused where the tokenizer has ids it has no embeddings for."""
-    kwargs = with_quantization(model, config.model_kwargs(), quantization_config)
-    policy = load_causal_lm(model, kwargs)
+    does), refused where the datasets' images cannot go to it or the generation settings
+    (``generation``: the rollout function, tools and environment factory given) cannot take them
+    (:func:`grpo_lab.rollout.vision.check_image_training`), or where the tokenizer (``processing_class``'s)
+    has ids it has no embeddings for."""
+    policy = load_causal_lm(model, with_quantization(model, config.model_kwargs(), quantization_config))
+    datasets = [(name, dataset, dataset is not None and not is_stream(dataset) and len(dataset) <= PROMPT_CHECK_ROWS)
+                for name, dataset in named_datasets(train_dataset, eval_dataset)]
+    custom = dict(zip(("rollout_func", "tools", "environment_factory"), generation, strict=True))
+    check_image_training(processing_class, policy, config, datasets, custom)
+    tokenizer = processing_class.tokenizer if is_vision_processor(processing_class) else processing_class
     embeddings = policy.get_input_embeddings()
     if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
         raise ValueError(
@@ -211,8 +229,7 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
     rollout function or tools (``custom_rollout``) the completion's length is not known up front."""
     context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
     prompt_tokens = prompt_tokens_source = None
-    named = [("train_dataset", train_dataset)] + [(eval_set_label(n), d) for n, d in eval_sets(eval_dataset).items()]
-    for dataset_name, dataset in named:
+    for dataset_name, dataset in named_datasets(train_dataset, eval_dataset):
         if dataset is not None and not is_stream(dataset) and len(dataset) <= PROMPT_CHECK_ROWS:
             tokens = dataset_prompt_tokens(dataset, tokenizer, config.chat_template_kwargs, dataset_name)
             check_prompt_room(

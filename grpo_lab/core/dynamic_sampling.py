@@ -152,6 +152,7 @@ def _assembled(rounds: list[_Round], pairs: list[tuple[int, int]], G: int, pad_t
     first = parts[0][0]
     columns = {name: listed(lambda rollout, name=name: rollout.columns[name]) for name in first.columns}
     environments = None if first.environments is None else listed(lambda rollout: rollout.environments)
+    image_inputs = None if first.image_inputs_B is None else listed(lambda rollout: rollout.image_inputs_B)
     return Rollout(
         prompts=listed(lambda rollout: rollout.prompts),
         completions=listed(lambda rollout: rollout.completions),
@@ -169,6 +170,7 @@ def _assembled(rounds: list[_Round], pairs: list[tuple[int, int]], G: int, pad_t
         env_mask_BT=stacked("env_mask_BT", width_T, 0, False),
         extra_keys=first.extra_keys,
         environments=environments,
+        image_inputs_B=image_inputs,
     )
 
 

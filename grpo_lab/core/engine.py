@@ -40,9 +40,11 @@ from grpo_lab.parallel.layout import layout_for
 from grpo_lab.core.metrics import async_generation_metrics, generation_metrics, sampling_metrics, tool_metrics
 from grpo_lab.core.models import router_aux_loss_weight, routes_to_experts
 from grpo_lab.core.optimization import Optimization, optimizer_for
-from grpo_lab.core.policy_forward import TokenScores, note_compact_unsupported, score_tokens
+from grpo_lab.core.policy_forward import TokenScores, note_speed_paths, score_tokens
 from grpo_lab.rewards import check_reward_signatures, score_completions
 from grpo_lab.rewards.preparation import weights_tensor
+from grpo_lab.rollout import vision
+from grpo_lab.rollout.hf import floating_dtype
 from grpo_lab.state.run_state import engine_counters, load_engine_counters, rng_state, set_rng_state
 from grpo_lab.types import Advantages, LossResult, Rollout, Scores
 from grpo_lab.core.stream_sampler import first_row
@@ -65,8 +67,9 @@ class Engine:
         self.batching = config.resolve(self.accelerator.num_processes)
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
-        self.tokenizer, name = build.tokenizer_for(model, processing_class, config)
-        policy = build.load_policy(model, config, self.tokenizer, quantization_config)
+        self.tokenizer, self.processor, name = build.tokenizer_for(model, processing_class, config)
+        policy = build.load_policy(model, config, self.processing_class, quantization_config, train_dataset,
+                                   eval_dataset, (rollout_func, tools, environment_factory))
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
         context, prompt_tokens, counted_dataset = build.check_prompts(
             policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,
@@ -111,8 +114,8 @@ class Engine:
         self.published_version = 0  # a backend starts from the policy it is built with
         self.step_events: Callable[[str], None] | None = None  # see step_event
         self.torn: str | None = None  # what a second Ctrl-C stopped midway, or None: see mark_torn
-        note_compact_unsupported(self.unwrapped_model, self.speed_paths, compact_forward=config.compact_forward,
-                                 main_process=self.accelerator.is_main_process)
+        note_speed_paths(self.unwrapped_model, self.speed_paths, config, images=self.processor is not None,
+                               main_process=self.accelerator.is_main_process)
 
     def set_reward_functions(self, funcs: list, processing_classes: list, names: list[str]) -> None:
         """Score with ``funcs`` (prepared, with their processing classes and names) from the next
@@ -120,6 +123,12 @@ class Engine:
         with the ones before is scored again."""
         self.reward_funcs, self.reward_processing_classes, self.reward_names = funcs, processing_classes, names
         self.reward_funcs_token = uuid.uuid4().hex
+
+    @property
+    def processing_class(self):
+        """What the run renders prompts with, and what a checkpoint saves beside the model: a
+        vision-language model's processor, else the tokenizer."""
+        return self.tokenizer if self.processor is None else self.processor
 
     @property
     def optimizer(self):
@@ -231,14 +240,21 @@ class Engine:
         training pass's).
         """
         config = self.config
+        prompt_mask_BP = rollout.prompt_mask_BP[index_B]
+        model_inputs = None
+        if rollout.image_inputs_B is not None:
+            model_inputs = vision.model_inputs(
+                [rollout.image_inputs_B[i] for i in index_B.tolist()], prompt_mask_BP.to(self.accelerator.device),
+                rollout.completion_ids_BT.shape[1], dtype=floating_dtype(self.unwrapped_model),
+            )
         scores = score_tokens(
-            model, rollout.prompt_ids_BP[index_B], rollout.prompt_mask_BP[index_B], rollout.completion_ids_BT[index_B],
+            model, rollout.prompt_ids_BP[index_B], prompt_mask_BP, rollout.completion_ids_BT[index_B],
             rollout.completion_mask_BT[index_B], speed_paths=self.speed_paths, compact_forward=config.compact_forward,
             share_prompt_prefix=not router_aux_loss and config.share_prompt_prefix and (
                 model is not self.model or self.router_aux_loss_weight() == 0.0
             ),
             temperature=config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-            router_aux_loss=router_aux_loss,
+            router_aux_loss=router_aux_loss, model_inputs=model_inputs,
         )
         if router_aux_loss and not isinstance(scores.aux_loss, torch.Tensor):
             raise ValueError(

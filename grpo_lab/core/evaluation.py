@@ -119,7 +119,7 @@ class EvaluationStage:
         reset with them first, and the rollout keeps them for the reward functions."""
         engine = self.engine
         prompts, environments = engine.generation_stage.start_rows(rows, indices, eval_set=label)
-        batch, env_mask_BT, extra, completions = engine.generation_stage.generate_batch(prompts, list(rows))
+        batch, env_mask_BT, extra, completions = engine.generation_stage.generate_batch(prompts, rows)
         rows.update(extra)
         texts = engine.tokenizer.batch_decode(batch.completion_ids_BT, skip_special_tokens=True)
         return Rollout(
@@ -128,7 +128,7 @@ class EvaluationStage:
             prompt_mask_BP=batch.prompt_mask_BP, completion_ids_BT=batch.completion_ids_BT,
             completion_mask_BT=batch.completion_mask_BT, is_truncated_B=batch.is_truncated_B,
             group_index_B=torch.arange(len(prompts)) // repeats, step=engine.global_step, env_mask_BT=env_mask_BT,
-            extra_keys=tuple(extra), environments=environments,
+            extra_keys=tuple(extra), environments=environments, image_inputs_B=batch.image_inputs_B,
         )
 
     def _eval_reward_weights(self) -> torch.Tensor | None:

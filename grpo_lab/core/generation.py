@@ -13,6 +13,7 @@ from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
 from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts, render_prompts, wrap_completions
+from grpo_lab.rollout.vision import image_column, processed_prompts, row_images
 from grpo_lab.core.stream_sampler import StreamSampler
 from grpo_lab.types import Rollout
 
@@ -73,7 +74,7 @@ class GenerationStage:
         sampler_state = engine.sampler.state_dict()
         try:
             drawn = self.draw_round()
-            return self.finished_round(drawn, self.generate_batch(drawn.prompts, list(drawn.rows)))
+            return self.finished_round(drawn, self.generate_batch(drawn.prompts, drawn.rows))
         except BaseException:
             engine.sampler.load_state_dict(sampler_state)
             raise
@@ -123,6 +124,7 @@ class GenerationStage:
             env_mask_BT=env_mask_BT,
             extra_keys=tuple(extra),
             environments=drawn.environments,
+            image_inputs_B=batch.image_inputs_B,
         )
 
     def prepared_rollout(self) -> Rollout:
@@ -216,13 +218,25 @@ class GenerationStage:
         )
         return prompts, environments
 
-    def generate_batch(self, prompts: list, columns: list[str]) -> CustomBatch:
+    def backend_generate(self, prompts: list, rows: dict[str, list]):
+        """The backend's completions of ``prompts``: their texts (chat messages through the chat
+        template), or for a vision-language model their token ids and image inputs, from the images
+        of ``rows`` (:func:`grpo_lab.rollout.vision.processed_prompts`)."""
+        engine = self.engine
+        if engine.processor is None:
+            return engine.rollout_backend.generate(self.rendered(prompts), engine.config)
+        images = row_images(rows, image_column(rows), len(prompts))
+        ids, image_inputs = processed_prompts(engine.processor, prompts, images, engine.config.chat_template_kwargs)
+        return engine.rollout_backend.generate(ids, engine.config, image_inputs=image_inputs)
+
+    def generate_batch(self, prompts: list, rows: dict[str, list]) -> CustomBatch:
         """The completions of ``prompts`` (one per completion, after any environment's ``reset()``):
         from the rollout function or the tool loop when there is one, else from the generation
-        backend. ``columns``: the names the rollout function's extra keys may not take."""
+        backend. ``rows``: their dataset columns (the images of a vision-language model's rows; the
+        names the rollout function's extra keys may not take)."""
         engine = self.engine
         if engine.custom_rollout is None:
-            return CustomBatch(engine.rollout_backend.generate(self.rendered(prompts), engine.config), None, {}, None)
+            return CustomBatch(self.backend_generate(prompts, rows), None, {}, None)
         if self._in_rollout:
             raise RuntimeError(
                 "generate() (or step(), evaluate()) was called from inside the rollout function: sample its "
@@ -234,7 +248,7 @@ class GenerationStage:
                 engine.custom_rollout, prompts, engine.rollout_owner, pad_token_id=engine.tokenizer.pad_token_id,
                 eos_token_ids=eos_token_ids(engine.tokenizer, engine.unwrapped_model), vocab_size=engine.vocab_size(),
                 context=getattr(engine.unwrapped_model.config, "max_position_embeddings", None),
-                reserved={"prompt", *CALL_KEYWORDS, *columns}, device=engine.accelerator.device,
+                reserved={"prompt", *CALL_KEYWORDS, *rows}, device=engine.accelerator.device,
             )
         finally:
             self._in_rollout = False

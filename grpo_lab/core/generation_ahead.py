@@ -154,14 +154,14 @@ class GenerationAhead:
         before = engine.sampler.state_dict()
         try:
             drawn = stage.draw_round()
-            texts = stage.rendered(drawn.prompts)
             prepared = _Prepared(drawn, engine.global_step, before)
             request = getattr(engine.rollout_backend, "generate_later", None)
             if request is None:  # in-process: generated here and now
-                prepared.batch = engine.rollout_backend.generate(texts, engine.config)
+                prepared.batch = stage.backend_generate(drawn.prompts, drawn.rows)
                 prepared.finished_at = time.perf_counter()
                 return prepared
-            prepared.call = request(texts, engine.config)  # tokens and seeds drawn here, in the trainer's thread
+            # tokens and seeds drawn here, in the trainer's thread
+            prepared.call = request(stage.rendered(drawn.prompts), engine.config)
         except BaseException:
             engine.sampler.load_state_dict(before)
             raise

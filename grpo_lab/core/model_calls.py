@@ -17,19 +17,36 @@ def position_ids(attention_mask_BL: torch.Tensor) -> torch.Tensor:
 
 def full_forward(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, **kwargs):
     """The model's output for one pass over ``[prompt, completion]``, its logits kept at the
-    completion's positions and the one before (``kwargs`` go to the model)."""
+    completion's positions and the one before (``kwargs`` go to the model: a vision-language model's
+    image inputs among them)."""
     input_ids = torch.cat([prompt_ids_BP, completion_ids_BT], dim=1)
     attention_mask = torch.cat([prompt_mask_BP, completion_mask_BT], dim=1)
+    positions = {} if derives_positions(model) else {"position_ids": position_ids(attention_mask)}
     return model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-        logits_to_keep=completion_ids_BT.shape[1] + 1, use_cache=False, **kwargs,
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_ids_BT.shape[1] + 1,
+        use_cache=False, **positions, **kwargs,
     )
 
 
-def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT) -> torch.Tensor:
-    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``."""
+def full_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT,
+                model_inputs: dict | None = None) -> torch.Tensor:
+    """(B, T, V) logits predicting each completion token, from one pass over ``[prompt, completion]``
+    (with a vision-language model's ``model_inputs``)."""
     args = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
-    return full_forward(*args, **without_router_loss(model)).logits[:, :-1, :]
+    return full_forward(*args, **without_router_loss(model), **(model_inputs or {})).logits[:, :-1, :]
+
+
+def derives_positions(model) -> bool:
+    """Whether the model derives its token positions from the images' layout itself (multimodal rotary
+    positions, as Qwen2-VL's family does, from the attention mask and the image grids): it is given
+    no 1-D positions, which would override them."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(text_config, name, None)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            return True
+    return False
 
 
 def without_router_loss(model) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from grpo_lab import notices
@@ -106,10 +106,22 @@ def safetensors_damage(file: Path) -> str | None:
 
 
 def load_tokenizer(name_or_path: str, **kwargs):
-    """The tokenizer for ``name_or_path``, padding on the left, with a pad token."""
+    """The tokenizer for ``name_or_path``, padding on the left, with a pad token; for a vision-language
+    model's directory (one with a processor's settings), its processor, whose tokenizer is prepared."""
     check_model_reference(name_or_path, model=False)
+    if any(os.path.isfile(os.path.join(name_or_path, file)) for file in PROCESSOR_FILES):
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
+        if getattr(processor, "image_processor", None) is not None:
+            prepare_tokenizer(processor.tokenizer)
+            return processor
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     return prepare_tokenizer(tokenizer)
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+"""Files a processor's ``save_pretrained`` writes beside the tokenizer's."""
 
 
 def prepare_tokenizer(tokenizer):
@@ -144,8 +156,9 @@ def with_quantization(model, model_init_kwargs: dict, quantization_config) -> di
 
 
 def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedModel:
-    """A causal LM from a path / hub id (with ``model_init_kwargs``) or the model itself (a
-    ``PreTrainedModel``, or a PEFT model wrapping one)."""
+    """A causal LM from a path / hub id (with ``model_init_kwargs``; a vision-language model through
+    ``AutoModelForImageTextToText``) or the model itself (a ``PreTrainedModel``, or a PEFT model
+    wrapping one)."""
     from peft import PeftModel
 
     if isinstance(model, (PreTrainedModel, PeftModel)):
@@ -156,7 +169,14 @@ def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedMo
         )
     name = str(model)
     check_model_reference(name, subfolder=(model_init_kwargs or {}).get("subfolder"))
-    return AutoModelForCausalLM.from_pretrained(name, **(model_init_kwargs or {}))
+    kwargs = model_init_kwargs or {}
+    reading = {key: kwargs[key] for key in ("trust_remote_code", "subfolder") if key in kwargs}
+    config = AutoConfig.from_pretrained(name, **reading)
+    if getattr(config, "vision_config", None) is not None:  # a vision-language model, loaded as TRL loads one
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
 
 
 class Float32Head(torch.nn.Linear):

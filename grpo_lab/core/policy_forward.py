@@ -70,13 +70,16 @@ def pick_path(model, completion_mask_BT, speed_paths: SpeedPaths, *, share_promp
 
 def completion_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *,
                       speed_paths: SpeedPaths, share_prompt_prefix: bool, compact_forward: bool,
-                      router_aux_loss: bool = False):
+                      router_aux_loss: bool = False, model_inputs: dict | None = None):
     """``(logits, slots_N, aux_loss)`` from the path ``pick_path`` picks: ``(logits_BTV, None, ...)``,
     or on the compact path ``(logits_NV, slots_N, None)``, the logits of the N completion tokens the
     mask keeps and their flat index into the (B, T) positions (``unpack`` spreads per-token values
     back). The paths' logits agree up to float rounding. ``aux_loss`` is the model's load-balancing
-    loss with ``router_aux_loss`` (router logits on), else None."""
+    loss with ``router_aux_loss`` (router logits on), else None. A vision-language model's image
+    inputs (``model_inputs``) keep the pass on the plain path, the one that takes them."""
     rows = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
+    if model_inputs:
+        share_prompt_prefix = False
     while True:
         path = pick_path(model, completion_mask_BT, speed_paths, share_prompt_prefix=share_prompt_prefix,
                          compact_forward=compact_forward, router_aux_loss=router_aux_loss)
@@ -93,25 +96,28 @@ def completion_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, c
             return logits_BTV, None, None
         break  # the model's cache cannot be shared (PrefixSharing warned, and keeps the model on the plain pass)
     if router_aux_loss:
-        output = full_forward(*rows, output_router_logits=True)
+        output = full_forward(*rows, output_router_logits=True, **(model_inputs or {}))
         return output.logits[:, :-1, :], None, getattr(output, "aux_loss", None)
-    return full_logits(*rows), None, None
+    return full_logits(*rows, model_inputs), None, None
 
 
 def score_tokens(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, *,
                  speed_paths: SpeedPaths, share_prompt_prefix: bool, compact_forward: bool, temperature: float,
-                 with_entropy: bool, entropy_grad: bool = False, router_aux_loss: bool = False) -> TokenScores:
+                 with_entropy: bool, entropy_grad: bool = False, router_aux_loss: bool = False,
+                 model_inputs: dict | None = None) -> TokenScores:
     """Per-token log-probs (and entropies, and with ``router_aux_loss`` a mixture-of-experts model's
     load-balancing loss) of the completions under ``model``, from the path ``pick_path`` picks.
 
     Logits are divided by the sampling ``temperature`` first, so the log-probs are those of the
     distribution the completions were sampled from (as TRL does). On the compact path only the kept
     tokens are scored, and the (B, T) results hold zeros after each completion's end. Entropies
-    carry their gradient only with ``entropy_grad`` (for the entropy bonus).
+    carry their gradient only with ``entropy_grad`` (for the entropy bonus). ``model_inputs``: a
+    vision-language model's image inputs for these rows.
     """
     logits, slots_N, aux_loss = completion_logits(
         model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, speed_paths=speed_paths,
         share_prompt_prefix=share_prompt_prefix, compact_forward=compact_forward, router_aux_loss=router_aux_loss,
+        model_inputs=model_inputs,
     )
     if slots_N is not None:  # the kept tokens only, as one row
         logits, token_ids = logits.unsqueeze(0), completion_ids_BT.flatten().index_select(0, slots_N).unsqueeze(0)
@@ -138,4 +144,20 @@ def note_compact_unsupported(model, speed_paths: SpeedPaths, *, compact_forward:
         notices.warn(
             f"compact_forward is on, but grpo_lab's compact forward pass cannot run this model, so transformers' "
             f"slower forward pass runs instead: {reason}. Set compact_forward=False to silence this note."
+        )
+
+
+def note_speed_paths(policy, speed_paths: SpeedPaths, config, *, images: bool, main_process: bool) -> None:
+    """Tell (main process) of a speed path that is on but cannot run the policy: the compact pass for
+    a model it does not know (``note_compact_unsupported``); for a vision-language model (``images``),
+    logged once, that its passes take transformers' paths, as the speed paths do not take images."""
+    if not images:
+        note_compact_unsupported(policy, speed_paths, compact_forward=config.compact_forward, main_process=main_process)
+        return
+    settings = [name for name in ("compact_forward", "share_prompt_prefix") if getattr(config, name)]
+    if settings and main_process:
+        notices.log_warning(
+            f"{' and '.join(settings)} {'are' if len(settings) > 1 else 'is'} on, but grpo_lab's speed paths do not "
+            "take a vision-language model's images: generation runs model.generate and the log-prob passes "
+            "transformers' forward, as TRL's do."
         )

@@ -25,6 +25,9 @@ class GeneratedBatch:
     is_truncated_B: torch.Tensor
     sampling_logprobs_BT: torch.Tensor | None = None
     policy_version: int | None = None
+    image_inputs_B: list | None = None
+    """For a vision-language model: each prompt's image inputs
+    (:class:`grpo_lab.rollout.vision.ImageInputs`); None for text."""
 
 
 def padded_to_multiple(batch: GeneratedBatch, env_mask_BT: torch.Tensor | None, multiple: int | None, *,
@@ -44,6 +47,7 @@ def padded_to_multiple(batch: GeneratedBatch, env_mask_BT: torch.Tensor | None, 
         pad(batch.prompt_ids_BP, pad_token_id, True), pad(batch.prompt_mask_BP, 0, True),
         pad(batch.completion_ids_BT, pad_token_id, False), pad(batch.completion_mask_BT, 0, False),
         batch.is_truncated_B, pad(batch.sampling_logprobs_BT, 0.0, False), batch.policy_version,
+        batch.image_inputs_B,
     )
     return padded, pad(env_mask_BT, 0, False)
 

@@ -19,6 +19,7 @@ from grpo_lab.parallel.layout import layout_for
 from grpo_lab.core.models import CACHE
 from grpo_lab.ops.masks import completion_mask_from_ids
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists
+from grpo_lab.rollout import vision
 from grpo_lab.rollout.prompt_tokens import tokenize_prompts
 
 
@@ -114,14 +115,16 @@ def _shared_prompt_cache(model, prompt_ids_BP, prompt_mask_BP, generation_config
 
 
 def _model_generate(model, tokenizer, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing,
-                    speed_paths: SpeedPaths) -> torch.Tensor:
+                    speed_paths: SpeedPaths, model_inputs: dict | None = None) -> torch.Tensor:
     """(B, T) completion tokens from ``model.generate``, continuing a shared prompt cache where it can;
-    the tokenizer goes along where ``stop_strings`` needs it to match text."""
+    the tokenizer goes along where ``stop_strings`` needs it to match text. ``model_inputs``: a
+    vision-language model's image inputs."""
     cache = _shared_prompt_cache(model, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths)
     sequences = model.generate(
         input_ids=prompt_ids_BP, attention_mask=prompt_mask_BP, generation_config=generation_config,
         **({} if cache is None else {CACHE: cache}),
         **({"tokenizer": tokenizer} if generation_config.stop_strings else {}),
+        **(model_inputs or {}),
     )
     return sequences[:, prompt_ids_BP.shape[1]:]
 
@@ -150,9 +153,13 @@ def _loop_sample(model, prompt_ids_BP, prompt_mask_BP, generation_config, *, sha
 def generate(
     model, tokenizer, prompts: list[str] | list[list[int]], generation_config: GenerationConfig,
     prefix_sharing=None, *, compact: bool = False, on_fallback: Callable[[Any, str], None] | None = None,
-    pad_to_multiple_of: int | None = None, speed_paths: SpeedPaths | None = None,
+    pad_to_multiple_of: int | None = None, speed_paths: SpeedPaths | None = None, image_inputs: list | None = None,
 ) -> GeneratedBatch:
     """Sample one completion per prompt, a text or token ids (repeat a prompt to get several).
+
+    ``image_inputs``: for a vision-language model, each prompt's (token ids) image inputs
+    (:class:`grpo_lab.rollout.vision.ImageInputs`), given to ``model.generate``; the speed paths
+    (``compact``, ``prefix_sharing``) do not take images and are not used then.
 
     With ``compact``, grpo_lab's own loop samples (``accel.decoding``) where the model and settings
     allow it, else ``model.generate``, after a call of ``on_fallback(model, reason)``. With
@@ -165,6 +172,10 @@ def generate(
     device = next(model.parameters()).device
     prompt_ids_BP, prompt_mask_BP = tokenize_prompts(tokenizer, prompts, device, pad_to_multiple_of)
     check_context_fits(model, int(prompt_mask_BP.sum(1).max()), generation_config.max_new_tokens)
+    model_inputs = None
+    if image_inputs is not None:
+        model_inputs = vision.model_inputs(image_inputs, prompt_mask_BP, dtype=floating_dtype(model))
+        compact, prefix_sharing = False, None
     was_training = model.training
     model.eval()
     try:
@@ -174,7 +185,8 @@ def generate(
         )
         if completion_ids_BT is None:
             completion_ids_BT = _model_generate(
-                model, tokenizer, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths
+                model, tokenizer, prompt_ids_BP, prompt_mask_BP, generation_config, prefix_sharing, speed_paths,
+                model_inputs,
             )
     finally:
         model.train(was_training)
@@ -183,7 +195,14 @@ def generate(
     )
     # After the first EOS, generate() appends whatever it pads with; make those positions pad tokens.
     completion_ids_BT = completion_ids_BT.masked_fill(completion_mask_BT == 0, tokenizer.pad_token_id)
-    return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, is_truncated_B)
+    return GeneratedBatch(prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT, is_truncated_B,
+                          image_inputs_B=image_inputs)
+
+
+def floating_dtype(model) -> torch.dtype | None:
+    """The dtype of ``model``'s floating-point weights (what its image inputs are cast to), or None."""
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 @torch.no_grad()
@@ -219,6 +238,15 @@ def generate_continuous(model, tokenizer, prompts: list[str] | list[list[int]], 
     )
 
 
+def check_takes_images(config) -> None:
+    """Refuse generation settings that cannot take a vision-language model's images."""
+    if config.use_transformers_continuous_batching:
+        raise ValueError(
+            "use_transformers_continuous_batching does not take images (as in TRL): its engine schedules token ids "
+            "alone. Set use_transformers_continuous_batching=False to train a vision-language model."
+        )
+
+
 def check_unsharded(accelerator) -> None:
     """Refuse continuous batching over parameters that FSDP or ZeRO-3 shard: its engine runs the model
     on a thread of its own, outside the collectives that gather them."""
@@ -239,13 +267,22 @@ class TransformersBackend:
         self.speed_paths = SpeedPaths() if speed_paths is None else speed_paths
         self._noted: set[str] = set()
 
-    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
+    def generate(self, prompts: list[str] | list[list[int]], config,
+                 image_inputs: list | None = None) -> GeneratedBatch:
+        """One completion per prompt (texts, or token ids with a vision-language model's
+        ``image_inputs``), sampled with ``config``'s settings."""
         check_cache_device(config.cache_implementation, self.accelerator.device)  # it may change between steps
+        generation_kwargs = config.generation_kwargs
+        if image_inputs is not None:
+            check_takes_images(config)
+            image_token = vision.image_token_id(self._model_fn())
+            if image_token is not None:  # as TRL: a sampled image token would not match the image features
+                generation_kwargs = {"suppress_tokens": [image_token], **(generation_kwargs or {})}
         settings = sampling_config(
             self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
             repetition_penalty=config.repetition_penalty, cache_implementation=config.cache_implementation,
-            generation_kwargs=config.generation_kwargs,
+            generation_kwargs=generation_kwargs,
         )
         if config.use_transformers_continuous_batching:  # its engine samples on a thread of its own
             check_unsharded(self.accelerator)
@@ -256,7 +293,7 @@ class TransformersBackend:
                 self._model_fn(), self.tokenizer, prompts, settings,
                 self.speed_paths.prefix_sharing() if config.share_prompt_prefix else None,
                 compact=config.compact_forward, on_fallback=self._note_model_generate,
-                pad_to_multiple_of=config.pad_multiple(), speed_paths=self.speed_paths,
+                pad_to_multiple_of=config.pad_multiple(), speed_paths=self.speed_paths, image_inputs=image_inputs,
             )
 
     def _note_model_generate(self, model, reason: str) -> None:

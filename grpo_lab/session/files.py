@@ -32,6 +32,7 @@ from grpo_lab.parallel.dist import (
 from grpo_lab.config.live import rebuilt_fields
 from grpo_lab.core.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
 from grpo_lab.rollout.environments import user_reward_funcs
+from grpo_lab.rollout.vision import restored_images
 from grpo_lab.state.safe_write import atomic_directory_write
 from grpo_lab.state.run_state import on_device, rng_state
 from grpo_lab.core.stream_sampler import is_stream
@@ -252,6 +253,7 @@ def _restore(session, state: dict, built: dict) -> None:
         session.discard_batch()
         return
     session.rollout, session.scores, session.advantages_result = on_device(own["pending"], accelerator.device)
+    session.rollout.columns = restored_images(session.rollout.columns)  # the images it was saved with, as PIL images
     if session.scores is not None and session.scores.reward_names != session.engine.reward_names:
         notices.warn(
             f"The saved run stopped inside a generation batch scored by {session.scores.reward_names}; its "

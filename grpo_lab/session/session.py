@@ -607,7 +607,8 @@ class GRPOSession:
             state = session_state_dict(self)
             fork = type(self)(
                 model, user_reward_funcs(engine), args=copy.deepcopy(self.config), train_dataset=engine.train_dataset,
-                eval_dataset=engine.eval_dataset, processing_class=self.tokenizer, rollout_func=engine.rollout_func,
+                eval_dataset=engine.eval_dataset, processing_class=engine.processing_class,
+                rollout_func=engine.rollout_func,
                 tools=engine.tools, environment_factory=self.environment_factory,
                 reward_processing_classes=self._given_reward_processing_classes,
             )

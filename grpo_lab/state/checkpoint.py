@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from grpo_lab import notices
+from grpo_lab.rollout.vision import ImageInputs, stored_images
 from grpo_lab.state.safe_write import PARTIAL_MARKER, check_target, first_process, recover_interrupted_write
 from grpo_lab.state.run_state import (
     FORMAT_VERSION,
@@ -69,12 +70,12 @@ def plain_values(value, *, unknown=str):
 
 def safe_batch(pending: tuple):
     """The half-used batch ``(rollout, scores, advantages)`` as a checkpoint stores it: its columns and
-    logged extras made plain (:func:`plain_values`), or None, with the reason, where it still holds
-    objects that :func:`load_state` would refuse (e.g. a dataset column of images)."""
+    logged extras made plain (:func:`plain_values`; images as pixel tensors, ``vision.stored_images``),
+    or None, with the reason, where it still holds objects that :func:`load_state` would refuse."""
     rollout, scores, _ = pending
     keep = lambda value: value  # noqa: E731
     if rollout is not None:
-        rollout.columns = plain_values(rollout.columns, unknown=keep)
+        rollout.columns = plain_values(stored_images(rollout.columns), unknown=keep)
     if scores is not None:
         scores.extras, scores.metrics = (plain_values(scores.extras, unknown=keep),
                                          plain_values(scores.metrics, unknown=keep))
@@ -107,7 +108,7 @@ def _refused_type(value) -> str | None:
 def _batch_types():
     from grpo_lab.types import Advantages, DynamicSampling, Rollout, Scores
 
-    return torch.serialization.safe_globals([Rollout, Scores, Advantages, DynamicSampling])
+    return torch.serialization.safe_globals([Rollout, Scores, Advantages, DynamicSampling, ImageInputs])
 
 
 def saved_model_dir(directory: Path) -> Path:
@@ -196,7 +197,7 @@ def save_engine(engine, directory: Path, extra: dict, per_process: list[dict], g
     if ref_state is None and engine.ref_model is not None:
         ref_state = engine.ref_model.state_dict()
     engine.unwrapped_model.save_pretrained(directory, safe_serialization=True, state_dict=model_state)
-    engine.tokenizer.save_pretrained(directory)
+    engine.processing_class.save_pretrained(directory)
     write_training_files(directory, engine.config, engine.model_reference)
     engine.config.to_yaml(directory / "config.yaml")
     counters = engine_counters(engine)

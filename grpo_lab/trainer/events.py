@@ -136,7 +136,7 @@ class TrainerEvents:
         """Point the callbacks' keywords at ``session``'s model, tokenizer, optimizer and schedule
         (a resume replaces the session)."""
         self.handler.model = session.model
-        self.handler.processing_class = session.tokenizer
+        self.handler.processing_class = session.engine.processing_class
         self.handler.optimizer = session.engine.optimizer
         self.handler.lr_scheduler = session.engine.scheduler
         session.engine.step_events = self._call

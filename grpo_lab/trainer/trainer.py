@@ -98,6 +98,11 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
         return self.session.model
 
     @property
+    def processing_class(self):
+        """The tokenizer, or a vision-language model's processor, as TRL's trainer holds it."""
+        return self.session.engine.processing_class
+
+    @property
     def ref_model(self):
         """The reference model (beta > 0; kept in step with the policy by ``sync_ref_model``), else None."""
         return self.session.engine.ref_model
@@ -450,7 +455,7 @@ class GRPOTrainer(TrainerEvaluation, TrainerResults):
             saved = copy.deepcopy(model).merge_and_unload() if merge else model
             with full_disk_named(target):
                 saved.save_pretrained(target, state_dict=state)
-                self.session.tokenizer.save_pretrained(target)
+                engine.processing_class.save_pretrained(target)
                 write_training_files(target, self.args, engine.model_reference)
 
         on_main(self.accelerator, f"save the model to {target}", write)

@@ -1,0 +1,271 @@
+"""Prompts with images, for vision-language models: TRL's dataset formats, the processor's outputs per
+prompt, and the model inputs of a batch.
+
+A training row gives its images in an ``image`` column (one image or None) or an ``images`` column
+(a list), as TRL reads them; its prompt is a list of chat messages. Before rendering, the images'
+placeholders (``{"type": "image"}``) are put at the start of the first user message, as TRL's
+``prepare_multimodal_messages`` does, and the model's processor renders the text and turns the
+images into the model's inputs: the pixel values and whatever else the family takes (image sizes,
+grids), and per-token fields such as Gemma 3's ``token_type_ids``.
+
+Each prompt's processor outputs are kept apart (:class:`ImageInputs`), so that any subset of a
+batch (a micro-batch of the loss, a log-prob pass) gets its own inputs by concatenating its rows':
+image tensors along their first dimension (one entry per image, or per patch for the families
+that flatten patches), per-token fields left-padded like the prompt tokens and extended with zeros
+over the completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_lab.chat import is_conversational
+
+IMAGE_COLUMNS = ("images", "image")
+"""The dataset columns that hold a row's images, in the order TRL looks for them."""
+
+
+@dataclass
+class ImageInputs:
+    """One prompt's processor outputs besides its token ids."""
+
+    image_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors with one leading entry per image (or patch): ``pixel_values``, ``image_sizes``, ..."""
+    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    """(P_i,) tensors with one value per prompt token: ``token_type_ids``, ``mm_token_type_ids``."""
+
+
+def is_vision_processor(processing_class) -> bool:
+    """Whether ``processing_class`` is a processor that takes images (a ``ProcessorMixin`` with an
+    image processor), not a tokenizer."""
+    from transformers import ProcessorMixin
+
+    if not isinstance(processing_class, ProcessorMixin):
+        return False
+    return getattr(processing_class, "image_processor", None) is not None
+
+
+def is_vision_model(model) -> bool:
+    """Whether ``model`` (a model or its config) has a vision part."""
+    config = getattr(model, "config", model)
+    return getattr(config, "vision_config", None) is not None
+
+
+def image_column(column_names) -> str | None:
+    """The column that holds the rows' images (``images`` before ``image``, as TRL), or None."""
+    names = list(column_names or [])
+    return next((name for name in IMAGE_COLUMNS if name in names), None)
+
+
+def row_images(columns: dict[str, list], column: str | None, rows: int) -> list[list]:
+    """Each row's images (a list, empty for a row without) from ``columns``' ``column``."""
+    if column is None:
+        return [[] for _ in range(rows)]
+    if column == "image":
+        return [[] if image is None else [image] for image in columns[column]]
+    return [list(images or []) for images in columns[column]]
+
+
+def _is_image(value) -> bool:
+    from PIL import Image
+
+    return isinstance(value, Image.Image)
+
+
+def image_problem(value, column: str) -> str | None:
+    """Why ``value`` cannot be the ``column`` of a row, or None when it can."""
+    values = [value] if column == "image" else value
+    if column == "images" and not isinstance(value, (list, tuple)):
+        return f"has type {type(value).__name__}, not a list of images"
+    for position, image in enumerate(values or []):
+        if image is None and column == "image":
+            continue
+        if not _is_image(image):
+            where = "" if column == "image" else f" (item {position})"
+            return f"holds a {type(image).__name__}{where}, not an image ({str(image)[:40]!r})"
+    return None
+
+
+def check_image_rows(dataset, name: str = "train_dataset") -> None:
+    """Refuse, naming the row and the fix, a row whose image column holds something else than images
+    (PIL images; a ``datasets.Image`` feature decodes to them) or whose prompt is not conversational
+    (the images are placed in its first user message, as TRL requires)."""
+    import datasets
+
+    column = image_column(dataset.column_names)
+    if column is None:
+        return
+    feature = dataset.features.get(column) if isinstance(dataset, datasets.Dataset) else None
+    declared = isinstance(feature, datasets.Image) or isinstance(getattr(feature, "feature", None), datasets.Image)
+    rows = dataset.with_format(None) if isinstance(dataset, datasets.Dataset) else dataset
+    for row, (prompt, images) in enumerate(zip(rows["prompt"], [None] * len(rows) if declared else rows[column])):
+        if not is_conversational(prompt):
+            raise ValueError(
+                f"{name} row {row}: the prompt is not a list of chat messages, but the rows have images "
+                f"(column {column!r}). Training on images needs conversational prompts, as in TRL: give "
+                "[{'role': 'user', 'content': ...}] and let the processor's chat template place the images."
+            )
+        problem = None if declared else image_problem(images, column)
+        if problem is not None:
+            raise ValueError(
+                f"{name} row {row}: the {column!r} column {problem}. Give PIL images (or a datasets.Image "
+                f"feature){', or None for a row without one' if column == 'image' else ''}; repair or drop the row."
+            )
+
+
+def check_vision_parts(processing_class, model, column: str | None, name: str = "train_dataset") -> None:
+    """Refuse images given to a text-only model or a processing class that cannot take them."""
+    if column is None:
+        return
+    if not is_vision_processor(processing_class):
+        raise ValueError(
+            f"{name} has an {column!r} column, but processing_class is a {type(processing_class).__name__}, which "
+            "cannot take images. Pass the model's processor: processing_class=AutoProcessor.from_pretrained(...)."
+        )
+    if not is_vision_model(model):
+        raise ValueError(
+            f"{name} has an {column!r} column, but the model ({type(model).__name__}) is a text-only model (its "
+            "config has no vision_config). Train a vision-language model (AutoModelForImageTextToText), or remove "
+            f"the column: {name} = {name}.remove_columns({column!r})."
+        )
+
+
+def check_image_training(processing_class, policy, config, datasets: list[tuple[str, object, bool]],
+                         custom: dict) -> None:
+    """Refuse images a run cannot train on, naming the row or setting and the fix: in each of
+    ``datasets`` (``(name, dataset, whether its rows are read now)``), an image column given with a
+    tokenizer or a text-only ``policy`` (:func:`check_vision_parts`), a row whose images are not
+    images or whose prompt is not chat messages (:func:`check_image_rows`); and, for a vision-language
+    model's processor, the settings that do not take images: vLLM, continuous batching, and the
+    rollout function, tools or environment factory given (``custom``, by name)."""
+    for name, dataset, read_rows in datasets:
+        column = image_column(None if dataset is None else getattr(dataset, "column_names", None))
+        check_vision_parts(processing_class, policy, column, name)
+        if column is not None and read_rows:
+            check_image_rows(dataset, name)
+    if not is_vision_processor(processing_class):
+        return
+    unsupported = [(f"{setting}=True", f"{setting}=False")
+                   for setting in ("use_vllm", "use_transformers_continuous_batching") if getattr(config, setting)]
+    unsupported += [(setting, f"no {setting}") for setting, given in custom.items() if given]
+    if unsupported:
+        setting, fix = unsupported[0]
+        raise ValueError(
+            f"{setting} does not take a vision-language model's images in grpo_lab yet (processing_class is a "
+            f"{type(processing_class).__name__}). Train it with transformers' generation: {fix}."
+        )
+
+
+def multimodal_messages(messages: list[dict], images: list) -> list[dict]:
+    """``messages`` with one ``{"type": "image"}`` part per image before the text of the first user
+    message whose content is a string (TRL's placement); other string contents become text parts."""
+    placed = not images
+    result = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+            if message["role"] == "user" and not placed:
+                parts = [{"type": "image"} for _ in images] + parts
+                placed = True
+            message = {**message, "content": parts}
+        result.append(message)
+    return result
+
+
+def processed_prompts(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None,
+                      tools: list | None = None) -> tuple[list[list[int]], list[ImageInputs]]:
+    """``(token ids, image inputs)`` of each prompt (chat messages) with its images, from ``processor``:
+    the chat template renders the messages with the images' placeholders, and the processor expands
+    them to the model's image tokens. A prompt equal to the one before it with the same images (the
+    copies of a group) reuses that result."""
+    ids_B, inputs_B = [], []
+    for position, (prompt, prompt_images) in enumerate(zip(prompts, images, strict=True)):
+        if position > 0 and prompt == prompts[position - 1] and prompt_images == images[position - 1]:
+            ids_B.append(ids_B[-1])
+            inputs_B.append(inputs_B[-1])
+            continue
+        text = processor.apply_chat_template(
+            multimodal_messages(prompt, prompt_images), tokenize=False, add_generation_prompt=True,
+            **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}),
+        )
+        output = processor(text=[text], images=[prompt_images] if prompt_images else None, return_tensors="pt",
+                           add_special_tokens=False)
+        ids = output["input_ids"][0]
+        inputs = ImageInputs()
+        for key, value in output.items():
+            if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() == 2 and value.shape == output["input_ids"].shape:
+                inputs.token_fields[key] = value[0]
+            else:
+                inputs.image_tensors[key] = value
+        ids_B.append(ids.tolist())
+        inputs_B.append(inputs)
+    return ids_B, inputs_B
+
+
+def model_inputs(rows: list[ImageInputs], prompt_mask_BP: torch.Tensor, completion_width: int = 0, *,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's extra inputs for a batch whose prompts are ``rows`` (left padded: ``prompt_mask_BP``)
+    followed by ``completion_width`` completion tokens: image tensors concatenated over the rows
+    (floating ones cast to ``dtype``), per-token fields placed at each prompt's tokens, zeros on the
+    padding and the completion. On ``prompt_mask_BP``'s device."""
+    device = prompt_mask_BP.device
+    inputs: dict[str, torch.Tensor] = {}
+    for key in dict.fromkeys(key for row in rows for key in row.image_tensors):
+        parts = [row.image_tensors[key] for row in rows if key in row.image_tensors]
+        value = torch.cat(parts).to(device)
+        inputs[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    B, P = prompt_mask_BP.shape
+    for key in dict.fromkeys(key for row in rows for key in row.token_fields):
+        values_BL = torch.zeros(B, P + completion_width, dtype=torch.long, device=device)
+        for b, row in enumerate(rows):
+            if key in row.token_fields:
+                values = row.token_fields[key]
+                values_BL[b, P - len(values):P] = values.to(device)
+        inputs[key] = values_BL
+    return inputs
+
+
+STORED_IMAGE = "grpo_lab.image"
+"""The key of an image stored as plain values (:func:`stored_images`)."""
+
+
+def stored_images(value):
+    """``value`` (a batch's columns) with every PIL image replaced by plain values a checkpoint loads
+    without unpickling code: ``{STORED_IMAGE: (H, W, C) uint8 tensor, "mode": ...}``."""
+    if isinstance(value, dict):
+        return {key: stored_images(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [stored_images(item) for item in value]
+    if _is_image(value):
+        import numpy as np
+
+        return {STORED_IMAGE: torch.from_numpy(np.array(value)), "mode": value.mode}
+    return value
+
+
+def restored_images(value):
+    """``value`` with the images :func:`stored_images` stored made PIL images again (pixel for pixel)."""
+    if isinstance(value, dict):
+        if STORED_IMAGE in value:
+            from PIL import Image
+
+            return Image.fromarray(value[STORED_IMAGE].numpy(), mode=value["mode"])
+        return {key: restored_images(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [restored_images(item) for item in value]
+    return value
+
+
+def image_token_id(model) -> int | None:
+    """The id of the token the model's image features take the place of (never to be sampled)."""
+    config = getattr(model, "config", model)
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    return None
