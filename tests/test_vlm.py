@@ -27,7 +27,7 @@ def spread_reward(completions, **kwargs) -> list[float]:
 
 
 def vlm_config(tmp_path, **overrides) -> GRPOConfig:
-    settings = dict(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+    settings = dict(output_dir=str(tmp_path and tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
                     max_completion_length=6, learning_rate=1e-2, max_steps=4, report_to="none", logging_steps=1,
                     seed=3)
     return GRPOConfig(**{**settings, **overrides})
@@ -262,3 +262,55 @@ def test_the_colour_task_rows_and_reward():
     completions = ["<answer>red</answer>", "<answer> blue </answer>", "red"]
     assert colour_reward(completions, ["red", "blue", "red"]) == [1, 1, 0]
     assert make_dataset(8, seed=1)[3]["image"].tobytes() == rows[3]["image"].tobytes()  # the seed decides the pictures
+
+
+TWO_PROCESSES = """
+import sys
+import torch
+from grpo_lab import GRPOTrainer
+from grpo_lab.tasks.colour_square import colour_reward, make_dataset
+from grpo_lab.tasks.tiny_vlm import tiny_vlm
+from tests.test_vlm import spread_reward, vlm_config
+
+out, resume = sys.argv[1], sys.argv[2]
+model, processor = tiny_vlm("gemma3")
+config = vlm_config(None, output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, save_steps=2,
+                    disable_tqdm=True)
+trainer = GRPOTrainer(model, [colour_reward, spread_reward], args=config, train_dataset=make_dataset(32),
+                      processing_class=processor)
+trainer.train(resume_from_checkpoint=None if resume == "no" else resume)
+rank = trainer.accelerator.process_index
+torch.save({"weights": {n: p.detach().clone() for n, p in trainer.session.model.named_parameters()},
+            "history": trainer.session.history.drop(columns=["step_time"]).to_dict("list"),
+            "answers": trainer.session.last_trained.advantages.scores.rollout.columns["answer"]},
+           f"{out}/result-{rank}.pt")
+trainer.close()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_train_a_vlm_alike_and_resume_exactly(tmp_path):
+    """A 2-process data-parallel run of a VLM: both processes end with the same weights, each trained
+    on its own rows' images, and a run resumed from its step-2 checkpoint ends where the whole run does."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.conftest import launch_two
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "run.py").write_text(TWO_PROCESSES)
+    launch = launch_two("--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    runs = (("whole", "no"), ("resumed", str(tmp_path / "whole" / "checkpoint-2")))
+    for out, resume in runs:
+        done = subprocess.run([*launch, str(tmp_path / "run.py"), str(tmp_path / out), resume],
+                              capture_output=True, text=True, env=env, cwd=root, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+    whole = [torch.load(tmp_path / "whole" / f"result-{rank}.pt") for rank in (0, 1)]
+    resumed = [torch.load(tmp_path / "resumed" / f"result-{rank}.pt") for rank in (0, 1)]
+    assert whole[0]["history"] == whole[1]["history"] and whole[0]["history"]["step"] == [1, 2, 3, 4]
+    assert whole[0]["answers"] != whole[1]["answers"]  # each process its own rows
+    for name, value in whole[0]["weights"].items():
+        assert torch.equal(whole[1]["weights"][name], value), name
+        assert all(torch.equal(run["weights"][name], value) for run in resumed), name

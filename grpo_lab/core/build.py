@@ -44,7 +44,7 @@ from grpo_lab.rollout.environments import (
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens
 from grpo_lab.rollout.tools import ToolCalling, check_tools
-from grpo_lab.rollout.vision import check_image_training, is_vision_processor
+from grpo_lab.rollout.vision import check_image_training, is_vision_model, is_vision_processor
 from grpo_lab.core.sampler import PromptSampler
 from grpo_lab.core.stream_sampler import StreamSampler, first_row, is_stream
 
@@ -304,7 +304,8 @@ def vllm_model_source(owner, model, policy, tokenizer, config: GRPOConfig):
 
 def adapt_policy(policy, config: GRPOConfig, peft_config, accelerator):
     """``(policy, is_peft)``: the policy with its PEFT adapter, float32 head, dropout and activation
-    checkpointing as the config asks, in training mode."""
+    checkpointing as the config asks, in training mode (and, for a vision-language model, DDP told to
+    look for parameters without gradients)."""
     if peft_config is not None:
         from peft import get_peft_model
 
@@ -320,6 +321,10 @@ def adapt_policy(policy, config: GRPOConfig, peft_config, accelerator):
         enable_gradient_checkpointing(policy, config.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if is_peft:
             policy.enable_input_require_grads()
+    if is_vision_model(policy) and not (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        # As TRL: a vision tower has weights no step reaches (the norm after the layer its features are taken
+        # from, a pooling head), which DDP must be told to look for; reentrant checkpointing cannot have it.
+        dist.find_unused_parameters(accelerator)
     # from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing
     # and dropout; the policy trains in training mode (generation switches to eval and back).
     policy.train()

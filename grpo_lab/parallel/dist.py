@@ -57,6 +57,17 @@ def _forget_other_precision(mixed: str) -> None:
         AcceleratorState._reset_state()
 
 
+def find_unused_parameters(accelerator) -> None:
+    """Have DDP (where the run is data parallel) look, each backward pass, for parameters it left
+    without gradients, rather than wait for them forever."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if accelerator.ddp_handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+    else:
+        accelerator.ddp_handler.find_unused_parameters = True
+
+
 def launched_processes() -> int:
     """How many processes this run has, before or after an Accelerator exists: accelerate's count
     once it is set up, else what the launcher put in ``WORLD_SIZE``."""
