@@ -23,6 +23,7 @@ completion tokens, V vocabulary entries.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -150,13 +151,14 @@ def note_compact_unsupported(model, speed_paths: SpeedPaths, *, compact_forward:
 def note_speed_paths(policy, speed_paths: SpeedPaths, config, *, images: bool, main_process: bool) -> None:
     """Tell (main process) of a speed path that is on but cannot run the policy: the compact pass for
     a model it does not know (``note_compact_unsupported``); for a vision-language model (``images``),
-    logged once, that its passes take transformers' paths, as the speed paths do not take images."""
+    an info line of the ``grpo_lab`` logger that its passes take transformers' paths, as the speed
+    paths (on by default, which a TRL user did not ask for) do not take images."""
     if not images:
         note_compact_unsupported(policy, speed_paths, compact_forward=config.compact_forward, main_process=main_process)
         return
     settings = [name for name in ("compact_forward", "share_prompt_prefix") if getattr(config, name)]
     if settings and main_process:
-        notices.log_warning(
+        logging.getLogger("grpo_lab").info(
             f"{' and '.join(settings)} {'are' if len(settings) > 1 else 'is'} on, but grpo_lab's speed paths do not "
             "take a vision-language model's images: generation runs model.generate and the log-prob passes "
             "transformers' forward, as TRL's do."

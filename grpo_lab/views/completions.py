@@ -78,7 +78,8 @@ class CompletionsView(View):
                                          data.missing_token_reason(batch, position, quantity))
             for position in rows.index
         }
-        self.table.value = render.group_html(frame, self.group.value, tokens)
+        images = data.prompt_images(batch.rollout, int(rows.index[0])) if len(rows) else []
+        self.table.value = render.group_html(frame, self.group.value, tokens, images)
 
     @staticmethod
     def _counts(frame, flags, scored_in_generate: bool) -> str:

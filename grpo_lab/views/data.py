@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
+from grpo_lab.rollout.vision import image_column, row_images
 from grpo_lab.views.batch import current_batch
 
 TOKEN_QUANTITIES = ("logprob", "entropy", "advantage_x_ratio", "clipped", "vllm_logprob_gap")
@@ -36,6 +37,15 @@ def latest_table(batch) -> pd.DataFrame:
 def group_table(frame: pd.DataFrame, group: int) -> pd.DataFrame:
     """The rows of one prompt group."""
     return frame[frame["group"] == group] if not frame.empty else frame
+
+
+def prompt_images(rollout, position: int) -> list:
+    """The images of completion ``position``'s prompt (a vision-language model's row: its ``image`` or
+    ``images`` column, as the model was given them); [] for a row without, or a text batch."""
+    column = image_column(rollout.columns)
+    if column is None:
+        return []
+    return row_images({column: [rollout.columns[column][position]]}, column, 1)[0]
 
 
 def group_flags(frame: pd.DataFrame) -> pd.DataFrame:

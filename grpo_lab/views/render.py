@@ -208,10 +208,32 @@ def completion_columns(frame: pd.DataFrame) -> list[Column]:
     return columns + [column for name, column in _STANDARD_COLUMNS.items() if name in frame.columns]
 
 
-def group_html(frame: pd.DataFrame, group: int, tokens_by_position: dict[int, str]) -> str:
+def thumbnails_html(images: list, size: int = 96) -> str:
+    """Each image as a thumbnail at most ``size`` pixels on its longer side (a small picture drawn at
+    that size, pixels kept square), embedded as PNG; its size on hover."""
+    import base64
+    import io
+
+    shown = []
+    for number, image in enumerate(images, start=1):
+        buffer = io.BytesIO()
+        picture = image.convert("RGB")
+        picture.thumbnail((size, size))
+        picture.save(buffer, format="PNG")
+        scale = size / max(image.size)
+        width, height = (round(side * scale) for side in image.size)
+        title = html.escape(f"image {number} of the prompt, {image.size[0]} x {image.size[1]} pixels")
+        shown.append(f"<img class='grpo-thumbnail' alt='{title}' title='{title}' width='{width}' height='{height}' "
+                     "style='image-rendering:pixelated;border:1px solid #ccc;margin-right:4px' "
+                     f"src='data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}'>")
+    return "".join(shown)
+
+
+def group_html(frame: pd.DataFrame, group: int, tokens_by_position: dict[int, str], images: list = ()) -> str:
     """The table of one prompt group, one line per completion (coloured tokens, cut with an
     ellipsis; click it for the whole text), then its rewards, total, advantage, loss statistics and
-    length; a banner when all rewards are equal (the group teaches nothing)."""
+    length; a banner when all rewards are equal (the group teaches nothing). ``images``: the
+    prompt's images (a vision-language model's), shown as thumbnails beside the prompt."""
     rows = group_table(frame, group)
     if rows.empty:
         return "<p>No completions yet: run session.generate().</p>"
@@ -243,7 +265,11 @@ def group_html(frame: pd.DataFrame, group: int, tokens_by_position: dict[int, st
         f"<th style='{_TEXT_CELL}' title='click a completion for its whole text'>completion</th>{head}</tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table>"
     )
-    return f"<p><b>Prompt</b> <code>{prompt}</code></p>{banner}{_WRAP.format(table)}"
+    prompt_line = f"<p><b>Prompt</b> <code>{prompt}</code></p>"
+    if images:
+        prompt_line = (f"<div style='display:flex;align-items:center;gap:8px'><div>{thumbnails_html(images)}</div>"
+                       f"{prompt_line}</div>")
+    return f"{prompt_line}{banner}{_WRAP.format(table)}"
 
 
 _GROUP_COLUMNS = [

@@ -296,6 +296,48 @@ def test_both_signed_token_views_colour_made_likelier_red_under_one_legend(jupyt
                 assert re.match(expected, colour), (value, colour)
 
 
+VLM_SETUP = """\
+from grpo_lab import GRPOConfig, GRPOSession
+from grpo_lab.tasks.colour_square import colour_reward, make_dataset
+from grpo_lab.tasks.tiny_vlm import tiny_vlm
+
+model, processor = tiny_vlm("llava")
+session = GRPOSession(model, colour_reward, train_dataset=make_dataset(16), processing_class=processor,
+                      args=GRPOConfig(output_dir="outputs/vlm", num_generations=4, per_device_train_batch_size=8,
+                                      max_completion_length=6, report_to="none"))"""
+
+# Each thumbnail the page draws: its drawn size, whether the PNG decoded, and its title.
+THUMBNAILS_JS = """(output) => [...output.querySelectorAll('img.grpo-thumbnail')].map((img) => ({
+  width: img.clientWidth, height: img.clientHeight,
+  decoded: img.complete && img.naturalWidth > 0, title: img.title,
+}))"""
+
+
+def test_a_vlm_sessions_completions_view_shows_each_groups_image(jupyter, chromium, workdir):
+    lab.write_notebook(workdir / "vlm.ipynb", [
+        VLM_SETUP,
+        "session.generate()\nview = session.completions_view()\nview",
+        "view.group.value = 1",
+    ])
+    with lab.new_page(chromium, height=1600) as page:
+        lab.open_notebook(page, jupyter, workdir / "vlm.ipynb")
+        for index in range(2):
+            lab.run_cell(page, index)
+        output = lab.cell(page, 1).locator(".jp-OutputArea")
+        output.locator("img.grpo-thumbnail").first.wait_for(timeout=60_000)
+        first = output.evaluate(THUMBNAILS_JS)
+        lab.run_cell(page, 2)
+        deadline = time.time() + 30
+        while (second := output.evaluate(THUMBNAILS_JS)) == first and time.time() < deadline:
+            time.sleep(0.25)
+        for drawn in (first, second):  # one picture of the group's prompt, decoded, drawn at 96 px, named
+            assert len(drawn) == 1 and drawn[0]["decoded"], drawn
+            assert (drawn[0]["width"], drawn[0]["height"]) == (96, 96), drawn
+            assert drawn[0]["title"] == "image 1 of the prompt, 28 x 28 pixels", drawn
+        assert output.locator("span.grpo-token").count() > 0  # beside the group's coloured completions
+        page.screenshot(path=str(Path(os.environ.get("GRPO_LAB_SCREENSHOTS", workdir)) / "vlm_completions.png"))
+
+
 def stop_from_the_dashboard(page) -> int:
     """Press the first dashboard's Stop while a run is going on; wait until the run has ended and the
     curves hold each of its steps; return the step it ended at."""
