@@ -214,6 +214,50 @@ def test_a_fork_of_a_vlm_session_keeps_its_processor(tmp_path):
     assert fork.history["step"].tolist() == [1, 2]
 
 
+def test_prompts_that_place_their_images_and_an_images_column_of_two(tmp_path):
+    """TRL's other formats: an ``images`` column of lists, and prompts whose content places the images
+    itself ({"type": "image"} parts, filled in order); two pictures per row reach the model."""
+    model, processor = tiny_vlm("llava")
+    rows = make_dataset(8)
+    prompts = [[{"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "image"},
+                                             {"type": "text", "text": "then"}, {"type": "image"},
+                                             {"type": "text", "text": "which colour is the second square?"}]}]] * 8
+    images = [[square_image("red", seed=row), rows[row]["image"]] for row in range(8)]
+    dataset = Dataset.from_dict({"prompt": prompts, "images": images, "answer": rows["answer"]})
+    session = GRPOSession(model, [colour_reward, spread_reward], args=vlm_config(tmp_path), train_dataset=dataset,
+                          processing_class=processor)
+    rollout = session.generate()
+    image_token = session.tokenizer.convert_tokens_to_ids("<image>")
+    per_image = int((rollout.prompt_ids_BP[0] == image_token).sum()) // 2
+    assert per_image > 1 and (rollout.prompt_ids_BP == image_token).sum(1).tolist() == [2 * per_image] * 8
+    assert all(inputs.image_tensors["pixel_values"].shape[0] == 2 for inputs in rollout.image_inputs_B)
+    text = session.tokenizer.decode(rollout.prompt_ids_BP[0][rollout.prompt_mask_BP[0].bool()])
+    places = [text.index("First"), text.index("<image>"), text.index("then"), text.rindex("<image>"),
+              text.index("which")]
+    assert places == sorted(places)
+    session.step()
+
+
+def test_prompt_counts_hold_the_image_tokens_at_build_and_per_batch(tmp_path, monkeypatch):
+    """The counts the prompt-room check and the doctor's forecasts read are the tokens the model is
+    given, image tokens included: counted at build, or (a larger dataset) as each batch is drawn."""
+    import grpo_lab.core.build
+
+    session = vlm_session("gemma3", tmp_path)
+    rollout = session.generate()
+    counted = session.engine.counted_prompt_tokens()
+    assert len(counted) == 16 and set(counted) == set(rollout.prompt_mask_BP.sum(1).tolist())
+    text_only = len(session.tokenizer.apply_chat_template(make_dataset(1)[0]["prompt"], add_generation_prompt=True))
+    assert counted[0] > text_only  # the image's tokens are in it
+    monkeypatch.setattr(grpo_lab.core.build, "VISION_COUNT_ROWS", 4)
+    larger = vlm_session("gemma3", tmp_path / "larger", max_completion_length=200)
+    assert larger.engine.counted_prompt_tokens() is None
+    room = larger.engine.generation_stage.context - counted[0]  # the longest prompt's room, image tokens counted
+    larger.config.max_completion_length = room + 1
+    with pytest.raises(ValueError, match=f"the prompt is {counted[0]} tokens long"):
+        larger.generate()
+
+
 # ------------------------------------------------------------------ refusals
 def test_an_image_column_with_a_non_image_value_is_refused_with_the_row(tmp_path):
     model, processor = tiny_vlm("llava")
@@ -222,6 +266,14 @@ def test_an_image_column_with_a_non_image_value_is_refused_with_the_row(tmp_path
     with pytest.raises(ValueError, match=r"row 0: the 'images' column holds a str \(item 0\).*'red\.png'"):
         GRPOSession(model, colour_reward, args=vlm_config(tmp_path), train_dataset=Dataset.from_dict(rows),
                     processing_class=processor)
+
+
+def test_a_prompt_placing_more_images_than_its_row_has_is_refused(tmp_path):
+    model, processor = tiny_vlm("llava")
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    rows = Dataset.from_dict({"prompt": [prompt] * 2, "image": [square_image("red")] * 2, "answer": ["red"] * 2})
+    with pytest.raises(ValueError, match=r"row 0: the prompt places 2 image\(s\).*has 1 in its 'image' column"):
+        GRPOSession(model, colour_reward, args=vlm_config(tmp_path), train_dataset=rows, processing_class=processor)
 
 
 def test_standard_prompts_with_images_are_refused(tmp_path):
@@ -314,3 +366,48 @@ def test_two_processes_train_a_vlm_alike_and_resume_exactly(tmp_path):
     for name, value in whole[0]["weights"].items():
         assert torch.equal(whole[1]["weights"][name], value), name
         assert all(torch.equal(run["weights"][name], value) for run in resumed), name
+
+
+def test_an_exported_vlm_session_script_reproduces_the_first_step(tmp_path):
+    """The script carries the processor (its image settings) beside the datasets with their images."""
+    from tests.conftest import run_exported_step
+
+    model, processor = tiny_vlm("gemma3")
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    session = GRPOSession(str(tmp_path / "vlm"), [colour_reward, spread_reward],
+                          args=vlm_config(tmp_path, max_steps=1), train_dataset=make_dataset(16))
+    script = session.export_script(tmp_path / "train.py")
+    first = session.step()
+    assert (tmp_path / "train.data" / "tokenizer" / "processor_config.json").exists()
+    row = run_exported_step(script, tmp_path)
+    assert row == {key: value for key, value in first.items() if key != "step_time"}
+
+
+def test_the_doctor_probes_a_vlm_session(tmp_path):
+    """The probe generates with the images again (a longer limit for its truncation check)."""
+    findings = vlm_session("llava", tmp_path).doctor()
+    assert "truncation" in [finding.code for finding in findings]
+
+
+def test_a_recipe_trains_a_vlm_with_its_processor_settings(tmp_path):
+    import yaml
+
+    from grpo_lab.cli.recipes import build_trainer
+
+    model, processor = tiny_vlm("llava")
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    make_dataset(16).save_to_disk(str(tmp_path / "squares"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tmp_path / "vlm"), "train_dataset": str(tmp_path / "squares"),
+        "reward_funcs": ["grpo_lab.tasks.colour_square:colour_reward", "tests.test_vlm:spread_reward"],
+        "processor": {"do_normalize": False}, "num_generations": 4, "per_device_train_batch_size": 8,
+        "max_completion_length": 6, "max_steps": 1, "report_to": "none", "output_dir": str(tmp_path / "out"),
+    }))
+    trainer = build_trainer(recipe)
+    assert trainer.processing_class.image_processor.do_normalize is False
+    trainer.train()
+    pixels = trainer.session.last_trained.advantages.scores.rollout.image_inputs_B[0].image_tensors["pixel_values"]
+    assert pixels.min() >= 0 and pixels.max() <= 1  # rescaled, not normalised: the setting reached the images

@@ -1,6 +1,6 @@
 """Train from a YAML recipe, for runs that never open a notebook (``grpo-lab train recipe.yaml``).
 
-A recipe holds ``GRPOConfig`` fields plus five optional keys:
+A recipe holds ``GRPOConfig`` fields plus six optional keys:
 
 .. code-block:: yaml
 
@@ -16,6 +16,8 @@ A recipe holds ``GRPOConfig`` fields plus five optional keys:
       r: 16
       lora_alpha: 32
       target_modules: all-linear
+    processor:                     # a vision-language model's processor settings, given to
+      max_pixels: 401408           # AutoProcessor.from_pretrained(model, ...) (default: as saved)
     learning_rate: 1.0e-4          # any GRPOConfig field
 
 A dataset given as a mapping:
@@ -45,7 +47,7 @@ import sys
 from pathlib import Path
 
 
-RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset", "peft")
+RECIPE_KEYS = ("model", "reward_funcs", "train_dataset", "eval_dataset", "peft", "processor")
 DATASET_KEYS = ("path", "name", "split", "map")
 """The keys of a dataset given as a mapping (see the module docstring)."""
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -202,6 +204,22 @@ def _peft_config(spec, where: str):
                          "lora_dropout, target_modules...).") from error
 
 
+def _processor(spec, model, where: str):
+    """The model's processor loaded with the recipe's ``processor`` settings (None: the model's own,
+    as saved beside it)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: processor must be a mapping of the processor's settings, e.g. "
+                         f"{{max_pixels: 401408}}; got {spec!r}.")
+    if model is None:
+        raise ValueError(f"{where}: processor settings are for a vision-language model's processor; give its "
+                         "model (the shipped tiny model is a text model, with a tokenizer).")
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model, **spec)
+
+
 def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
     """A ``GRPOTrainer`` from a recipe file; ``argv`` (``--field value``) overrides config fields."""
     from grpo_lab.config.grpo_config import GRPOConfig, read_yaml_mapping
@@ -256,6 +274,7 @@ def build_trainer(recipe_path: str | Path, argv: list[str] | None = None):
         eval_dataset=None if own_data and setup["eval_dataset"] is None else _dataset(
             setup["eval_dataset"], task, "eval", where, search),
         peft_config=_peft_config(setup["peft"], where),
+        processing_class=_processor(setup["processor"], setup["model"], where),
     )
 
 

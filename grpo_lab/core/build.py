@@ -44,7 +44,10 @@ from grpo_lab.rollout.environments import (
 from grpo_lab.rollout.hf import check_cache_device
 from grpo_lab.rollout.prompts import PROMPT_CHECK_ROWS, check_prompt_room, dataset_prompt_tokens
 from grpo_lab.rollout.tools import ToolCalling, check_tools
-from grpo_lab.rollout.vision import check_image_training, is_vision_model, is_vision_processor
+from grpo_lab.rollout.vision import (
+    VISION_COUNT_ROWS, check_image_training, dataset_prompt_lengths, image_column, is_vision_model,
+    is_vision_processor,
+)
 from grpo_lab.core.sampler import PromptSampler
 from grpo_lab.core.stream_sampler import StreamSampler, first_row, is_stream
 
@@ -220,7 +223,8 @@ def load_policy(model, config: GRPOConfig, processing_class, quantization_config
     return policy
 
 
-def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dataset, *, custom_rollout: bool):
+def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dataset, *, custom_rollout: bool,
+                  processor=None):
     """``(context, prompt_tokens, prompt_tokens_source)``: the model's context length, and the train
     dataset's prompt lengths with that dataset (None, None where it is too large to count now).
 
@@ -230,16 +234,33 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
     context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
     prompt_tokens = prompt_tokens_source = None
     for dataset_name, dataset in named_datasets(train_dataset, eval_dataset):
-        if dataset is not None and not is_stream(dataset) and len(dataset) <= PROMPT_CHECK_ROWS:
-            tokens = dataset_prompt_tokens(dataset, tokenizer, config.chat_template_kwargs, dataset_name)
-            check_prompt_room(
-                tokens, range(len(dataset)), context=context, dataset=dataset_name,
-                max_new_tokens=None if custom_rollout else config.max_completion_length,
-                chat_template_kwargs=config.chat_template_kwargs,
-            )
-            if dataset is train_dataset:
-                prompt_tokens, prompt_tokens_source = tokens, dataset
+        tokens = counted_prompts(dataset, dataset_name, tokenizer, processor, config)
+        if tokens is None:
+            continue
+        check_prompt_room(
+            tokens, range(len(dataset)), context=context, dataset=dataset_name,
+            max_new_tokens=None if custom_rollout else config.max_completion_length,
+            chat_template_kwargs=config.chat_template_kwargs,
+        )
+        if dataset is train_dataset:
+            prompt_tokens, prompt_tokens_source = tokens, dataset
     return context, prompt_tokens, prompt_tokens_source
+
+
+def counted_prompts(dataset, name: str, tokenizer, processor, config: GRPOConfig) -> list[int] | None:
+    """Every prompt's token count of ``dataset`` (called ``name``), or None for a stream or a dataset
+    too large to count at build. With a vision-language model's ``processor``, a dataset with images
+    is processed with them, so that the counts hold the image tokens (up to ``VISION_COUNT_ROWS``
+    rows)."""
+    if dataset is None or is_stream(dataset):
+        return None
+    if processor is not None and image_column(dataset.column_names) is not None:
+        if len(dataset) > VISION_COUNT_ROWS:
+            return None
+        return dataset_prompt_lengths(processor, dataset, config.chat_template_kwargs, name)
+    if len(dataset) > PROMPT_CHECK_ROWS:
+        return None
+    return dataset_prompt_tokens(dataset, tokenizer, config.chat_template_kwargs, name)
 
 
 def model_reference(model, name: str | None):

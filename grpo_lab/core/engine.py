@@ -73,7 +73,7 @@ class Engine:
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
         context, prompt_tokens, counted_dataset = build.check_prompts(
             policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,
-            custom_rollout=rollout_func is not None or tools is not None)
+            custom_rollout=rollout_func is not None or tools is not None, processor=self.processor)
         self.generation_stage = GenerationStage(self, context=context, prompt_tokens=prompt_tokens,
                                                 counted_dataset=counted_dataset)
         self.loss_stage, self.evaluation_stage = LossStage(self), EvaluationStage(self)

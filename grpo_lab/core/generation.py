@@ -13,7 +13,7 @@ from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
 from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts, render_prompts, wrap_completions
-from grpo_lab.rollout.vision import image_column, processed_prompts, row_images
+from grpo_lab.rollout.vision import image_column, processed_prompts, prompt_lengths, row_images
 from grpo_lab.core.stream_sampler import StreamSampler
 from grpo_lab.types import Rollout
 
@@ -176,14 +176,24 @@ class GenerationStage:
         if self._counted_dataset is engine.train_dataset:  # counted when the session was built
             tokens = [self._prompt_tokens[index] for index in drawn]
         else:  # a dataset too large to count at build, or one swapped in since
-            first = {index: position for position, index in reversed(list(enumerate(indices)))}
-            tokens = prompt_token_counts([rows["prompt"][first[index]] for index in drawn], engine.tokenizer,
-                                         engine.config.chat_template_kwargs, rows=drawn)
+            tokens = self.drawn_prompt_tokens(rows, indices, drawn)
         check_prompt_room(
             tokens, drawn, context=self.context, chat_template_kwargs=engine.config.chat_template_kwargs,
             max_new_tokens=None if engine.custom_rollout is not None else engine.config.max_completion_length,
         )
         return rows
+
+    def drawn_prompt_tokens(self, rows: dict[str, list], indices: list[int], drawn: list[int]) -> list[int]:
+        """The token count of each of the ``drawn`` rows' prompts (``rows`` holds rows ``indices``), with
+        a vision-language model's images where the rows have them (their image tokens included)."""
+        engine = self.engine
+        first = {index: position for position, index in reversed(list(enumerate(indices)))}
+        prompts = [rows["prompt"][first[index]] for index in drawn]
+        column = image_column(rows)
+        if engine.processor is None or column is None:
+            return prompt_token_counts(prompts, engine.tokenizer, engine.config.chat_template_kwargs, rows=drawn)
+        images = row_images({column: [rows[column][first[index]] for index in drawn]}, column, len(drawn))
+        return prompt_lengths(engine.processor, prompts, images, engine.config.chat_template_kwargs, rows=drawn)
 
     def check_policy_version(self, batch, lag: int = 0) -> None:
         """Refuse completions an inference engine generated with another policy than the current one

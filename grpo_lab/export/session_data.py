@@ -1,5 +1,6 @@
 """What an exported session script loads beside it, in ``<script>.data/``: the session's datasets
-(``save_to_disk``), its tokenizer with what was set on it in the session, and a PEFT adapter's
+(``save_to_disk``), its tokenizer (a vision-language model's processor) with what was set on it in
+the session, and a PEFT adapter's
 config. An entry of the tokenizer's or adapter's JSON files that holds a credential is left out, and
 so is a dataset column that holds one (a prompt column that does is refused)."""
 
@@ -23,7 +24,8 @@ def save_session_data(engine, data_dir: Path, secrets: Secrets) -> None:
     _without_secrets(engine.train_dataset, "train", secrets).save_to_disk(str(data_dir / "train"))
     if engine.eval_dataset is not None:
         _without_secrets(engine.eval_dataset, "eval", secrets).save_to_disk(str(data_dir / "eval"))
-    engine.tokenizer.save_pretrained(str(data_dir / "tokenizer"))  # with what was set on it in the session
+    # with what was set on it in the session; a vision-language model's processor, with its image settings
+    engine.processing_class.save_pretrained(str(data_dir / "tokenizer"))
     if engine.is_peft:
         engine.unwrapped_model.peft_config["default"].save_pretrained(str(data_dir / "peft"))
     for folder in ("tokenizer", "peft"):  # e.g. an api_key given to the tokenizer's from_pretrained

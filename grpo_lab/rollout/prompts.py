@@ -20,10 +20,11 @@ from typing import Any
 from grpo_lab.chat import is_conversational
 
 
-def prompt_problem(prompt: Any) -> str | None:
+def prompt_problem(prompt: Any, *, image_parts: bool = False) -> str | None:
     """Why ``prompt`` cannot be rendered and trained on, as the end of a sentence that starts with
     "the prompt", or None when it can: a missing or empty prompt, a user message without content,
-    a content part that is not text, a value of another type."""
+    a content part that is not text (``image_parts``: nor an image's placeholder, ``{"type": "image"}``,
+    which a vision-language model's processor fills with the row's images), a value of another type."""
     if prompt is None:
         return "is None (a missing value)"
     if isinstance(prompt, str):
@@ -42,11 +43,14 @@ def prompt_problem(prompt: Any) -> str | None:
         elif isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if image_parts and kind == "image":
+                    continue
                 if kind != "text" or not isinstance(part.get("text"), str):
                     return (
                         f"has a content part of type {kind!r} in message {position} ({role}): only text parts "
                         "({'type': 'text', 'text': ...}) can be given to a text model. Drop the other parts, or "
-                        "describe them in text"
+                        "describe them in text (images go to a vision-language model in an 'image' or 'images' "
+                        "column, with its processor as processing_class)"
                     )
         elif not isinstance(content, str):
             return (

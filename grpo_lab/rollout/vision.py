@@ -100,7 +100,9 @@ def check_image_rows(dataset, name: str = "train_dataset") -> None:
     feature = dataset.features.get(column) if isinstance(dataset, datasets.Dataset) else None
     declared = isinstance(feature, datasets.Image) or isinstance(getattr(feature, "feature", None), datasets.Image)
     rows = dataset.with_format(None) if isinstance(dataset, datasets.Dataset) else dataset
-    for row, (prompt, images) in enumerate(zip(rows["prompt"], [None] * len(rows) if declared else rows[column])):
+    values = None if declared else rows[column]  # a declared feature holds images: decoded only where needed
+    for row, prompt in enumerate(rows["prompt"]):
+        images = None if declared else values[row]
         if not is_conversational(prompt):
             raise ValueError(
                 f"{name} row {row}: the prompt is not a list of chat messages, but the rows have images "
@@ -112,6 +114,14 @@ def check_image_rows(dataset, name: str = "train_dataset") -> None:
             raise ValueError(
                 f"{name} row {row}: the {column!r} column {problem}. Give PIL images (or a datasets.Image "
                 f"feature){', or None for a row without one' if column == 'image' else ''}; repair or drop the row."
+            )
+        placed = image_placeholders(prompt)
+        given = len(row_images({column: [rows[row][column] if declared else images]}, column, 1)[0]) if placed else 0
+        if placed and placed != given:
+            raise ValueError(
+                f"{name} row {row}: the prompt places {placed} image(s) ({{'type': 'image'}} parts) but the row has "
+                f"{given} in its {column!r} column. Give one placeholder per image, or none (the images then go "
+                "before the first user message's text, as TRL places them)."
             )
 
 
@@ -158,10 +168,17 @@ def check_image_training(processing_class, policy, config, datasets: list[tuple[
         )
 
 
+def image_placeholders(messages: list[dict]) -> int:
+    """How many ``{"type": "image"}`` parts the messages' contents hold already."""
+    return sum(isinstance(part, dict) and part.get("type") == "image"
+               for message in messages if isinstance(message.get("content"), list) for part in message["content"])
+
+
 def multimodal_messages(messages: list[dict], images: list) -> list[dict]:
     """``messages`` with one ``{"type": "image"}`` part per image before the text of the first user
-    message whose content is a string (TRL's placement); other string contents become text parts."""
-    placed = not images
+    message whose content is a string (TRL's placement), unless they place the images themselves
+    (placeholders in their contents, filled in order); other string contents become text parts."""
+    placed = not images or image_placeholders(messages) > 0
     result = []
     for message in messages:
         content = message.get("content")
@@ -173,6 +190,37 @@ def multimodal_messages(messages: list[dict], images: list) -> list[dict]:
             message = {**message, "content": parts}
         result.append(message)
     return result
+
+
+VISION_COUNT_ROWS = 2_000
+"""Datasets of a vision-language model up to this many rows have every prompt processed with its
+images and counted when the session is built (image tokens included); larger ones a generation
+batch at a time, as it is drawn."""
+
+
+def prompt_lengths(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None, *,
+                   rows: list[int] | None = None, dataset: str = "train_dataset") -> list[int]:
+    """Each prompt's token count with its images, as generation gives them to the model (the image
+    tokens included); a prompt that cannot be rendered is refused naming its row of ``dataset``."""
+    from grpo_lab.rollout.prompts import prompt_problem
+
+    rows = list(range(len(prompts))) if rows is None else rows
+    for row, prompt in zip(rows, prompts, strict=True):
+        problem = prompt_problem(prompt, image_parts=True)
+        if problem is not None:
+            raise ValueError(f"{dataset} row {row}: the prompt {problem}. Repair or drop the row.")
+    ids, _ = processed_prompts(processor, prompts, images, chat_template_kwargs)
+    return [len(row_ids) for row_ids in ids]
+
+
+def dataset_prompt_lengths(processor, dataset, chat_template_kwargs: dict | None = None,
+                           name: str = "train_dataset") -> list[int]:
+    """:func:`prompt_lengths` of every row of ``dataset`` (a ``datasets.Dataset``)."""
+    rows = dataset.with_format(None)
+    column = image_column(dataset.column_names)
+    return prompt_lengths(processor, list(rows["prompt"]), row_images({column: rows[column]} if column else {}, column,
+                                                                         len(rows)),
+                          chat_template_kwargs, dataset=name)
 
 
 def processed_prompts(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None,
