@@ -31,7 +31,7 @@ def test_notebook_executes(path, tmp_path):
 
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_anatomy_of_a_step.ipynb",
-                                           "03_experiments.ipynb"]
+                                           "03_experiments.ipynb", "04_vision.ipynb"]
 
 
 @pytest.mark.parametrize("name", ["01_quickstart.ipynb", "03_experiments.ipynb"])
