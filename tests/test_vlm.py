@@ -5,6 +5,7 @@ and tensors; checkpoints with the processor and exact resume; and the refusals o
 cannot train on."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -72,21 +73,54 @@ def test_a_session_steps_a_vlm_through_the_five_stages(family, tmp_path):
     assert session.history["step"].tolist() == [1]
 
 
-def test_the_image_changes_what_the_model_scores(tmp_path):
-    """The log-prob passes give the model each row's own image: the same completions scored with
-    another row's images get other log-probs."""
-    session = vlm_session("llava", tmp_path)
+def varied_dataset(rows: int) -> Dataset:
+    """The colour task with questions of different lengths (a batch of them is left padded), and every
+    fourth row without its picture (a text-only row among image rows)."""
+    data = make_dataset(rows).to_dict()
+    data["prompt"] = [[{"role": "user", "content": "Look. " * (row % 3) + message[0]["content"]}]
+                      for row, message in enumerate(data["prompt"])]
+    data["image"] = [None if row % 4 == 3 else image for row, image in enumerate(data["image"])]
+    data["answer"] = [answer if row % 4 != 3 else "none" for row, answer in enumerate(data["answer"])]
+    return Dataset.from_dict(data).cast_column("image", make_dataset(1).features["image"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_row_is_scored_with_its_own_image_under_left_padding(family, tmp_path):
+    """A log-prob pass over any subset of a left-padded batch gives each row the log-probs of its
+    prompt and image alone: row k scored by itself, and row k's prompt processed afresh without
+    padding, give the full pass's row k; another row's image gives other log-probs."""
+    from grpo_lab.core.model_calls import full_logits
+    from grpo_lab.rollout.vision import processed_prompts
+
+    model, processor = tiny_vlm(family)
+    session = GRPOSession(model, [colour_reward, spread_reward], args=vlm_config(tmp_path, num_generations=2),
+                          train_dataset=varied_dataset(4), processing_class=processor)  # the batch: all 4 rows
     rollout = session.generate()
     engine = session.engine
-    index_B = torch.arange(len(rollout))
-    own = engine.sequence_logprobs(engine.model, rollout, index_B, with_entropy=False)[0]
-    assert torch.allclose(own, rollout.old_logprobs_BT if rollout.old_logprobs_BT is not None else own)
-    swapped = copy.copy(rollout)
-    blank = ImageInputs({"pixel_values": torch.zeros_like(rollout.image_inputs_B[0].image_tensors["pixel_values"])})
-    swapped.image_inputs_B = [blank] * len(rollout)
-    other = engine.sequence_logprobs(engine.model, swapped, index_B, with_entropy=False)[0]
+    assert len(set(rollout.prompt_mask_BP.sum(1).tolist())) > 1  # the batch is left padded
+    assert any(not inputs.image_tensors for inputs in rollout.image_inputs_B)  # and holds a row without image
+    full = engine.sequence_logprobs(engine.model, rollout, torch.arange(len(rollout)), with_entropy=False)[0]
     mask = rollout.completion_mask_BT.bool()
-    assert not torch.allclose(own[mask], other[mask])
+    for k in range(len(rollout)):
+        alone = engine.sequence_logprobs(engine.model, rollout, torch.tensor([k]), with_entropy=False)[0][0]
+        torch.testing.assert_close(alone[mask[k]], full[k][mask[k]], rtol=1e-5, atol=1e-5)
+        ids, (inputs,) = processed_prompts(processor, [rollout.prompts[k]],
+                                           [[rollout.columns["image"][k]] if rollout.columns["image"][k] else []])
+        prompt_ids = torch.tensor(ids)
+        fresh = full_logits(engine.model, prompt_ids, torch.ones_like(prompt_ids), rollout.completion_ids_BT[k:k + 1],
+                            rollout.completion_mask_BT[k:k + 1],
+                            model_inputs(inputs and [inputs], torch.ones_like(prompt_ids),
+                                         rollout.completion_ids_BT.shape[1])).log_softmax(-1)
+        fresh_BT = fresh.gather(-1, rollout.completion_ids_BT[k:k + 1, :, None])[0, :, 0]
+        torch.testing.assert_close(fresh_BT[mask[k]], full[k][mask[k]], rtol=1e-4, atol=1e-4)
+    swapped = copy.copy(rollout)
+    with_image = [k for k, inputs in enumerate(rollout.image_inputs_B) if inputs.image_tensors]
+    swapped.image_inputs_B = list(rollout.image_inputs_B)
+    first, second = with_image[0], next(k for k in with_image if rollout.columns["answer"][k] !=
+                                        rollout.columns["answer"][with_image[0]])
+    swapped.image_inputs_B[first] = rollout.image_inputs_B[second]
+    other = engine.sequence_logprobs(engine.model, swapped, torch.tensor([first]), with_entropy=False)[0][0]
+    assert not torch.allclose(other[mask[first]], full[first][mask[first]])
 
 
 def test_model_inputs_place_per_token_fields_under_left_padding():
@@ -109,37 +143,37 @@ def test_images_go_before_the_first_user_text_as_trl_places_them():
     assert placed[2]["content"] == [{"type": "text", "text": "Again?"}]
 
 
-def _trl_batch(session, rollout, advantages_B) -> dict:
-    """The inputs of TRL's ``_compute_loss`` for ``rollout``, its images processed as TRL 1.16's
-    ``_generate_and_score_completions`` processes them (its own message and template functions)."""
+def _trl_batch(session, rollout, rows: torch.Tensor) -> dict:
+    """The inputs of TRL's ``_compute_loss`` for the completions ``rows`` of ``rollout`` (one
+    micro-batch), its images processed as TRL 1.16's ``_generate_and_score_completions`` processes
+    them (its own message and template functions), without advantages and log-probs."""
     from trl.data_utils import apply_chat_template, prepare_multimodal_messages
 
     processor = session.engine.processor
-    images = [[image] for image in rollout.columns["image"]]
-    prompts = [prepare_multimodal_messages(prompt, images=image) for prompt, image in zip(rollout.prompts, images)]
+    images = [[rollout.columns["image"][row]] for row in rows.tolist()]
+    prompts = [prepare_multimodal_messages(rollout.prompts[row], images=image) for row, image in zip(rows, images)]
     texts = [apply_chat_template({"prompt": prompt}, processor)["prompt"] for prompt in prompts]
     processed = processor(images=images, text=texts, padding=True, return_tensors="pt")
-    assert torch.equal(processed["input_ids"], rollout.prompt_ids_BP)  # the same prompt tokens as generation's
+    assert torch.equal(processed["input_ids"], rollout.prompt_ids_BP[rows])  # the prompt tokens generation had
     forward = {key: value for key, value in processed.items() if key not in ("input_ids", "attention_mask")}
     if "token_type_ids" in forward:  # TRL extends it with zeros over the completion
         forward["token_type_ids"] = torch.cat(
-            [forward["token_type_ids"], forward["token_type_ids"].new_zeros(rollout.completion_ids_BT.shape)], dim=1)
-    return {
-        "prompt_ids": rollout.prompt_ids_BP, "prompt_mask": rollout.prompt_mask_BP,
-        "completion_ids": rollout.completion_ids_BT, "completion_mask": rollout.completion_mask_BT,
-        "advantages": advantages_B, "num_items_in_batch": rollout.completion_mask_BT.sum(),
-        "num_images": [1] * len(rollout), **forward,
-    }
+            [forward["token_type_ids"], forward["token_type_ids"].new_zeros(rollout.completion_ids_BT[rows].shape)], 1)
+    return {"prompt_ids": rollout.prompt_ids_BP[rows], "prompt_mask": rollout.prompt_mask_BP[rows],
+            "completion_ids": rollout.completion_ids_BT[rows], "completion_mask": rollout.completion_mask_BT[rows],
+            "num_images": [1] * len(rows), **forward}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_and_gradients_equal_trl_on_a_vlm(family, tmp_path):
+    """One optimizer step of two micro-batches with a KL term: the reference log-probs and the loss
+    and gradients of grpo_lab's passes equal TRL's on the same model (reference: its copy) and tensors."""
     from trl import GRPOTrainer as TRLTrainer
     from trl.trainer.utils import add_fused_lm_head
 
-    session = vlm_session(family, tmp_path, beta=0.0)
+    session = vlm_session(family, tmp_path, beta=0.04, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trl_model, trl_reference = copy.deepcopy(session.model), copy.deepcopy(session.model)  # the weights of step 0
     rollout = session.generate()
-    trl_model = copy.deepcopy(session.model)  # the weights the loss is taken at
     session.score()
     advantages = session.advantages()
     result = session.loss()
@@ -147,12 +181,27 @@ def test_loss_and_gradients_equal_trl_on_a_vlm(family, tmp_path):
 
     trainer = TRLTrainer.__new__(TRLTrainer)
     _trl_attributes(trainer, session.config, session.engine.accelerator, False)
-    add_fused_lm_head(trl_model, temperature=session.config.temperature, outputs=("log_probs", "entropy"))
+    for model in (trl_model, trl_reference):
+        add_fused_lm_head(model, temperature=session.config.temperature, outputs=("log_probs", "entropy"))
     trl_model.train()
-    loss = trainer._compute_loss(trl_model, _trl_batch(session, rollout, advantages.advantages_B))
-    loss.backward()
+    total = 0.0
+    for rows in torch.arange(8).view(2, 4):
+        batch = _trl_batch(session, rollout, rows)
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        forward = {key: batch[key] for key in ("pixel_values", "token_type_ids", "num_images") if key in batch}
+        with torch.no_grad():
+            reference = trainer._get_per_token_logps_and_entropies(
+                trl_reference, input_ids, attention, batch["completion_ids"].shape[1], **forward)[0]
+        mask = batch["completion_mask"].bool()
+        torch.testing.assert_close(reference[mask], rollout.ref_logprobs_BT[rows][mask], rtol=1e-5, atol=1e-5)
+        loss = trainer._compute_loss(trl_model, {
+            **batch, "advantages": advantages.advantages_B[rows], "ref_per_token_logps": reference,
+            "num_items_in_batch": rollout.completion_mask_BT.sum()})
+        loss.backward()
+        total += float(loss.detach())
     theirs = {name: param.grad for name, param in trl_model.named_parameters() if param.grad is not None}
-    assert result.loss == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    assert result.micro_batches == 2 and result.loss == pytest.approx(total, rel=1e-5, abs=1e-7)
     assert set(ours) == set(theirs) and any("vision" in name for name in ours)
     for name, grad in ours.items():
         torch.testing.assert_close(grad, theirs[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -205,13 +254,16 @@ def test_a_vlm_loads_by_path_with_its_processor(tmp_path):
     assert len(session.generate()) == 8
 
 
-def test_a_fork_of_a_vlm_session_keeps_its_processor(tmp_path):
+def test_a_fork_of_a_vlm_session_keeps_its_processor_and_steps_as_the_session(tmp_path):
     session = vlm_session("llava", tmp_path)
     session.step()
     fork = session.fork()
     assert fork.engine.processor is session.engine.processor
     fork.step()
+    session.step()
     assert fork.history["step"].tolist() == [1, 2]
+    for (name, ours), theirs in zip(fork.model.state_dict().items(), session.model.state_dict().values()):
+        assert torch.equal(ours, theirs), name
 
 
 def test_prompts_that_place_their_images_and_an_images_column_of_two(tmp_path):
@@ -243,14 +295,26 @@ def test_prompt_counts_hold_the_image_tokens_at_build_and_per_batch(tmp_path, mo
     given, image tokens included: counted at build, or (a larger dataset) as each batch is drawn."""
     import grpo_lab.core.build
 
-    session = vlm_session("gemma3", tmp_path)
-    rollout = session.generate()
+    from trl.data_utils import apply_chat_template, prepare_multimodal_messages
+
+    model, processor = tiny_vlm("gemma3")
+    dataset = varied_dataset(16)
+    session = GRPOSession(model, colour_reward, args=vlm_config(tmp_path), train_dataset=dataset,
+                          processing_class=processor)
     counted = session.engine.counted_prompt_tokens()
-    assert len(counted) == 16 and set(counted) == set(rollout.prompt_mask_BP.sum(1).tolist())
-    text_only = len(session.tokenizer.apply_chat_template(make_dataset(1)[0]["prompt"], add_generation_prompt=True))
+    by_hand = []  # each row processed as TRL processes it, alone
+    for row in dataset:
+        images = [row["image"]] if row["image"] is not None else None
+        text = apply_chat_template({"prompt": prepare_multimodal_messages(row["prompt"], images=images)},
+                                   processor)["prompt"]
+        by_hand.append(len(processor(text=[text], images=[images] if images else None)["input_ids"][0]))
+    assert counted == by_hand and len(set(counted)) > 2
+    text_only = len(session.tokenizer.apply_chat_template(dataset[0]["prompt"], add_generation_prompt=True))
     assert counted[0] > text_only  # the image's tokens are in it
+    counted = [max(counted)]  # the longest prompt, for the per-batch check below
     monkeypatch.setattr(grpo_lab.core.build, "VISION_COUNT_ROWS", 4)
     larger = vlm_session("gemma3", tmp_path / "larger", max_completion_length=200)
+    counted = [session.engine.counted_prompt_tokens()[0]]  # make_dataset's prompts are all alike
     assert larger.engine.counted_prompt_tokens() is None
     room = larger.engine.generation_stage.context - counted[0]  # the longest prompt's room, image tokens counted
     larger.config.max_completion_length = room + 1
@@ -298,12 +362,35 @@ def test_a_tokenizer_given_images_is_refused(tmp_path):
                     processing_class=processor.tokenizer)
 
 
-@pytest.mark.parametrize("setting", [{"use_vllm": True}, {"use_transformers_continuous_batching": True}])
-def test_generation_paths_that_take_no_images_are_refused(setting, tmp_path):
+def _add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+class _Counter:
+    def reset(self, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("setting, given", [
+    ("use_vllm=True", {"args": {"use_vllm": True}}),
+    ("use_transformers_continuous_batching=True", {"args": {"use_transformers_continuous_batching": True}}),
+    ("async_generation=True", {"args": {"async_generation": True}}),
+    ("rollout_func", {"rollout_func": lambda prompts, trainer: {}}),
+    ("tools", {"tools": [_add]}),
+    ("environment_factory", {"environment_factory": _Counter}),
+])
+def test_generation_paths_that_take_no_images_are_refused(setting, given, tmp_path):
     model, processor = tiny_vlm("llava")
-    with pytest.raises(ValueError, match=f"{next(iter(setting))}=True does not take a vision-language model's images"):
-        GRPOSession(model, colour_reward, args=vlm_config(tmp_path, **setting), train_dataset=make_dataset(4),
-                    processing_class=processor)
+    extra = {key: value for key, value in given.items() if key != "args"}
+    with pytest.raises(ValueError, match=f"^{re.escape(setting)} does not take a vision-language model's images"):
+        GRPOSession(model, colour_reward, args=vlm_config(tmp_path, **given.get("args", {})),
+                    train_dataset=make_dataset(4), processing_class=processor, **extra)
 
 
 def test_the_colour_task_rows_and_reward():
@@ -385,9 +472,20 @@ def test_an_exported_vlm_session_script_reproduces_the_first_step(tmp_path):
 
 
 def test_the_doctor_probes_a_vlm_session(tmp_path):
-    """The probe generates with the images again (a longer limit for its truncation check)."""
-    findings = vlm_session("llava", tmp_path).doctor()
-    assert "truncation" in [finding.code for finding in findings]
+    """The probe's batches (the first, and the one generated again with a longer limit for the
+    truncation check) go to the model with their images, and reward functions get them."""
+    images_seen = []
+
+    def image_count(completions, image, **kwargs):
+        images_seen.append(sum(picture is not None for picture in image))
+        return [0.0] * len(completions)
+
+    session = vlm_session("llava", tmp_path, rewards=(colour_reward, spread_reward, image_count))
+    findings = session.doctor()
+    truncation = next(finding for finding in findings if finding.code == "truncation")
+    assert any("generated again" in f"{key} {value}" for key, value in truncation.evidence.items())
+    assert images_seen and all(count == 8 for count in images_seen)
+    assert session.rollout is None and session.engine.global_step == 0  # the probe leaves the run as it was
 
 
 def test_a_recipe_trains_a_vlm_with_its_processor_settings(tmp_path):
@@ -411,3 +509,76 @@ def test_a_recipe_trains_a_vlm_with_its_processor_settings(tmp_path):
     trainer.train()
     pixels = trainer.session.last_trained.advantages.scores.rollout.image_inputs_B[0].image_tensors["pixel_values"]
     assert pixels.min() >= 0 and pixels.max() <= 1  # rescaled, not normalised: the setting reached the images
+
+
+def test_a_vlm_trains_on_rows_without_images(tmp_path):
+    """A vision-language model given a text-only dataset (chat prompts, or plain strings: rendered
+    through the processor, as TRL does) trains."""
+    model, processor = tiny_vlm("gemma3")
+    text = make_dataset(8).remove_columns("image")
+    strings = Dataset.from_dict({"prompt": ["Which colour is red? Answer: "] * 8, "answer": ["red"] * 8})
+    for train in (text, strings):
+        session = GRPOSession(model, [colour_reward, spread_reward], args=vlm_config(tmp_path), train_dataset=train,
+                              processing_class=processor)
+        rollout = session.generate()
+        assert all(not inputs.image_tensors for inputs in rollout.image_inputs_B)
+        assert session.step()["step"] == 1
+
+
+def test_an_eval_set_with_images_is_evaluated_with_them(tmp_path):
+    seen = []
+
+    def image_sizes(completions, image, **kwargs):
+        seen.append([picture.size for picture in image])
+        return [0.0] * len(completions)
+
+    model, processor = tiny_vlm("llava")
+    session = GRPOSession(model, [colour_reward, image_sizes], args=vlm_config(tmp_path), train_dataset=make_dataset(8),
+                          eval_dataset=make_dataset(4, seed=7), processing_class=processor)
+    metrics = session.evaluate()
+    assert "eval_reward" in metrics and seen == [[(28, 28)] * 16]  # 4 rows, num_generations each
+
+
+def test_a_lora_vlm_checkpoint_resumes_exactly(tmp_path):
+    """LoRA on a LLaVA (peft has no auto class for it): the adapter is saved, and the run loaded from
+    the checkpoint ends where an uninterrupted one does."""
+    from peft import LoraConfig
+
+    model, processor = tiny_vlm("llava")
+    model.save_pretrained(tmp_path / "vlm")  # the adapter's base model, which loading the checkpoint reads
+    processor.save_pretrained(tmp_path / "vlm")
+
+    def lora_session(folder):
+        return GRPOSession(str(tmp_path / "vlm"), [colour_reward, spread_reward], args=vlm_config(folder),
+                           train_dataset=make_dataset(16),
+                           peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    straight = lora_session(tmp_path / "a")
+    straight.step()
+    straight.step()
+    stopped = lora_session(tmp_path / "b")
+    stopped.step()
+    stopped.save(tmp_path / "saved")
+    assert (tmp_path / "saved" / "adapter_config.json").exists()
+    resumed = GRPOSession.load(tmp_path / "saved", reward_funcs=[colour_reward, spread_reward],
+                               train_dataset=make_dataset(16))
+    assert type(resumed.model.get_base_model()).__name__ == "LlavaForConditionalGeneration"
+    resumed.step()
+    for (name, ours), theirs in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+
+
+@pytest.mark.parametrize("mode", ["P", "RGBA", "L", "CMYK"])
+def test_a_saved_batchs_images_come_back_pixel_for_pixel(mode):
+    from PIL import Image
+
+    from grpo_lab.rollout.vision import restored_images, stored_images
+
+    image = square_image("green", seed=5).convert(mode)
+    columns = {"image": [image, None], "answer": ["green", "red"]}
+    stored = stored_images(columns)
+    assert isinstance(stored["image"][0], dict) and stored["answer"] == ["green", "red"]
+    back = restored_images(stored)["image"][0]
+    assert isinstance(back, Image.Image) and back.mode == mode and back.tobytes() == image.tobytes()
+    if mode == "P":
+        assert back.getpalette() == image.getpalette()

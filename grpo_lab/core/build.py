@@ -199,28 +199,10 @@ def tokenizer_for(model, processing_class, config: GRPOConfig):
     return prepare_tokenizer(processing_class), None, name
 
 
-def load_policy(model, config: GRPOConfig, processing_class, quantization_config, train_dataset, eval_dataset,
-                generation: tuple):
+def load_policy(model, config: GRPOConfig, quantization_config=None):
     """The model to train (loaded where ``model`` is a path, ``quantization_config`` merged in as TRL
-    does), refused where the datasets' images cannot go to it or the generation settings
-    (``generation``: the rollout function, tools and environment factory given) cannot take them
-    (:func:`grpo_lab.rollout.vision.check_image_training`), or where the tokenizer (``processing_class``'s)
-    has ids it has no embeddings for."""
-    policy = load_causal_lm(model, with_quantization(model, config.model_kwargs(), quantization_config))
-    datasets = [(name, dataset, dataset is not None and not is_stream(dataset) and len(dataset) <= PROMPT_CHECK_ROWS)
-                for name, dataset in named_datasets(train_dataset, eval_dataset)]
-    custom = dict(zip(("rollout_func", "tools", "environment_factory"), generation, strict=True))
-    check_image_training(processing_class, policy, config, datasets, custom)
-    tokenizer = processing_class.tokenizer if is_vision_processor(processing_class) else processing_class
-    embeddings = policy.get_input_embeddings()
-    if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
-        raise ValueError(
-            f"The tokenizer has {len(tokenizer)} tokens but the model has embeddings for only "
-            f"{embeddings.num_embeddings}: token ids from {embeddings.num_embeddings} on have none. Give the model's "
-            "own tokenizer (processing_class), or grow the model's embeddings to the tokenizer before building the "
-            "session: model.resize_token_embeddings(len(tokenizer))."
-        )
-    return policy
+    does)."""
+    return load_causal_lm(model, with_quantization(model, config.model_kwargs(), quantization_config))
 
 
 def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dataset, *, custom_rollout: bool,
@@ -249,13 +231,14 @@ def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dat
 
 def counted_prompts(dataset, name: str, tokenizer, processor, config: GRPOConfig) -> list[int] | None:
     """Every prompt's token count of ``dataset`` (called ``name``), or None for a stream or a dataset
-    too large to count at build. With a vision-language model's ``processor``, a dataset with images
-    is processed with them, so that the counts hold the image tokens (up to ``VISION_COUNT_ROWS``
-    rows)."""
+    too large to count at build. With a vision-language model's ``processor``, the prompts are
+    rendered as generation renders them, through the processor, with their images, so that the counts
+    hold the image tokens (up to ``VISION_COUNT_ROWS`` rows with images)."""
     if dataset is None or is_stream(dataset):
         return None
-    if processor is not None and image_column(dataset.column_names) is not None:
-        if len(dataset) > VISION_COUNT_ROWS:
+    if processor is not None:
+        images = image_column(dataset.column_names) is not None
+        if len(dataset) > (VISION_COUNT_ROWS if images else PROMPT_CHECK_ROWS):
             return None
         return dataset_prompt_lengths(processor, dataset, config.chat_template_kwargs, name)
     if len(dataset) > PROMPT_CHECK_ROWS:
@@ -289,9 +272,24 @@ def log_setting_notes(config: GRPOConfig) -> None:
         )
 
 
-def check_policy(policy, config: GRPOConfig) -> None:
-    """Refuse a load-balancing loss weight for a model without router logits; let 4-bit layers pass
-    gradients on."""
+def check_policy(policy, config: GRPOConfig, processing_class, datasets: tuple, custom: dict) -> None:
+    """Refuse what the policy cannot train on, each named with the fix: images it or the processing
+    class cannot take, or that the generation settings (``custom``: the rollout function, tools and
+    environment factory given) cannot (:func:`grpo_lab.rollout.vision.check_image_training`; in the
+    train and eval ``datasets``); tokenizer ids it has no embeddings for; a load-balancing loss weight
+    for a model without router logits. Lets 4-bit layers pass gradients on."""
+    checked = [(name, dataset, dataset is not None and not is_stream(dataset) and len(dataset) <= PROMPT_CHECK_ROWS)
+               for name, dataset in named_datasets(*datasets)]
+    check_image_training(processing_class, policy, config, checked, custom)
+    tokenizer = processing_class.tokenizer if is_vision_processor(processing_class) else processing_class
+    embeddings = policy.get_input_embeddings()
+    if embeddings is not None and len(tokenizer) > embeddings.num_embeddings:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model has embeddings for only "
+            f"{embeddings.num_embeddings}: token ids from {embeddings.num_embeddings} on have none. Give the model's "
+            "own tokenizer (processing_class), or grow the model's embeddings to the tokenizer before building the "
+            "session: model.resize_token_embeddings(len(tokenizer))."
+        )
     router_aux_loss_weight(policy, config.router_aux_loss_coef)
     keep_4bit_layers_differentiable(policy)
 

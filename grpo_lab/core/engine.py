@@ -68,8 +68,9 @@ class Engine:
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
         self.tokenizer, self.processor, name = build.tokenizer_for(model, processing_class, config)
-        policy = build.load_policy(model, config, self.processing_class, quantization_config, train_dataset,
-                                   eval_dataset, (rollout_func, tools, environment_factory))
+        policy = build.load_policy(model, config, quantization_config)
+        build.check_policy(policy, config, self.processing_class, (train_dataset, eval_dataset),
+                           dict(rollout_func=rollout_func, tools=tools, environment_factory=environment_factory))
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
         context, prompt_tokens, counted_dataset = build.check_prompts(
             policy, self.tokenizer, config, train_dataset if plain else None, eval_dataset if plain else None,
@@ -77,7 +78,6 @@ class Engine:
         self.generation_stage = GenerationStage(self, context=context, prompt_tokens=prompt_tokens,
                                                 counted_dataset=counted_dataset)
         self.loss_stage, self.evaluation_stage = LossStage(self), EvaluationStage(self)
-        build.check_policy(policy, config)
         self.model_reference = build.model_reference(model, name)
         vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, self.tokenizer, config)
         policy, self.is_peft = build.adapt_policy(policy, config, peft_config, self.accelerator)
@@ -115,7 +115,7 @@ class Engine:
         self.step_events: Callable[[str], None] | None = None  # see step_event
         self.torn: str | None = None  # what a second Ctrl-C stopped midway, or None: see mark_torn
         note_speed_paths(self.unwrapped_model, self.speed_paths, config, images=self.processor is not None,
-                               main_process=self.accelerator.is_main_process)
+                         main_process=self.accelerator.is_main_process)
 
     def set_reward_functions(self, funcs: list, processing_classes: list, names: list[str]) -> None:
         """Score with ``funcs`` (prepared, with their processing classes and names) from the next

@@ -189,10 +189,11 @@ class GenerationStage:
         engine = self.engine
         first = {index: position for position, index in reversed(list(enumerate(indices)))}
         prompts = [rows["prompt"][first[index]] for index in drawn]
-        column = image_column(rows)
-        if engine.processor is None or column is None:
+        if engine.processor is None:
             return prompt_token_counts(prompts, engine.tokenizer, engine.config.chat_template_kwargs, rows=drawn)
-        images = row_images({column: [rows[column][first[index]] for index in drawn]}, column, len(drawn))
+        column = image_column(rows)
+        images = row_images({column: [rows[column][first[index]] for index in drawn]} if column else {}, column,
+                            len(drawn))
         return prompt_lengths(engine.processor, prompts, images, engine.config.chat_template_kwargs, rows=drawn)
 
     def check_policy_version(self, batch, lag: int = 0) -> None:

@@ -109,7 +109,8 @@ def load_tokenizer(name_or_path: str, **kwargs):
     """The tokenizer for ``name_or_path``, padding on the left, with a pad token; for a vision-language
     model's directory (one with a processor's settings), its processor, whose tokenizer is prepared."""
     check_model_reference(name_or_path, model=False)
-    if any(os.path.isfile(os.path.join(name_or_path, file)) for file in PROCESSOR_FILES):
+    if any(os.path.isfile(os.path.join(name_or_path, file)) for file in PROCESSOR_FILES) or (
+            not os.path.isdir(name_or_path) and _hub_vision_checkpoint(name_or_path, kwargs)):
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
@@ -118,6 +119,15 @@ def load_tokenizer(name_or_path: str, **kwargs):
             return processor
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     return prepare_tokenizer(tokenizer)
+
+
+def _hub_vision_checkpoint(name: str, kwargs: dict) -> bool:
+    """Whether hub id ``name`` holds a vision-language model (False where it holds no model config: a
+    tokenizer's repository)."""
+    try:
+        return is_vision_checkpoint(name, kwargs)
+    except (OSError, ValueError):
+        return False
 
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
@@ -170,13 +180,28 @@ def load_causal_lm(model, model_init_kwargs: dict | None = None) -> PreTrainedMo
     name = str(model)
     check_model_reference(name, subfolder=(model_init_kwargs or {}).get("subfolder"))
     kwargs = model_init_kwargs or {}
-    reading = {key: kwargs[key] for key in ("trust_remote_code", "subfolder") if key in kwargs}
-    config = AutoConfig.from_pretrained(name, **reading)
-    if getattr(config, "vision_config", None) is not None:  # a vision-language model, loaded as TRL loads one
+    if is_vision_checkpoint(name, kwargs):  # a vision-language model, loaded as TRL loads one
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText.from_pretrained(name, **kwargs)
     return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+
+HUB_KWARGS = ("trust_remote_code", "subfolder", "revision", "token", "cache_dir", "local_files_only",
+              "force_download", "proxies")
+"""The keyword arguments of ``from_pretrained`` that say where a model's files are (the others build it)."""
+
+
+def is_vision_checkpoint(name: str, model_init_kwargs: dict | None = None) -> bool:
+    """Whether the model at ``name`` (a directory or hub id) is a vision-language model: its config has
+    a ``vision_config``. A directory holding a PEFT adapter answers for its base model."""
+    kwargs = {key: value for key, value in (model_init_kwargs or {}).items() if key in HUB_KWARGS}
+    folder = os.path.join(name, kwargs.get("subfolder") or "")
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        from peft import PeftConfig
+
+        name, kwargs = PeftConfig.from_pretrained(folder).base_model_name_or_path, {}
+    return getattr(AutoConfig.from_pretrained(name, **kwargs), "vision_config", None) is not None
 
 
 class Float32Head(torch.nn.Linear):

@@ -79,7 +79,7 @@ def completion_logits(model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, c
     loss with ``router_aux_loss`` (router logits on), else None. A vision-language model's image
     inputs (``model_inputs``) keep the pass on the plain path, the one that takes them."""
     rows = (model, prompt_ids_BP, prompt_mask_BP, completion_ids_BT, completion_mask_BT)
-    if model_inputs:
+    if model_inputs is not None:
         share_prompt_prefix = False
     while True:
         path = pick_path(model, completion_mask_BT, speed_paths, share_prompt_prefix=share_prompt_prefix,

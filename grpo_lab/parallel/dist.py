@@ -59,7 +59,7 @@ def _forget_other_precision(mixed: str) -> None:
 
 def find_unused_parameters(accelerator) -> None:
     """Have DDP (where the run is data parallel) look, each backward pass, for parameters it left
-    without gradients, rather than wait for them forever."""
+    without gradients; otherwise the next step fails, waiting for their reduction."""
     from accelerate.utils import DistributedDataParallelKwargs
 
     if accelerator.ddp_handler is None:

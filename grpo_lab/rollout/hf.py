@@ -274,10 +274,12 @@ class TransformersBackend:
         check_cache_device(config.cache_implementation, self.accelerator.device)  # it may change between steps
         generation_kwargs = config.generation_kwargs
         if image_inputs is not None:
-            check_takes_images(config)
+            check_takes_images(config)  # the build refused it; a live edit may have turned it on since
             image_token = vision.image_token_id(self._model_fn())
             if image_token is not None:  # as TRL: a sampled image token would not match the image features
-                generation_kwargs = {"suppress_tokens": [image_token], **(generation_kwargs or {})}
+                given = dict(generation_kwargs or {})
+                others = [token for token in given.get("suppress_tokens") or [] if token != image_token]
+                generation_kwargs = {**given, "suppress_tokens": [image_token, *others]}
         settings = sampling_config(
             self.tokenizer, max_new_tokens=config.max_completion_length, temperature=config.temperature,
             top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,

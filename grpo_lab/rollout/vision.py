@@ -77,8 +77,8 @@ def _is_image(value) -> bool:
 def image_problem(value, column: str) -> str | None:
     """Why ``value`` cannot be the ``column`` of a row, or None when it can."""
     values = [value] if column == "image" else value
-    if column == "images" and not isinstance(value, (list, tuple)):
-        return f"has type {type(value).__name__}, not a list of images"
+    if column == "images" and value is not None and not isinstance(value, (list, tuple)):
+        return f"has type {type(value).__name__}, not a list of images (or None)"
     for position, image in enumerate(values or []):
         if image is None and column == "image":
             continue
@@ -116,13 +116,17 @@ def check_image_rows(dataset, name: str = "train_dataset") -> None:
                 f"feature){', or None for a row without one' if column == 'image' else ''}; repair or drop the row."
             )
         placed = image_placeholders(prompt)
-        given = len(row_images({column: [rows[row][column] if declared else images]}, column, 1)[0]) if placed else 0
-        if placed and placed != given:
-            raise ValueError(
-                f"{name} row {row}: the prompt places {placed} image(s) ({{'type': 'image'}} parts) but the row has "
-                f"{given} in its {column!r} column. Give one placeholder per image, or none (the images then go "
-                "before the first user message's text, as TRL places them)."
-            )
+        room = any(message["role"] == "user" and isinstance(message.get("content"), str) for message in prompt)
+        if placed or not room:  # the images must match the placeholders, or have a user text to go before
+            given = len(row_images({column: [rows[row][column] if declared else images]}, column, 1)[0])
+            if given and placed != given:
+                where = (f"places {placed} image(s) ({{'type': 'image'}} parts)" if placed else
+                         "places no image and has no user message given as a string to put them before")
+                raise ValueError(
+                    f"{name} row {row}: the prompt {where}, but the row has {given} in its {column!r} column. Give "
+                    "one {'type': 'image'} part per image, or none and a user message whose content is a string "
+                    "(the images then go before its text, as TRL places them)."
+                )
 
 
 def check_vision_parts(processing_class, model, column: str | None, name: str = "train_dataset") -> None:
@@ -157,8 +161,8 @@ def check_image_training(processing_class, policy, config, datasets: list[tuple[
             check_image_rows(dataset, name)
     if not is_vision_processor(processing_class):
         return
-    unsupported = [(f"{setting}=True", f"{setting}=False")
-                   for setting in ("use_vllm", "use_transformers_continuous_batching") if getattr(config, setting)]
+    unsupported = [(f"{setting}=True", f"{setting}=False") for setting in
+                   ("use_vllm", "use_transformers_continuous_batching", "async_generation") if getattr(config, setting)]
     unsupported += [(setting, f"no {setting}") for setting, given in custom.items() if given]
     if unsupported:
         setting, fix = unsupported[0]
@@ -189,6 +193,11 @@ def multimodal_messages(messages: list[dict], images: list) -> list[dict]:
                 placed = True
             message = {**message, "content": parts}
         result.append(message)
+    if not placed:
+        raise ValueError(
+            f"A prompt has {len(images)} image(s) but no {{'type': 'image'}} part and no user message given as a "
+            "string to put them before: place them with {'type': 'image'} parts, one per image."
+        )
     return result
 
 
@@ -205,8 +214,8 @@ def prompt_lengths(processor, prompts: list, images: list[list], chat_template_k
     from grpo_lab.rollout.prompts import prompt_problem
 
     rows = list(range(len(prompts))) if rows is None else rows
-    for row, prompt in zip(rows, prompts, strict=True):
-        problem = prompt_problem(prompt, image_parts=True)
+    for row, prompt, row_given in zip(rows, prompts, images, strict=True):
+        problem = prompt_problem(prompt, image_parts=True) or image_problem(row_given, "images")
         if problem is not None:
             raise ValueError(f"{dataset} row {row}: the prompt {problem}. Repair or drop the row.")
     ids, _ = processed_prompts(processor, prompts, images, chat_template_kwargs)
@@ -224,20 +233,21 @@ def dataset_prompt_lengths(processor, dataset, chat_template_kwargs: dict | None
 
 
 def processed_prompts(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None,
-                      tools: list | None = None) -> tuple[list[list[int]], list[ImageInputs]]:
-    """``(token ids, image inputs)`` of each prompt (chat messages) with its images, from ``processor``:
-    the chat template renders the messages with the images' placeholders, and the processor expands
-    them to the model's image tokens. A prompt equal to the one before it with the same images (the
-    copies of a group) reuses that result."""
+                      ) -> tuple[list[list[int]], list[ImageInputs]]:
+    """``(token ids, image inputs)`` of each prompt with its images, from ``processor``, as TRL renders
+    them for a vision-language model: chat messages through the processor's chat template, with the
+    images' placeholders, which the processor expands to the model's image tokens; a plain-text
+    prompt (a row without images) as it is. A prompt equal to the one before it with the same images
+    (the copies of a group) reuses that result."""
     ids_B, inputs_B = [], []
     for position, (prompt, prompt_images) in enumerate(zip(prompts, images, strict=True)):
         if position > 0 and prompt == prompts[position - 1] and prompt_images == images[position - 1]:
             ids_B.append(ids_B[-1])
             inputs_B.append(inputs_B[-1])
             continue
-        text = processor.apply_chat_template(
+        text = prompt if isinstance(prompt, str) else processor.apply_chat_template(
             multimodal_messages(prompt, prompt_images), tokenize=False, add_generation_prompt=True,
-            **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}),
+            **(chat_template_kwargs or {}),
         )
         output = processor(text=[text], images=[prompt_images] if prompt_images else None, return_tensors="pt",
                            add_special_tokens=False)
@@ -257,19 +267,31 @@ def processed_prompts(processor, prompts: list, images: list[list], chat_templat
 
 def model_inputs(rows: list[ImageInputs], prompt_mask_BP: torch.Tensor, completion_width: int = 0, *,
                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's extra inputs for a batch whose prompts are ``rows`` (left padded: ``prompt_mask_BP``)
-    followed by ``completion_width`` completion tokens: image tensors concatenated over the rows
-    (floating ones cast to ``dtype``), per-token fields placed at each prompt's tokens, zeros on the
-    padding and the completion. On ``prompt_mask_BP``'s device."""
+    """The model's extra inputs for a batch of B rows whose prompts are ``rows``' (left padded to P
+    tokens: ``prompt_mask_BP``), each followed by T = ``completion_width`` completion tokens: every
+    image tensor concatenated over the rows along its first dimension, ``(N, ...)`` for the rows'
+    N images (or patches), floating ones cast to ``dtype``; every per-token field ``(B, P + T)``, each
+    row's values at its prompt's tokens and zeros on the padding and the completion. On
+    ``prompt_mask_BP``'s device. Refuses image tensors whose shapes past the first dimension differ
+    between prompts (families that pad each processor call's images to its widest, such as
+    LLaVA-NeXT's tiles), which concatenating would misalign."""
     device = prompt_mask_BP.device
     inputs: dict[str, torch.Tensor] = {}
     for key in dict.fromkeys(key for row in rows for key in row.image_tensors):
         parts = [row.image_tensors[key] for row in rows if key in row.image_tensors]
+        shapes = {tuple(part.shape[1:]) for part in parts}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"The processor gave prompts {key!r} of different shapes past their first dimension "
+                f"({sorted(shapes)[:2]}), which grpo_lab cannot put in one batch: this model family pads images "
+                "per processor call. Give images of one size (resize them in the dataset) to train it."
+            )
         value = torch.cat(parts).to(device)
         inputs[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
     B, P = prompt_mask_BP.shape
     for key in dict.fromkeys(key for row in rows for key in row.token_fields):
-        values_BL = torch.zeros(B, P + completion_width, dtype=torch.long, device=device)
+        kind = next(row.token_fields[key].dtype for row in rows if key in row.token_fields)
+        values_BL = torch.zeros(B, P + completion_width, dtype=kind, device=device)
         for b, row in enumerate(rows):
             if key in row.token_fields:
                 values = row.token_fields[key]
@@ -284,15 +306,22 @@ STORED_IMAGE = "grpo_lab.image"
 
 def stored_images(value):
     """``value`` (a batch's columns) with every PIL image replaced by plain values a checkpoint loads
-    without unpickling code: ``{STORED_IMAGE: (H, W, C) uint8 tensor, "mode": ...}``."""
+    without unpickling code: ``{STORED_IMAGE: the image as lossless PNG bytes}`` (TIFF for a mode PNG
+    cannot hold), which keep its mode and palette."""
     if isinstance(value, dict):
         return {key: stored_images(item) for key, item in value.items()}
     if isinstance(value, list):
         return [stored_images(item) for item in value]
     if _is_image(value):
-        import numpy as np
+        import io
 
-        return {STORED_IMAGE: torch.from_numpy(np.array(value)), "mode": value.mode}
+        buffer = io.BytesIO()
+        try:
+            value.save(buffer, format="PNG")
+        except OSError:  # a mode PNG does not take (CMYK, 32-bit float)
+            buffer = io.BytesIO()
+            value.save(buffer, format="TIFF")
+        return {STORED_IMAGE: buffer.getvalue()}
     return value
 
 
@@ -300,9 +329,13 @@ def restored_images(value):
     """``value`` with the images :func:`stored_images` stored made PIL images again (pixel for pixel)."""
     if isinstance(value, dict):
         if STORED_IMAGE in value:
+            import io
+
             from PIL import Image
 
-            return Image.fromarray(value[STORED_IMAGE].numpy(), mode=value["mode"])
+            image = Image.open(io.BytesIO(value[STORED_IMAGE]))
+            image.load()
+            return image
         return {key: restored_images(item) for key, item in value.items()}
     if isinstance(value, list):
         return [restored_images(item) for item in value]

@@ -30,7 +30,7 @@ from grpo_lab.parallel.dist import (
     gather_to_main, launched_processes, on_main,
 )
 from grpo_lab.config.live import rebuilt_fields
-from grpo_lab.core.models import cast_lm_head_to_fp32, load_causal_lm, load_tokenizer
+from grpo_lab.core.models import cast_lm_head_to_fp32, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from grpo_lab.rollout.environments import user_reward_funcs
 from grpo_lab.rollout.vision import restored_images
 from grpo_lab.state.safe_write import atomic_directory_write
@@ -223,6 +223,11 @@ def _saved_model(model_dir: Path, model, config: GRPOConfig):
             cast_lm_head_to_fp32(model)
         load_saved_weights(model, model_dir)
         return model
+    if adapter and is_vision_checkpoint(str(model_dir)):  # peft has no auto class for them: the base, then the adapter
+        from peft import PeftConfig, PeftModel
+
+        base = load_causal_lm(PeftConfig.from_pretrained(str(model_dir)).base_model_name_or_path, config.model_kwargs())
+        return PeftModel.from_pretrained(base, str(model_dir), is_trainable=True)
     if adapter:
         from peft import AutoPeftModelForCausalLM
 
