@@ -582,3 +582,20 @@ def test_a_saved_batchs_images_come_back_pixel_for_pixel(mode):
     assert isinstance(back, Image.Image) and back.mode == mode and back.tobytes() == image.tobytes()
     if mode == "P":
         assert back.getpalette() == image.getpalette()
+
+
+def test_gradient_checkpointing_gives_a_vlm_the_gradients_of_the_plain_pass(tmp_path):
+    """TRL's default (gradient_checkpointing=True, non-reentrant) on a VLM: the same loss and gradients
+    as without it, the vision tower's included."""
+    grads = []
+    for checkpointing in (True, False):
+        session = vlm_session("gemma3", tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
+        assert session.model.is_gradient_checkpointing is checkpointing
+        session.generate(), session.score(), session.advantages()
+        loss = session.loss().loss
+        grads.append((loss, {name: param.grad.clone() for name, param in session.model.named_parameters()
+                             if param.grad is not None}))
+    (loss_on, on), (loss_off, off) = grads
+    assert loss_on == pytest.approx(loss_off, rel=1e-6) and set(on) == set(off) and any("vision" in n for n in on)
+    for name, grad in on.items():
+        torch.testing.assert_close(grad, off[name], rtol=1e-5, atol=1e-7, msg=name)
