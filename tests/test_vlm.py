@@ -572,7 +572,7 @@ def test_a_lora_vlm_checkpoint_resumes_exactly(tmp_path):
 def test_a_saved_batchs_images_come_back_pixel_for_pixel(mode):
     from PIL import Image
 
-    from grpo_lab.rollout.vision import restored_images, stored_images
+    from grpo_lab.state.checkpoint import restored_images, stored_images
 
     image = square_image("green", seed=5).convert(mode)
     columns = {"image": [image, None], "answer": ["green", "red"]}

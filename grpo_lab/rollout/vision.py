@@ -300,48 +300,6 @@ def model_inputs(rows: list[ImageInputs], prompt_mask_BP: torch.Tensor, completi
     return inputs
 
 
-STORED_IMAGE = "grpo_lab.image"
-"""The key of an image stored as plain values (:func:`stored_images`)."""
-
-
-def stored_images(value):
-    """``value`` (a batch's columns) with every PIL image replaced by plain values a checkpoint loads
-    without unpickling code: ``{STORED_IMAGE: the image as lossless PNG bytes}`` (TIFF for a mode PNG
-    cannot hold), which keep its mode and palette."""
-    if isinstance(value, dict):
-        return {key: stored_images(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [stored_images(item) for item in value]
-    if _is_image(value):
-        import io
-
-        buffer = io.BytesIO()
-        try:
-            value.save(buffer, format="PNG")
-        except OSError:  # a mode PNG does not take (CMYK, 32-bit float)
-            buffer = io.BytesIO()
-            value.save(buffer, format="TIFF")
-        return {STORED_IMAGE: buffer.getvalue()}
-    return value
-
-
-def restored_images(value):
-    """``value`` with the images :func:`stored_images` stored made PIL images again (pixel for pixel)."""
-    if isinstance(value, dict):
-        if STORED_IMAGE in value:
-            import io
-
-            from PIL import Image
-
-            image = Image.open(io.BytesIO(value[STORED_IMAGE]))
-            image.load()
-            return image
-        return {key: restored_images(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [restored_images(item) for item in value]
-    return value
-
-
 def image_token_id(model) -> int | None:
     """The id of the token the model's image features take the place of (never to be sampled)."""
     config = getattr(model, "config", model)

@@ -20,6 +20,7 @@ from grpo_lab.state.checkpoint import (
     safe_state,
     plain_values,
     restore_engine,
+    restored_images,
     safe_batch,
     save_engine,
     saved_model_dir,
@@ -32,7 +33,6 @@ from grpo_lab.parallel.dist import (
 from grpo_lab.config.live import rebuilt_fields
 from grpo_lab.core.models import cast_lm_head_to_fp32, is_vision_checkpoint, load_causal_lm, load_tokenizer
 from grpo_lab.rollout.environments import user_reward_funcs
-from grpo_lab.rollout.vision import restored_images
 from grpo_lab.state.safe_write import atomic_directory_write
 from grpo_lab.state.run_state import on_device, rng_state
 from grpo_lab.core.stream_sampler import is_stream

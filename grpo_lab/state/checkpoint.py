@@ -23,6 +23,7 @@ import io
 import json
 import pickle
 import re
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -30,7 +31,6 @@ import numpy as np
 import torch
 
 from grpo_lab import notices
-from grpo_lab.rollout.vision import ImageInputs, stored_images
 from grpo_lab.state.safe_write import PARTIAL_MARKER, check_target, first_process, recover_interrupted_write
 from grpo_lab.state.run_state import (
     FORMAT_VERSION,
@@ -70,7 +70,7 @@ def plain_values(value, *, unknown=str):
 
 def safe_batch(pending: tuple):
     """The half-used batch ``(rollout, scores, advantages)`` as a checkpoint stores it: its columns and
-    logged extras made plain (:func:`plain_values`; images as pixel tensors, ``vision.stored_images``),
+    logged extras made plain (:func:`plain_values`; images as lossless image files, :func:`stored_images`),
     or None, with the reason, where it still holds objects that :func:`load_state` would refuse."""
     rollout, scores, _ = pending
     keep = lambda value: value  # noqa: E731
@@ -81,6 +81,50 @@ def safe_batch(pending: tuple):
                                          plain_values(scores.metrics, unknown=keep))
     refused = _refused_type(pending)
     return (None, refused) if refused else (pending, None)
+
+
+STORED_IMAGE = "grpo_lab.image"
+"""The key of an image stored as plain values (:func:`stored_images`)."""
+
+
+def stored_images(value):
+    """``value`` (a batch's columns) with every PIL image replaced by plain values a checkpoint loads
+    without unpickling code: ``{STORED_IMAGE: the image as lossless PNG bytes}`` (TIFF for a mode PNG
+    cannot hold), which keep its mode and palette."""
+    if isinstance(value, dict):
+        return {key: stored_images(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [stored_images(item) for item in value]
+    if _is_pil_image(value):
+        buffer = io.BytesIO()
+        try:
+            value.save(buffer, format="PNG")
+        except OSError:  # a mode PNG does not take (CMYK, 32-bit float)
+            buffer = io.BytesIO()
+            value.save(buffer, format="TIFF")
+        return {STORED_IMAGE: buffer.getvalue()}
+    return value
+
+
+def restored_images(value):
+    """``value`` with the images :func:`stored_images` stored made PIL images again (pixel for pixel)."""
+    if isinstance(value, dict):
+        if STORED_IMAGE in value:
+            from PIL import Image
+
+            image = Image.open(io.BytesIO(value[STORED_IMAGE]))
+            image.load()
+            return image
+        return {key: restored_images(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [restored_images(item) for item in value]
+    return value
+
+
+def _is_pil_image(value) -> bool:
+    """Whether ``value`` is a PIL image (without importing PIL for a run that has none)."""
+    image_module = sys.modules.get("PIL.Image")
+    return image_module is not None and isinstance(value, image_module.Image)
 
 
 def safe_state(state):
@@ -106,6 +150,7 @@ def _refused_type(value) -> str | None:
 
 
 def _batch_types():
+    from grpo_lab.rollout.vision import ImageInputs
     from grpo_lab.types import Advantages, DynamicSampling, Rollout, Scores
 
     return torch.serialization.safe_globals([Rollout, Scores, Advantages, DynamicSampling, ImageInputs])
