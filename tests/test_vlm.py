@@ -599,3 +599,40 @@ def test_gradient_checkpointing_gives_a_vlm_the_gradients_of_the_plain_pass(tmp_
     assert loss_on == pytest.approx(loss_off, rel=1e-6) and set(on) == set(off) and any("vision" in n for n in on)
     for name, grad in on.items():
         torch.testing.assert_close(grad, off[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_sample_on_a_vlm_session_renders_through_the_processor_and_never_samples_the_image_token(tmp_path):
+    session = vlm_session("llava", tmp_path, max_completion_length=16)
+    prompts = [[{"role": "user", "content": "Which colour is red?"}]] * 4
+    sampled = session.sample(prompts)
+    image_token = session.tokenizer.convert_tokens_to_ids("<image>")
+    assert len(sampled["texts"]) == 4 and all(image_token not in ids for ids in sampled["completion_ids"])
+    expected = session.engine.processor.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True)
+    assert session.tokenizer.decode(sampled["prompt_ids"][0]) == expected
+
+
+def test_a_fork_does_not_process_the_datasets_images_again(tmp_path, monkeypatch):
+    import grpo_lab.rollout.vision as vision
+
+    session = vlm_session("llava", tmp_path)
+    calls = []
+    original = vision.prompt_lengths
+    monkeypatch.setattr(vision, "prompt_lengths", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    fork = session.fork()
+    assert calls == [] and fork.engine.counted_prompt_tokens() == session.engine.counted_prompt_tokens()
+
+
+def test_reentrant_checkpointing_of_a_vlm_on_several_processes_is_refused_before_training(tmp_path):
+    """DDP must look for the vision tower's unreached weights, which reentrant checkpointing forbids:
+    refused when the policy is adapted (the build step under test, given a 2-process accelerator's
+    count), where DDP would fail at the first backward pass."""
+    from types import SimpleNamespace
+
+    from grpo_lab.core.build import adapt_policy
+
+    model, _ = tiny_vlm("llava")
+    config = vlm_config(tmp_path, gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="use_reentrant.*several processes.*use_reentrant=False"):
+        adapt_policy(model, config, None, SimpleNamespace(num_processes=2))
+    policy, _ = adapt_policy(model, config, None, SimpleNamespace(num_processes=1))  # one process: nothing to find
+    assert policy.is_gradient_checkpointing

@@ -340,10 +340,18 @@ def adapt_policy(policy, config: GRPOConfig, peft_config, accelerator):
         enable_gradient_checkpointing(policy, config.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if is_peft:
             policy.enable_input_require_grads()
-    if is_vision_model(policy) and not (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+    if is_vision_model(policy):
         # As TRL: a vision tower has weights no step reaches (the norm after the layer its features are taken
         # from, a pooling head), which DDP must be told to look for; reentrant checkpointing cannot have it.
-        dist.find_unused_parameters(accelerator)
+        if config.gradient_checkpointing and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            if accelerator.num_processes > 1:
+                raise ValueError(
+                    "gradient_checkpointing_kwargs={'use_reentrant': True} cannot train a vision-language model on "
+                    "several processes: DDP must look for the vision tower's weights no step reaches, which "
+                    "reentrant checkpointing does not allow. Set use_reentrant=False (the default)."
+                )
+        else:
+            dist.find_unused_parameters(accelerator)
     # from_pretrained returns a model in eval mode, where transformers skips gradient checkpointing
     # and dropout; the policy trains in training mode (generation switches to eval and back).
     policy.train()

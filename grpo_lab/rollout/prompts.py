@@ -166,13 +166,13 @@ PROMPT_CHECK_ROWS = 50_000
 
 
 _counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Each dataset's prompt token counts, by what decides them (see :func:`_counting_key`): a session built
+"""Each dataset's prompt token counts, by what decides them (see :func:`counting_key`): a session built
 again on the same dataset object (a fork, a notebook cell run twice) does not render every prompt again.
 A ``datasets.Dataset`` object's rows never change (its transforms make new objects; the counts read
 its raw rows, ``with_format(None)``), so only the tokenizer side needs a key."""
 
 
-def _counting_key(tokenizer, chat_template_kwargs: dict | None):
+def counting_key(tokenizer, chat_template_kwargs: dict | None):
     """What decides a prompt's token count besides the prompt: the tokenizer's rules and vocabulary,
     its special tokens and chat template, and the template's arguments; None for a tokenizer
     without a serialisable backend (a slow tokenizer), whose counts are not kept."""
@@ -194,7 +194,7 @@ def dataset_prompt_tokens(dataset, tokenizer, chat_template_kwargs: dict | None 
     kept for the next session built on the same dataset object with the same tokenizer (``_counted``)."""
     import datasets
 
-    key = _counting_key(tokenizer, chat_template_kwargs) if isinstance(dataset, datasets.Dataset) else None
+    key = counting_key(tokenizer, chat_template_kwargs) if isinstance(dataset, datasets.Dataset) else None
     kept = None if key is None else _counted.setdefault(dataset, {})
     if kept is not None and key in kept:
         return list(kept[key])

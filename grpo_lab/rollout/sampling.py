@@ -11,6 +11,7 @@ def sample_prompts(session, prompts, max_new_tokens: int | None = None) -> dict[
     """See :meth:`grpo_lab.GRPOSession.sample`."""
     from grpo_lab.rollout.custom import as_token_ids, outside_vocabulary
     from grpo_lab.rollout.prompts import is_conversational, render_prompts
+    from grpo_lab.rollout.vision import ImageInputs, processed_prompts
 
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("sample() takes a non-empty list of prompts (texts, chat messages or token-id lists).")
@@ -28,10 +29,14 @@ def sample_prompts(session, prompts, max_new_tokens: int | None = None) -> dict[
         problem = None if ids is None else outside_vocabulary(ids, session.engine.vocab_size())
         if problem is not None:
             raise ValueError(f"sample() got prompt {index}, whose {problem}.")
+    processor = session.engine.processor
     if all(ids is not None for ids in as_ids):
         inputs = as_ids
     elif any(ids is not None for ids in as_ids):
         raise ValueError("sample() takes prompts of one kind: all token-id lists, or all texts and chat messages.")
+    elif processor is not None:  # a vision-language model: rendered as generate() renders them, by its processor
+        inputs, _ = processed_prompts(processor, list(prompts), [[] for _ in prompts],
+                                      session.config.chat_template_kwargs)
     else:
         inputs = render_prompts(list(prompts), session.tokenizer, session.config.chat_template_kwargs)
     settings = session.config
@@ -45,7 +50,9 @@ def sample_prompts(session, prompts, max_new_tokens: int | None = None) -> dict[
             )
         settings = copy.copy(session.config)
         settings.max_completion_length = max_new_tokens
-    batch = session.engine.rollout_backend.generate(inputs, settings)
+    # a vision-language model's backend call: no images, and its image token never sampled
+    images = {} if processor is None else {"image_inputs": [ImageInputs() for _ in inputs]}
+    batch = session.engine.rollout_backend.generate(inputs, settings, **images)
     session.engine.generation_stage.check_policy_version(batch)
     prompt_ids = [
         ids[mask.bool()].tolist() for ids, mask in zip(batch.prompt_ids_BP, batch.prompt_mask_BP, strict=True)

@@ -17,6 +17,7 @@ over the completion.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -222,14 +223,35 @@ def prompt_lengths(processor, prompts: list, images: list[list], chat_template_k
     return [len(row_ids) for row_ids in ids]
 
 
+_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each dataset's prompt lengths with its images, by what decides them (:func:`_processing_key`): a
+session built again on the same dataset object (a fork) does not process every image again."""
+
+
+def _processing_key(processor, chat_template_kwargs: dict | None):
+    """What decides a prompt's length besides the row: the tokenizer's (``prompts.counting_key``), the
+    image processor's settings and the processor's chat template; None where it cannot be told."""
+    from grpo_lab.rollout.prompts import counting_key
+
+    text = counting_key(processor.tokenizer, chat_template_kwargs)
+    return None if text is None else (text, processor.image_processor.to_json_string(), str(processor.chat_template))
+
+
 def dataset_prompt_lengths(processor, dataset, chat_template_kwargs: dict | None = None,
                            name: str = "train_dataset") -> list[int]:
-    """:func:`prompt_lengths` of every row of ``dataset`` (a ``datasets.Dataset``)."""
+    """:func:`prompt_lengths` of every row of ``dataset`` (a ``datasets.Dataset``), kept for the next
+    session built on the same dataset object with the same processor settings."""
+    key = _processing_key(processor, chat_template_kwargs)
+    kept = None if key is None else _counted.setdefault(dataset, {})
+    if kept is not None and key in kept:
+        return list(kept[key])
     rows = dataset.with_format(None)
     column = image_column(dataset.column_names)
-    return prompt_lengths(processor, list(rows["prompt"]), row_images({column: rows[column]} if column else {}, column,
-                                                                         len(rows)),
-                          chat_template_kwargs, dataset=name)
+    images = row_images({column: rows[column]} if column else {}, column, len(rows))
+    lengths = prompt_lengths(processor, list(rows["prompt"]), images, chat_template_kwargs, dataset=name)
+    if kept is not None:
+        kept[key] = lengths
+    return list(lengths)
 
 
 def processed_prompts(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None,
