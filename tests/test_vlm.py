@@ -251,6 +251,7 @@ def test_a_vlm_loads_by_path_with_its_processor(tmp_path):
                           train_dataset=make_dataset(8))
     assert type(session.model).__name__ == "LlavaForConditionalGeneration"
     assert type(session.engine.processor).__name__ == "LlavaProcessor"
+    assert session.processing_class is session.engine.processor
     assert len(session.generate()) == 8
 
 
@@ -327,7 +328,8 @@ def test_an_image_column_with_a_non_image_value_is_refused_with_the_row(tmp_path
     model, processor = tiny_vlm("llava")
     rows = {"prompt": make_dataset(3)["prompt"], "images": [["red.png"], ["blue.png"], ["green.png"]],
             "answer": ["red"] * 3}
-    with pytest.raises(ValueError, match=r"row 0: the 'images' column holds a str \(item 0\).*'red\.png'"):
+    with pytest.raises(ValueError, match=r"row 0: the 'images' column holds a str \(item 0\).*'red\.png'.*"
+                                         r"cast_column\('images', datasets\.Sequence\(datasets\.Image\(\)\)\)"):
         GRPOSession(model, colour_reward, args=vlm_config(tmp_path), train_dataset=Dataset.from_dict(rows),
                     processing_class=processor)
 
@@ -348,11 +350,14 @@ def test_standard_prompts_with_images_are_refused(tmp_path):
         GRPOSession(model, colour_reward, args=vlm_config(tmp_path), train_dataset=rows, processing_class=processor)
 
 
-def test_a_text_only_model_given_images_is_refused(task, tmp_path):
-    _, processor = tiny_vlm("llava")
+@pytest.mark.parametrize("given", ["processor", "nothing"])
+def test_a_text_only_model_given_images_is_refused(task, tmp_path, given):
+    """Named as the text-only model, whether a VLM's processor came with it or none (the model's own
+    tokenizer loaded from its folder): no processor would make it take images."""
+    processing_class = tiny_vlm("llava")[1] if given == "processor" else None
     with pytest.raises(ValueError, match=r"text-only model .*remove_columns\('image'\)"):
         GRPOSession(task.model, colour_reward, args=vlm_config(tmp_path), train_dataset=make_dataset(4),
-                    processing_class=processor)
+                    processing_class=processing_class)
 
 
 def test_a_tokenizer_given_images_is_refused(tmp_path):

@@ -57,8 +57,9 @@ REMOVED_TRL_FIELDS = {
     "max_prompt_length": (
         "it cut prompts to their last max_prompt_length tokens. grpo_lab keeps every prompt whole, as TRL 1.16 does "
         "(a prompt that leaves no room for max_completion_length in the model's context is refused, naming its "
-        "row); to train on shorter prompts, filter the dataset first, e.g. dataset.filter(lambda row: "
-        "len(tokenizer.apply_chat_template(row['prompt'])) <= 512) for conversational prompts."
+        "row); to train on shorter prompts, filter the dataset first: from grpo_lab.rollout.prompts import "
+        "prompt_token_counts; dataset = dataset.filter(lambda row: prompt_token_counts([row['prompt']], tokenizer)[0] "
+        "<= 512) (the tokens generation gives the model, chat template included)."
     ),
     "wandb_log_unique_prompts": "use log_unique_prompts=True, which took its place.",
 }

@@ -112,9 +112,11 @@ def check_image_rows(dataset, name: str = "train_dataset") -> None:
             )
         problem = None if declared else image_problem(images, column)
         if problem is not None:
+            feature = "datasets.Image()" if column == "image" else "datasets.Sequence(datasets.Image())"
             raise ValueError(
-                f"{name} row {row}: the {column!r} column {problem}. Give PIL images (or a datasets.Image "
-                f"feature){', or None for a row without one' if column == 'image' else ''}; repair or drop the row."
+                f"{name} row {row}: the {column!r} column {problem}. Give PIL images"
+                f"{', or None for a row without one' if column == 'image' else ''}; a column of image file paths "
+                f"becomes one with {name} = {name}.cast_column({column!r}, {feature}). Else repair or drop the row."
             )
         placed = image_placeholders(prompt)
         room = any(message["role"] == "user" and isinstance(message.get("content"), str) for message in prompt)
@@ -134,16 +136,16 @@ def check_vision_parts(processing_class, model, column: str | None, name: str = 
     """Refuse images given to a text-only model or a processing class that cannot take them."""
     if column is None:
         return
-    if not is_vision_processor(processing_class):
-        raise ValueError(
-            f"{name} has an {column!r} column, but processing_class is a {type(processing_class).__name__}, which "
-            "cannot take images. Pass the model's processor: processing_class=AutoProcessor.from_pretrained(...)."
-        )
-    if not is_vision_model(model):
+    if not is_vision_model(model):  # first: no processor would make a text model take images
         raise ValueError(
             f"{name} has an {column!r} column, but the model ({type(model).__name__}) is a text-only model (its "
             "config has no vision_config). Train a vision-language model (AutoModelForImageTextToText), or remove "
             f"the column: {name} = {name}.remove_columns({column!r})."
+        )
+    if not is_vision_processor(processing_class):
+        raise ValueError(
+            f"{name} has an {column!r} column, but processing_class is a {type(processing_class).__name__}, which "
+            "cannot take images. Pass the model's processor: processing_class=AutoProcessor.from_pretrained(...)."
         )
 
 

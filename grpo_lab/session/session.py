@@ -121,6 +121,11 @@ class GRPOSession:
         return self.engine.tokenizer
 
     @property
+    def processing_class(self):
+        """The tokenizer, or a vision-language model's processor (what the run renders prompts with)."""
+        return self.engine.processing_class
+
+    @property
     def reward_funcs(self) -> list:
         return self.engine.reward_funcs
 
