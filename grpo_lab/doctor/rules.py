@@ -175,7 +175,7 @@ def _always_none(name: str, total: int) -> Finding:
         "reward_always_none", "error",
         f"Reward function {name!r} returned None for every completion of the probe: None means 'does not apply', "
         "so it scores nothing and adds nothing to the advantages.",
-        {"None": f"{total} of {total}"},
+        {"None returned": f"{total} of {total}"},
         f"Make {name} return a number (e.g. 0.0 for a wrong answer) where it applies: check the keyword arguments it "
         "reads (dataset columns, completions as chat messages or text) and what it returns on a completion of the "
         "probe.",
@@ -188,7 +188,7 @@ def _constant(name, finite, values_B, varying) -> Finding:
         "reward_constant", "info" if varying else "error",
         f"Reward function {name!r} gave every completion of the probe the same value ({float(finite[0]):g}): "
         f"GRPO compares completions of the same prompt, so a constant adds nothing to any advantage.{others}",
-        {"value": float(finite[0]), "completions": len(finite), "None": int(torch.isnan(values_B).sum())},
+        {"value": float(finite[0]), "completions": len(finite), "None returned": int(torch.isnan(values_B).sum())},
         f"Check that {name} tells a good completion from a bad one (score a right and a wrong answer by hand); if "
         "the model already always meets it, drop it or keep it as a guard.",
     )
