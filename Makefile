@@ -9,7 +9,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint test-main test-vllm setup setup-vllm clean
+.PHONY: demo test lint test-main test-vllm setup setup-vllm docs docs-serve clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -63,5 +63,17 @@ test-main: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_PYTEST_ARGS)
 
+# The documentation site (mkdocs.yml): the notebooks are executed into build/notebooks (a few minutes), then the
+# site is built in strict mode into site/, offline. docs-serve serves that build on 127.0.0.1.
+export DISABLE_MKDOCS_2_WARNING := true
+export NO_MKDOCS_2_WARNING := 1
+
+docs: $(STAMP)
+	$(BIN)/python docs/execute_notebooks.py build/notebooks
+	GRPO_LAB_DOCS_NOTEBOOKS=build/notebooks $(BIN)/mkdocs build --strict
+
+docs-serve: docs
+	$(BIN)/python -m http.server --bind 127.0.0.1 --directory site 8000
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist site *.egg-info

@@ -1,8 +1,8 @@
 """tools= and max_tool_calling_iterations: the model calls Python functions while it generates.
 
-The shipped model does not call tools, so a fixture teaches it (supervised, a few seconds) one
-tool-calling format: a chat template that renders tools, calls and results, and the tokenizer's
-response_template that parses the calls back."""
+The shipped model does not call tools, so a fixture teaches it (supervised, a few seconds) the
+tool-calling format of ``grpo_lab.tasks.tool_format``: a chat template that renders tools, calls and
+results, and the tokenizer's response_template that parses the calls back."""
 
 import json
 import os
@@ -14,28 +14,10 @@ import pytest
 import torch
 
 from grpo_lab import GRPOSession
+from grpo_lab.tasks.tool_format import TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
 from tests.conftest import SMALL, launch_plan, run_exported_step
 
-TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
-    "[{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}]{% endfor %}"
-    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{{ assistant_prefix | default('') }}{% endif %}"
-)
-RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {
-            "open_pattern": r"\s*\[(?P<name>\w+) ", "close": "]", "repeats": True, "content": "json",
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
-    },
-}
+TEMPLATE, RESPONSE_TEMPLATE = TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
 CALLS = []
 
 

@@ -31,7 +31,7 @@ from grpo_lab.config.field_rules import FieldRule, rule_of, ruled
 from grpo_lab.errors import ConfigError
 
 ACCELERATE = ("processes, sharding and their back ends are set by accelerate: give them to `accelerate launch` "
-              "(--config_file, --multi_gpu, --use_fsdp, ...), as README's \"many processes\" explains")
+              "(--config_file, --multi_gpu, --use_fsdp, ...), as docs/guides/scale-out.md explains")
 
 IMPLEMENTED: dict[str, tuple] = {
     "logging_first_step": (True, False),

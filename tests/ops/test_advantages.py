@@ -308,9 +308,9 @@ def test_nanstd_ignores_nan_and_uses_bessel_correction():
 
 
 def test_rewards_equal_after_float32_rounding_and_all_none_groups_count_as_without_signal():
-    """README differences: 0.1 + 0.2 and 0.3 are one float32 number, so the first group is tied (TRL
-    leaves noise advantages of ~6e-4 and does not count it); the second group's rewards are all
-    None (TRL's NaN std is not close to 0, so it does not count it either)."""
+    """Differences from TRL (docs/explanations/differences.md): 0.1 + 0.2 and 0.3 are one float32
+    number, so the first group is tied (TRL leaves noise advantages of ~6e-4 and does not count it);
+    the second group's rewards are all None (TRL's NaN std is not close to 0, so it does not count it either)."""
     rewards_BF = torch.tensor([[0.1 + 0.2], [0.3], [0.3], [float("nan")], [float("nan")], [float("nan")]])
     stats = compute_advantages(rewards_BF, num_generations=3)
     assert torch.equal(stats.advantages_B, torch.zeros(6))

@@ -1,7 +1,7 @@
-"""Every notebook runs top to bottom headlessly (a real kernel through nbclient), widgets included."""
+"""The notebooks: which there are, their export to a script, and usage errors in a kernel (each notebook
+is executed top to bottom, widgets included, by tests/test_docs_site.py, which renders them into the site)."""
 
 import re
-import shutil
 from pathlib import Path
 
 import nbformat
@@ -11,22 +11,6 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 WIDGET = "application/vnd.jupyter.widget-view+json"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_executes(path, tmp_path):
-    notebook = nbformat.read(path, as_version=4)
-    shutil.copy(path, tmp_path / path.name)
-    NotebookClient(
-        notebook, timeout=600, kernel_name="python3", store_widget_state=True,
-        resources={"metadata": {"path": str(tmp_path)}},
-    ).execute()
-    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    if "session.show()" in "".join(cell.source for cell in notebook.cells):
-        assert any(WIDGET in o.get("data", {}) for o in outputs)
-        assert notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
 
 
 def test_there_are_notebooks():
