@@ -64,7 +64,8 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm $(VLLM_PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml): the notebooks are executed into build/notebooks (a few minutes), then the
-# site is built in strict mode into site/, offline. docs-serve serves that build on 127.0.0.1.
+# site is built in strict mode into site/, offline. docs-serve serves site/ on 127.0.0.1 (building it first if
+# there is none).
 export DISABLE_MKDOCS_2_WARNING := true
 export NO_MKDOCS_2_WARNING := 1
 
@@ -72,7 +73,8 @@ docs: $(STAMP)
 	$(BIN)/python docs/execute_notebooks.py build/notebooks
 	GRPO_LAB_DOCS_NOTEBOOKS=build/notebooks $(BIN)/mkdocs build --strict
 
-docs-serve: docs
+docs-serve: $(STAMP)
+	test -f site/index.html || $(MAKE) --no-print-directory docs
 	$(BIN)/python -m http.server --bind 127.0.0.1 --directory site 8000
 
 clean:

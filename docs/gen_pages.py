@@ -44,12 +44,16 @@ def _type_name(annotation) -> str:
 
 
 def _change_text(field: dataclasses.Field) -> str:
+    """The field's change rule, linked to its explanation at the top of the page."""
     rule = rule_of(field)
-    if rule.trainer_argument:
-        return "a transformers `TrainingArguments` field: its rule ends the help text"
     if rule.change == "build":
-        return f"**build** ({rule.builds}): {BUILT_PARTS[rule.builds]}"
-    return f"**{rule.change}**: {CHANGE_KINDS[rule.change]}"
+        return f"[build](#change-rules) ({rule.builds})"
+    return f"[{rule.change}](#change-rules)"
+
+
+def _heading(title: str) -> str:
+    """A section title with its first letter raised, unless it is a name such as vLLM."""
+    return title if title[:2] != title[:2].lower() else title[0].upper() + title[1:]
 
 
 def _escaped(text: str) -> str:
@@ -62,30 +66,38 @@ def config_page() -> str:
     defaults = GRPOConfig().to_dict()
     lines = [
         "# GRPOConfig", "",
-        "Every field of `GRPOConfig`, generated from its declaration (`grpo_lab/config/fields.py`): type, default,",
-        "when it may change in a live session (its change rule, `grpo_lab.config.live.CHANGE_KINDS`) and its",
-        "documentation, which is also `GRPOConfig.field_help(name)` and `--help`.", "",
-        "Change rules:", "",
+        "Every field of `GRPOConfig`, generated from its declaration (`grpo_lab/config/fields.py`): its type,",
+        "default, change rule and documentation (also `GRPOConfig.field_help(name)`, and `--help` on the command",
+        "line). Set a field as a keyword, `GRPOConfig(learning_rate=1e-5)`; in a YAML recipe as a key; on a",
+        "`grpo-lab train` or generated script's command line as `--learning_rate 1e-5`. The fields implemented",
+        "here come first, grouped as they are declared; transformers' other `TrainingArguments` fields, accepted",
+        "for TRL scripts' sake, are in the table at the end. How the fields combine:",
+        "[configuration](../guides/configuration.md).", "",
+        "## Change rules", "",
+        "When a field may change in a live session (`session.config.NAME = value` between stages):", "",
     ]
     lines += [f"- **{kind}**: {text}" for kind, text in CHANGE_KINDS.items()]
-    lines += ["", "What a **build** field builds (it decides what loading a saved run with a new value does):", ""]
+    lines += ["", "A **build** field names what it builds, which decides what loading a saved run with a new value",
+              "does:", ""]
     lines += [f"- **{part}**: {text}" for part, text in BUILT_PARTS.items()]
     listed: set[str] = set()
     for title, names in field_sections():
-        lines += ["", f"## {title[0].upper()}{title[1:]}", ""]
+        lines += ["", f"## {_heading(title)}", ""]
         for name in names:
             field = fields[name]
             listed.add(name)
             lines += [
                 f"### `{name}`", "",
-                f"`{_type_name(field.type)}`, default `{defaults[name]!r}`. Change: {_change_text(field)}.", "",
+                f"`{_type_name(field.type)}`, default `{defaults[name]!r}`, change: {_change_text(field)}.", "",
                 field.metadata["help"], "",
             ]
     others = [name for name in fields if name not in listed]
     lines += ["", "## Other TrainingArguments fields", "",
-              "The installed transformers' other `TrainingArguments` fields, with transformers' defaults. Each help",
-              "text ends with what grpo_lab does with the field (implemented, accepted as TRL accepts it, accepted",
-              "with a warning, or refused).", "", "| field | default | help |", "|---|---|---|"]
+              "The installed transformers' other `TrainingArguments` fields, with transformers' defaults: TRL's",
+              "`GRPOConfig` inherits them, so a TRL script may set them. Each help text ends with what grpo_lab does",
+              "with the field: implemented, accepted as TRL accepts it (no effect there either), accepted with a",
+              "warning that names why it has no effect, or refused with the reason.", "",
+              "| field | default | help |", "|---|---|---|"]
     lines += [f"| `{name}` | `{_escaped(repr(defaults.get(name)))}` | {_escaped(fields[name].metadata['help'])} |"
               for name in others]
     return "\n".join(lines) + "\n"

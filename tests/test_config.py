@@ -331,8 +331,8 @@ def test_every_field_is_documented_once_as_its_docstring(capsys):
 def test_the_configuration_guide_lists_every_unimplemented_field():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "configuration.md").read_text()
-    listed = readme.split("Accepted for compatibility but not implemented yet")[1].split("##")[0]
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "configuration.md").read_text()
+    listed = guide.split("Accepted for compatibility but not implemented yet")[1].split("##")[0]
     for name in NOT_YET_IMPLEMENTED:
         assert f"`{name}`" in listed, name
 
