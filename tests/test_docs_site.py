@@ -26,7 +26,7 @@ from execute_notebooks import NOTEBOOKS, execute  # noqa: E402
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SCREENSHOTS = {"site-home.png": "index.html", "site-config-reference.png": "reference/config.html"}
-"""Taken from every build; written into docs/images/ (the committed ones) with GRPO_LAB_DOC_IMAGES=1."""
+"""Taken from every build; written into docs/images/ (the committed ones) with GRPO_LAB_DOCS_IMAGES=1."""
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +121,8 @@ def served(site):
 def test_chromium_reads_the_site_offline_and_takes_its_screenshots(served, tmp_path):
     """Every request the home page, the config reference and a tutorial make goes to the site itself
     (no font, script or style from a CDN), search works offline, and the screenshots in docs/images/ are
-    taken from this build (``GRPO_LAB_DOC_IMAGES=1`` writes them over the committed ones)."""
-    folder = ROOT / "docs" / "images" if os.environ.get("GRPO_LAB_DOC_IMAGES") == "1" else tmp_path
+    taken from this build (``GRPO_LAB_DOCS_IMAGES=1`` writes them over the committed ones)."""
+    folder = ROOT / "docs" / "images" if os.environ.get("GRPO_LAB_DOCS_IMAGES") == "1" else tmp_path
     with chromium() as browser, new_page(browser, width=1280, height=900) as page:
         requests = []
         page.on("request", lambda request: requests.append(request.url))
