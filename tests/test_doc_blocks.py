@@ -1,7 +1,7 @@
 """Every Python block of the README and the documentation runs, as a reader would paste it, against
 the shipped model: a page's blocks in order, in a namespace and an empty folder of their own
 (``tests/doc_blocks.py``). Blocks marked as needing vLLM run in the vLLM suite; those needing a GPU
-are only counted."""
+are not run by the tests."""
 
 import pytest
 
