@@ -81,9 +81,21 @@ def deepspeed_accelerator(precision: str, *, use_cpu: bool = False) -> Accelerat
     return accelerator
 
 
+def without_shared_memory_collectives() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory all-reduce kernel with the system's C++
+    compiler when its process group starts in an environment that has not built it yet (every fresh
+    clone: ~50 s of CPU on a 2-core machine), after probing every optional op with compiler runs; on
+    GPUs neither happens (NCCL does the collectives). Marking no op as buildable skips both, and
+    DeepSpeed's collectives go through gloo like the rest of these runs'."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {}  # read as .get(name, False) when the process group starts
+
+
 def launch_accelerator():
     """The stand-in for the launch's config: FSDP or DeepSpeed."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        without_shared_memory_collectives()
         return deepspeed_accelerator
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         return fsdp_accelerator
