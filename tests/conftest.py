@@ -55,8 +55,9 @@ def launch_plan(config: str, plan: list[dict], folder, *options: str) -> str:
     plan_file.write_text(json.dumps(plan, default=str))
     command = [*launch_two("--config_file", str(root / "examples" / "accelerate_configs" / config), *options),
                str(root / "tests" / "sharded_on_cpu.py"), str(plan_file)]
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                          timeout=900)  # a collective missed hangs; DeepSpeed's first run compiles an op
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}  # a run may import the tests' rewards
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, env=env,
+                          timeout=900)  # a collective missed hangs
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr
 

@@ -23,7 +23,9 @@ Runs (``out`` a folder; the main process writes ``out/result.json``):
         trains with a KL term against a reference mixed towards it every step (TR-DPO); "lora" trains
         a rank-8 adapter instead (beta 0); "bf16" turns on DeepSpeed's bf16 (16-bit weights, fp32
         master weights in the optimizer); "ddp" leaves accelerate's own choice on CPU, plain data
-        parallel
+        parallel; "dynamic_sampling" turns it on (at temperature 2, rewarded by
+        ``test_dynamic_sampling.parity_reward``), and each process writes OUT/batches-RANK.json (per step:
+        its completions, rounds drawn, group numbers and answers)
     {"mode": "optimizer", "checkpoint": CHECKPOINT, "out": FILE}
         load CHECKPOINT and write the optimizer state gathered from the shards or partitions, keyed by
         parameter name, to FILE (torch.save)
@@ -120,10 +122,15 @@ def train(task, run: dict, last: bool) -> None:
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         reference = {}
+    reward_funcs, sampling = task.reward_funcs, {}
+    if run.get("dynamic_sampling"):
+        from tests.test_dynamic_sampling import SPREAD, parity_reward
+
+        reward_funcs, sampling = [parity_reward], SPREAD
     config = GRPOConfig(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=4,
                         gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, learning_rate=1e-3,
-                        seed=0, disable_tqdm=True, bf16=run.get("bf16", False), **reference)
-    trainer = GRPOTrainer(task.model, task.reward_funcs, args=config, train_dataset=task.train_dataset,
+                        seed=0, disable_tqdm=True, bf16=run.get("bf16", False), **reference, **sampling)
+    trainer = GRPOTrainer(task.model, reward_funcs, args=config, train_dataset=task.train_dataset,
                           peft_config=peft_config)
     accelerator, engine = trainer.accelerator, trainer.session.engine
     sharded = [type(p).__name__ for p in engine.model.parameters()]
@@ -134,8 +141,15 @@ def train(task, run: dict, last: bool) -> None:
     trainer.session.on(lambda stage, result: losses.append(
         [result.backward_skipped, (result.advantages.advantages_B.view(2, -1) == 0).all(1).tolist()]
     ) if stage == "loss" else None)
+    batches = []  # per generation batch: what this process drew and kept
+    trainer.session.on(lambda stage, rollout: batches.append(
+        [len(rollout), rollout.dynamic_sampling.rounds, rollout.group_index_B.tolist(), rollout.columns["answer"]]
+    ) if stage == "generate" and rollout.dynamic_sampling is not None else None)
     trainer.train(resume_from_checkpoint=run.get("resume"))
     row = trainer.session.last_metrics
+    if batches:
+        with open(f"{out}/batches-{accelerator.process_index}.json", "w") as handle:
+            json.dump(batches, handle)
     with open(f"{out}/losses-{accelerator.process_index}.json", "w") as handle:
         json.dump(losses, handle)
     trainer.save_model(f"{out}/final")

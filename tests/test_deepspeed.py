@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import launch_plan
+from tests.test_generation_modes_resume import assert_sharded_processes_filled_alike
 
 pytest.importorskip("deepspeed")  # a dev dependency: its CPU accelerator runs these
 
@@ -50,7 +51,8 @@ def zero2_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_runs(task, tmp_path_factory):
     """The ZeRO-3 runs, in one launch with the shipped ZeRO-3 config: fp32, and a bf16 LoRA adapter, each
-    trained and resumed from its checkpoint-2, and a one-process save opened under ZeRO-3. Returns the
+    trained and resumed from its checkpoint-2, a run with dynamic sampling, and a one-process save opened
+    under ZeRO-3. Returns the
     folder, and the one-process session's optimizer state and parameter names."""
     from grpo_lab import GRPOSession
     from tests.conftest import SMALL
@@ -66,6 +68,7 @@ def zero3_runs(task, tmp_path_factory):
             {"mode": "train", "out": folder / "lora" / "whole", "lora": True, "bf16": True},
             {"mode": "train", "out": folder / "lora" / "resumed", "lora": True, "bf16": True,
              "resume": folder / "lora" / "whole" / "checkpoint-2"},
+            {"mode": "train", "out": folder / "dynamic", "dynamic_sampling": True},
             {"mode": "optimizer", "checkpoint": folder / "notebook", "out": folder / "gathered.pt"}]
     launch_plan("deepspeed_zero3.yaml", plan, folder, "--mixed_precision", "no")
     return {"folder": folder, "positional": session.engine.optimizer.state_dict(),
@@ -174,3 +177,12 @@ def test_a_one_process_checkpoint_opens_under_zero_3_with_its_optimizer_state_cu
     for index, moments in positional["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(gathered["state"][names[index]][key], moments[key])
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_under_zero3_fills_every_process_alike(zero3_runs):
+    out = zero3_runs["folder"] / "dynamic"
+    result = json.loads((out / "result.json").read_text())
+    assert (result["distributed_type"], result["zero_stage"]) == ("DistributedType.DEEPSPEED", 3)
+    assert_sharded_processes_filled_alike(out)
+

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import launch_plan
+from tests.test_generation_modes_resume import assert_sharded_processes_filled_alike
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def fsdp_runs(task, untied_bf16, tmp_path_factory):
     """Every FSDP run of this module, in one launch: the full model (with a KL reference) and a LoRA adapter,
     each trained and resumed from its checkpoint-2, the full run as plain data parallel, a one-process save
-    opened under FSDP, and a refused float32 head. Returns the folder, the launch's log and the one-process
-    session's optimizer state and parameter names."""
+    opened under FSDP, a run with dynamic sampling, and a refused float32 head. Returns the folder, the
+    launch's log and the one-process session's optimizer state and parameter names."""
     from grpo_lab import GRPOSession
     from tests.conftest import SMALL
 
@@ -38,6 +39,7 @@ def fsdp_runs(task, untied_bf16, tmp_path_factory):
             {"mode": "train", "out": folder / "lora" / "resumed", "lora": True,
              "resume": folder / "lora" / "whole" / "checkpoint-2"},
             {"mode": "optimizer", "checkpoint": folder / "notebook", "out": folder / "gathered.pt"},
+            {"mode": "train", "out": folder / "dynamic", "dynamic_sampling": True},
             {"mode": "fp32head", "model": untied_bf16, "out": folder / "fp32head"}]
     log = launch_plan("fsdp.yaml", plan, folder)
     return {"folder": folder, "log": log, "positional": positional, "names": names}
@@ -140,3 +142,11 @@ def test_a_float32_head_on_half_precision_weights_without_mixed_precision_is_ref
     refusal = (fsdp_runs["folder"] / "fp32head" / "refused.txt").read_text()
     assert refusal.startswith("refused: cast_lm_head_to_fp32=True under FSDP without mixed precision, on "
                               "torch.bfloat16 weights") and "bf16=True" in refusal
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_under_fsdp_fills_every_process_alike(fsdp_runs):
+    out = fsdp_runs["folder"] / "dynamic"
+    assert json.loads((out / "result.json").read_text())["distributed_type"] == "DistributedType.FSDP"
+    assert_sharded_processes_filled_alike(out)
+

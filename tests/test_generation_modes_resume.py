@@ -144,3 +144,19 @@ def test_two_processes_train_alike_in_both_modes_and_resume_exactly(tmp_path):
         for key, value in whole[0].items():
             assert torch.equal(whole[1][key], value), (name, key)
             assert all(torch.equal(copy[key], value) for copy in resumed), (name, key)
+
+
+def assert_sharded_processes_filled_alike(out) -> None:
+    """A dynamic-sampling run of ``tests/sharded_on_cpu.py`` (``"dynamic_sampling": true``) under a
+    layout that shards the weights: every process drew as many rounds as the others (a sharded forward
+    pass is collective) and trained on its full share of kept groups, numbered over both processes."""
+    result = json.loads((out / "result.json").read_text())
+    row, runs = result["row"], [json.loads((out / f"batches-{rank}.json").read_text()) for rank in (0, 1)]
+    assert row["step"] == 4 and row["frac_reward_zero_std"] == 0.0 and row["dynamic_sampling/rounds"] >= 1
+    assert len(runs[0]) == len(runs[1]) == 4  # one generation batch per optimizer step
+    assert any(rounds > 1 for _, rounds, _, _ in runs[0])  # rounds drawn together past the first
+    for (size, rounds, groups, answers), (other_size, other_rounds, other_groups, other_answers) in zip(*runs):
+        assert size == other_size == 8 and rounds == other_rounds
+        assert groups == [0] * 4 + [1] * 4 and other_groups == [2] * 4 + [3] * 4
+        assert all(int(a) % 2 == 1 for a in answers + other_answers)  # an even answer's group has no signal
+
