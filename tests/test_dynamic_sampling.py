@@ -167,6 +167,81 @@ def test_a_named_reward_decides_which_groups_are_kept(make_session, task):
     assert (rewards_BF[:, 1] == 0).all()  # the constant reward alone would have kept nothing
 
 
+def a_high_scorer_and_a_spread(rewards) -> bool:
+    """Keeps a group where some completion's parity reward reaches 4 and the rewards differ."""
+    return bool(rewards["parity_reward"].max() >= 4) and bool(rewards["reward"].std() > 0)
+
+
+def test_a_function_decides_per_group_from_its_rewards_by_name():
+    # two groups of three: group 0 holds a correct answer (1.0), group 1 none; a metric keeping the former
+    scores = SimpleNamespace(rewards_BF=torch.tensor([[0.0, 2.0], [1.0, 2.0], [0.0, 2.0],
+                                                      [0.0, 1.0], [0.0, 3.0], [0.0, 2.0]]),
+                             reward_names=["correct", "length"])
+    sums_B = scores.rewards_BF.sum(dim=1)  # 2, 3, 2, 1, 3, 2: both groups differ
+    seen = []
+
+    def any_correct(rewards):
+        seen.append({name: values.tolist() for name, values in rewards.items()})
+        return rewards["correct"].max() == 1  # a one-element tensor
+
+    config = SimpleNamespace(num_generations=3, dynamic_sampling_metric=any_correct, reward_weights=None,
+                             multi_objective_aggregation="sum_then_normalize")
+    assert groups_kept(scores, sums_B, config).tolist() == [True, False]
+    assert seen == [{"reward": [2.0, 3.0, 2.0], "correct": [0.0, 1.0, 0.0], "length": [2.0, 2.0, 2.0]},
+                    {"reward": [1.0, 3.0, 2.0], "correct": [0.0, 0.0, 0.0], "length": [1.0, 3.0, 2.0]}]
+    config.dynamic_sampling_metric = lambda rewards: rewards["reward"]  # three values, no decision
+    with pytest.raises(TypeError, match="must return True to keep the group or False to drop it"):
+        groups_kept(scores, sums_B, config)
+
+
+def test_a_function_given_as_the_metric_keeps_the_groups_it_accepts_and_comes_back_from_a_save(make_session, tmp_path):
+    from grpo_lab import GRPOSession
+
+    session = make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric=a_high_scorer_and_a_spread)
+    rollout = session.generate()
+    G = session.config.num_generations
+    record = rollout.dynamic_sampling
+    kept_NG = record.rewards_BF[~record.filler_B, 0].view(-1, G)  # not the groups filled in when rounds ran out
+    assert len(kept_NG) and all(group.max() >= 4 and len(set(group.tolist())) > 1 for group in kept_NG)
+    dropped = record.dropped_frame()  # dropped despite a spread, some of them: the function's call
+    assert any(frame["value"].nunique() > 1 for _, frame in dropped.groupby(["round", "group"]))
+    session.save(tmp_path / "saved")
+    assert "dynamic_sampling_metric: tests.test_dynamic_sampling:a_high_scorer_and_a_spread" in (
+        tmp_path / "saved" / "config.yaml").read_text()
+    loaded = GRPOSession.load(tmp_path / "saved", reward_funcs=[parity_reward])
+    assert loaded.config.dynamic_sampling_metric is a_high_scorer_and_a_spread
+    a, b = session.step(), loaded.step()
+    assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
+    assert loaded.config_changes == []  # the function imported again is no edit
+
+
+def test_a_saved_metric_that_cannot_be_imported_again_is_asked_for(make_session, tmp_path):
+    from grpo_lab import GRPOSession
+
+    session = make_session(reward_funcs=[parity_reward], **SPREAD,
+                           dynamic_sampling_metric=lambda rewards: bool(rewards["reward"].std() > 0))
+    session.save(tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"dynamic_sampling_metric function saved in .* \(tests.test_dynamic_sampling:"
+                                         r"test_a_saved.*<lambda>\) cannot be found .*config.dynamic_sampling_metric"):
+        GRPOSession.load(tmp_path / "saved", reward_funcs=[parity_reward])
+    with pytest.raises(ConfigError, match="reads like a function stored by a save: pass the function itself"):
+        make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric="mod:keep")
+    with pytest.raises(ConfigError, match="dynamic_sampling_metric must be 'reward', a reward function's name or a"):
+        make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric=3)
+
+
+def test_an_exported_session_script_imports_the_metric_function_its_config_names(make_session, tmp_path):
+    import runpy
+
+    session = make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric=a_high_scorer_and_a_spread)
+    script = session.export_script(tmp_path / "train.py")
+    text = script.read_text()
+    assert "from tests.test_dynamic_sampling import a_high_scorer_and_a_spread" in text
+    assert "    dynamic_sampling_metric=a_high_scorer_and_a_spread,\n" in text
+    settings = runpy.run_path(str(script), run_name="exported")  # its definitions, not its main()
+    assert GRPOConfig(**settings["CONFIG"]).dynamic_sampling_metric is a_high_scorer_and_a_spread
+
+
 def _no_time(history: pd.DataFrame) -> pd.DataFrame:
     return history.drop(columns=["step_time"]).reset_index(drop=True)
 

@@ -191,6 +191,13 @@ def _yaml_safe(value):
 _YAML_TYPES = (str, int, float, bool, type(None))
 
 
+def function_reference(func) -> str:
+    """How a config file names a function a config field holds (``dynamic_sampling_metric``): its
+    ``module:qualified_name``, which ``GRPOSession.load`` imports again (a lambda or a function
+    defined inside another one is written too, and a load then asks for it)."""
+    return f"{getattr(func, '__module__', None)}:{getattr(func, '__qualname__', type(func).__qualname__)}"
+
+
 def stored_value(value):
     """``value`` as a config file stores it, for values set on a config after it was checked (a
     ``torch.dtype`` in ``model_init_kwargs``, as TRL's scripts assign it): transformers' config objects
@@ -206,6 +213,8 @@ def stored_value(value):
         return stored_value(value.value)
     if callable(getattr(value, "to_dict", None)):
         return stored_value(value.to_dict())
+    if callable(value):
+        return function_reference(value)
     if not isinstance(value, _YAML_TYPES):
         notices.warn(f"A config value of type {type(value).__name__} is stored in config.yaml as its text, "
                      f"{str(value)!r}: a config loaded from that file gets the text.")

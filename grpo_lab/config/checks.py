@@ -113,10 +113,10 @@ def _check_choices(config) -> None:
             "async_generation and dynamic_sampling cannot be combined yet: dynamic sampling scores each round "
             "before its batch is complete. Turn one of them off."
         )
-    if not isinstance(config.dynamic_sampling_metric, str):
+    if not isinstance(config.dynamic_sampling_metric, str) and not callable(config.dynamic_sampling_metric):
         raise ConfigError(
-            f"dynamic_sampling_metric must be 'reward' or a reward function's name, got "
-            f"{config.dynamic_sampling_metric!r}."
+            f"dynamic_sampling_metric must be 'reward', a reward function's name or a function that takes a group's "
+            f"rewards and returns whether to keep it, got {config.dynamic_sampling_metric!r}."
         )
     if config.report_to is None or (not isinstance(config.report_to, str) and len(config.report_to) == 1):
         _set(config, "report_to", config.report_to[0] if config.report_to else "none")  # --report_to NAME: a list

@@ -128,7 +128,10 @@ class GRPOFields:
         generation batch must hold whole groups; not with environment_factory.""")
     dynamic_sampling_metric: str = setting("reward", "live", """What a kept group's completions must differ in:
         ``"reward"``, the weighted sum the advantages use, or one reward function's name (verl's
-        ``filter_groups.metric``).""")
+        ``filter_groups.metric``). From Python it may also be a function that decides for itself: called once
+        per group with ``{"reward": (G,) weighted sums, NAME: (G,) rewards of each reward function}`` (float
+        tensors), it returns True to keep the group. A save stores such a function as ``module:name``, which
+        ``GRPOSession.load`` imports again.""")
     dynamic_sampling_max_rounds: int = setting(10, "live", """Most generation rounds per generation batch, the first
         included (verl's ``filter_groups.max_num_gen_batches``; its 0, no limit, has no equivalent here).""")
     dynamic_sampling_fill: str = setting("zero_signal", "live", """When the rounds run out before the batch is

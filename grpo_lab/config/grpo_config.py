@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_lab.config import checks as config_checks
-from grpo_lab.config.args import config_from_args, read_yaml_mapping, stored_value, suggestion
+from grpo_lab.config.args import config_from_args, function_reference, read_yaml_mapping, stored_value, suggestion
 from grpo_lab.config.checks import (
     AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -203,7 +203,9 @@ class GRPOConfig(TrainingArgumentsFields):
         copy that leaves the process is written: saves, checkpoints, trackers. Warns once per entry."""
         from grpo_lab.credentials.config_values import shareable
 
-        return shareable(self.to_dict())
+        # a function (dynamic_sampling_metric) as the text a config file names it by
+        return {name: function_reference(value) if callable(value) else value
+                for name, value in shareable(self.to_dict()).items()}
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
         """The full config as YAML, without credentials (:meth:`shareable_dict`); also written to

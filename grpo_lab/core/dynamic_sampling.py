@@ -49,11 +49,16 @@ def check_dynamic_sampling(config, batching, num_processes: int, reward_names: l
             f"per_device_train_batch_size={config.num_generations}), or turn dynamic_sampling off."
         )
     metric = config.dynamic_sampling_metric
-    if metric != "reward" and metric not in reward_names:
-        raise ConfigError(
-            f"dynamic_sampling_metric={metric!r} names no reward function of this run ({', '.join(reward_names)}). "
-            "Give one of those names, or 'reward' for the weighted sum the advantages use."
-        )
+    if callable(metric) or metric == "reward" or metric in reward_names:
+        return
+    stored = ":" in metric and " " not in metric  # the module:name text a save writes for a function
+    raise ConfigError(
+        f"dynamic_sampling_metric={metric!r} names no reward function of this run ({', '.join(reward_names)}). "
+        + ("It reads like a function stored by a save: pass the function itself (dynamic_sampling_metric=f), or "
+           "load the save with GRPOSession.load, which imports it." if stored else
+           "Give one of those names, 'reward' for the weighted sum the advantages use, or a function that "
+           "decides per group.")
+    )
 
 
 @dataclass
@@ -97,10 +102,12 @@ def fill_batch(engine, generate_round) -> Rollout:
 
 
 def decided_values(scores: Scores, config) -> torch.Tensor:
-    """(B,) the value whose spread keeps a group: the weighted reward sum the advantages use
-    (``"reward"``), or one reward function's rewards."""
-    if config.dynamic_sampling_metric != "reward":
-        return scores.rewards_BF[:, scores.reward_names.index(config.dynamic_sampling_metric)]
+    """(B,) the value whose spread keeps a group, and that the dropped groups are shown and sorted by:
+    the weighted reward sum the advantages use (``"reward"``, or where a function decides), or one
+    reward function's rewards."""
+    metric = config.dynamic_sampling_metric
+    if not callable(metric) and metric != "reward":
+        return scores.rewards_BF[:, scores.reward_names.index(metric)]
     weights = weights_tensor(config.reward_weights, scores.reward_names, 0)
     return ops.compute_advantages(scores.rewards_BF, num_generations=config.num_generations, reward_weights_F=weights,
                                   scale_rewards="none").rewards_B
@@ -110,13 +117,35 @@ def groups_kept(scores: Scores, values_B: torch.Tensor, config) -> torch.Tensor:
     """(N,) the groups with a signal: ``values_B`` not all equal in the group; under
     ``multi_objective_aggregation="normalize_then_sum"`` with ``"reward"``, any weighted function's
     rewards not all equal (GDPO normalizes each function within its group, so a tied sum can still
-    leave advantages)."""
+    leave advantages); where ``dynamic_sampling_metric`` is a function, the groups it keeps."""
     G = config.num_generations
+    if callable(config.dynamic_sampling_metric):
+        return kept_by(config.dynamic_sampling_metric, scores.rewards_BF, values_B, scores.reward_names, G)
     if config.dynamic_sampling_metric != "reward" or config.multi_objective_aggregation != "normalize_then_sum":
         return ops.groups_with_signal(values_B, G)
     weights = weights_tensor(config.reward_weights, scores.reward_names, 0)
     weighted = [f for f in range(len(scores.reward_names)) if weights is None or float(weights[f]) != 0.0]
     return torch.stack([ops.groups_with_signal(scores.rewards_BF[:, f], G) for f in weighted]).any(dim=0)
+
+
+def kept_by(metric, rewards_BF: torch.Tensor, values_B: torch.Tensor, reward_names: list[str], G: int) -> torch.Tensor:
+    """(N,) whether ``metric`` keeps each group of G completions: it is called once per group with
+    ``{"reward": (G,) values_B, name: (G,) that function's rewards}`` and returns a truth value (a
+    Python bool or a one-element tensor)."""
+    kept = []
+    for group in range(len(values_B) // G):
+        rows = slice(group * G, (group + 1) * G)
+        rewards = {"reward": values_B[rows], **{name: rewards_BF[rows, f] for f, name in enumerate(reward_names)}}
+        decision = metric(rewards)
+        if isinstance(decision, torch.Tensor) and decision.numel() == 1 or type(decision).__module__ == "numpy":
+            decision = decision.item()
+        if not isinstance(decision, bool | int) or decision not in (0, 1):
+            raise TypeError(
+                f"dynamic_sampling_metric {getattr(metric, '__name__', metric)!r} returned {decision!r} for a group; "
+                "it must return True to keep the group or False to drop it."
+            )
+        kept.append(bool(decision))
+    return torch.tensor(kept, dtype=torch.bool)
 
 
 def dropped_kind(value: float, highest: float, lowest: float, pass_threshold: float) -> str:

@@ -34,7 +34,14 @@ def export_session(session, path: str | Path) -> Path:
 
     warn_local_imports([*user_reward_funcs(engine), *rollout, *(engine.tools or []), *environments], path)
     data_dir = path.with_suffix(".data")
-    config = _config_source(session.config.diff(), secrets)
+    fields = session.config.diff()
+    metric = fields.get("dynamic_sampling_metric")
+    if callable(metric):  # the script imports or defines the function, and the config names it
+        more_imports, more_definitions, (name,) = reward_function_code([metric], "Dynamic sampling metric", secrets)
+        imports = sorted(set(imports) | set(more_imports))
+        definitions += [d for d in more_definitions if d not in definitions]
+        fields["dynamic_sampling_metric"] = _FunctionName(name)
+    config = _config_source(fields, secrets)
     peft = ""
     if engine.is_peft:  # the adapter's config travels as adapter_config.json beside the data
         imports.append("from peft import PeftConfig")
@@ -115,6 +122,13 @@ def _environment_factory_code(factory) -> tuple[list[str], str]:
     else:
         argument = factory.__name__
     return imports, f"        environment_factory={argument},"
+
+
+class _FunctionName(str):
+    """A config value the script writes as a name it imports or defines, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _config_source(fields: dict, secrets: Secrets) -> str:

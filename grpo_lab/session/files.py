@@ -26,6 +26,7 @@ from grpo_lab.state.checkpoint import (
     saved_model_dir,
 )
 from grpo_lab.credentials.config_values import shareable, without_secrets
+from grpo_lab.config.args import function_reference
 from grpo_lab.config.grpo_config import GRPOConfig, read_yaml_mapping
 from grpo_lab.parallel.dist import (
     gather_to_main, launched_processes, on_main,
@@ -91,6 +92,7 @@ def load(cls, path, *, model, reward_funcs, train_dataset, eval_dataset, trust_r
     train_dataset, eval_dataset = _saved_datasets(directory, train_dataset, eval_dataset)
     if kwargs.get("args") is None:
         kwargs["args"] = _saved_config(directory / "config.yaml")
+        _saved_metric(kwargs["args"], directory)
         if not trust_remote_code:
             kwargs["args"] = _without_remote_code(kwargs["args"], directory)
     own_optimizer, own_scheduler = (part is not None for part in kwargs.get("optimizers", (None, None)))
@@ -109,12 +111,37 @@ def load(cls, path, *, model, reward_funcs, train_dataset, eval_dataset, trust_r
     return session
 
 
-def _with_given_secrets(applied: dict, given: dict) -> dict:
-    """The saved applied config with the credentials the loading config holds put back where the
-    save left them out (:mod:`grpo_lab.credentials.config_values`): a token passed again in args is
-    not an edit of its field."""
-    return {name: given[name] if name in given and without_secrets({name: given[name]})[0][name] == value else value
+def _with_given_values(applied: dict, given: dict) -> dict:
+    """The saved applied config with the values the loading config holds put back where the save
+    could keep only a stand-in: a credential it left out (:mod:`grpo_lab.credentials.config_values`),
+    a function it named by ``module:name`` (``dynamic_sampling_metric``). A token passed again in args,
+    or the function imported again, is not an edit of its field."""
+    def stands_for(name: str, value) -> bool:
+        new = given[name]
+        if callable(new):
+            return function_reference(new) == value
+        return without_secrets({name: new})[0][name] == value
+
+    return {name: given[name] if name in given and stands_for(name, value) else value
             for name, value in applied.items()}
+
+
+def _saved_metric(config: GRPOConfig, directory: Path) -> None:
+    """A ``dynamic_sampling_metric`` function the save named by ``module:name`` (config.yaml), imported
+    again as reward functions are (never from beside the checkpoint); a ValueError saying how to pass
+    it where it cannot be found (a lambda, a notebook's function in a new kernel)."""
+    metric = config.dynamic_sampling_metric
+    if not isinstance(metric, str) or ":" not in metric:
+        return
+    try:
+        config.dynamic_sampling_metric = _import_reference(metric, directory)
+    except (AttributeError, ImportError, ValueError) as error:
+        raise ValueError(
+            f"The dynamic_sampling_metric function saved in {directory} ({metric}) cannot be found in this process "
+            f"({error}; e.g. a lambda, or a function defined in a notebook); pass it again: config = "
+            f"GRPOConfig.from_yaml({str(directory / 'config.yaml')!r}); config.dynamic_sampling_metric = "
+            "your_function; GRPOSession.load(path, args=config)."
+        ) from None
 
 
 def _checkpoint_records(session) -> dict:
@@ -126,7 +153,7 @@ def _checkpoint_records(session) -> dict:
         "evaluations": plain_values(record.evaluations),
         "completion_log": plain_values(record.completion_log),
         "config_changes": plain_values(record.config_changes),
-        "applied_config": plain_values(shareable(record.applied_config)),
+        "applied_config": plain_values(shareable(record.applied_config), unknown=_stored_text),
         "batch_step": session.batch_step,
         "last_stage": record.last_stage,
         "findings": plain_values(session.findings_record.state_dict()),
@@ -137,6 +164,11 @@ def _checkpoint_records(session) -> dict:
         "tools": _referenced(engine.tools),
         "environment_factory": _referenced_factories(session.environment_factory),
     }
+
+
+def _stored_text(value) -> str:
+    """A config value a checkpoint cannot hold as it is: a function as ``module:name``, else its text."""
+    return function_reference(value) if callable(value) else str(value)
 
 
 def _referenced_factories(factory) -> dict | None:
@@ -248,7 +280,7 @@ def _restore(session, state: dict, built: dict) -> None:
                      for name, (old, new) in built.items()]
     session.record.load_state_dict({
         **extra, "config_changes": extra["config_changes"] + built_changes,
-        "applied_config": _with_given_secrets(
+        "applied_config": _with_given_values(
             {**extra["applied_config"], **{name: new for name, (_, new) in built.items()}}, session.config.to_dict()),
     })
     session.batch_step = extra["batch_step"]
