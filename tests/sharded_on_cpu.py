@@ -25,7 +25,7 @@ Runs (``out`` a folder; the main process writes ``out/result.json``):
         master weights in the optimizer); "ddp" leaves accelerate's own choice on CPU, plain data
         parallel; "dynamic_sampling" turns it on (at temperature 2, rewarded by
         ``test_dynamic_sampling.parity_reward``), and each process writes OUT/batches-RANK.json (per step:
-        its completions, rounds drawn, group numbers and answers)
+        its number of completions, rounds drawn, group numbers and answers)
     {"mode": "optimizer", "checkpoint": CHECKPOINT, "out": FILE}
         load CHECKPOINT and write the optimizer state gathered from the shards or partitions, keyed by
         parameter name, to FILE (torch.save)

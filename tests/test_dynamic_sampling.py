@@ -2,6 +2,7 @@
 scoring further rounds; the dropped groups stay on the batch. Resuming after a kill and two processes:
 tests/test_generation_modes_resume.py."""
 
+import functools
 from types import SimpleNamespace
 
 import pandas as pd
@@ -204,14 +205,17 @@ def test_a_function_given_as_the_metric_keeps_the_groups_it_accepts_and_comes_ba
     kept_NG = record.rewards_BF[~record.filler_B, 0].view(-1, G)  # not the groups filled in when rounds ran out
     assert len(kept_NG) and all(group.max() >= 4 and len(set(group.tolist())) > 1 for group in kept_NG)
     dropped = record.dropped_frame()  # dropped despite a spread, some of them: the function's call
-    assert any(frame["value"].nunique() > 1 for _, frame in dropped.groupby(["round", "group"]))
+    spread = [frame["value"].nunique() > 1 for _, frame in dropped.groupby(["round", "group"])]
+    assert any(spread)
+    assert [why == "by the metric" for why in dropped.groupby(["round", "group"])["why"].first()] == spread
     session.save(tmp_path / "saved")
     assert "dynamic_sampling_metric: tests.test_dynamic_sampling:a_high_scorer_and_a_spread" in (
         tmp_path / "saved" / "config.yaml").read_text()
     loaded = GRPOSession.load(tmp_path / "saved", reward_funcs=[parity_reward])
     assert loaded.config.dynamic_sampling_metric is a_high_scorer_and_a_spread
-    a, b = session.step(), loaded.step()
-    assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
+    for _ in range(2):  # the saved batch, then one the loaded function fills
+        a, b = session.step(), loaded.step()
+        assert {k: v for k, v in a.items() if k != "step_time"} == {k: v for k, v in b.items() if k != "step_time"}
     assert loaded.config_changes == []  # the function imported again is no edit
 
 
@@ -222,12 +226,13 @@ def test_a_saved_metric_that_cannot_be_imported_again_is_asked_for(make_session,
                            dynamic_sampling_metric=lambda rewards: bool(rewards["reward"].std() > 0))
     session.save(tmp_path / "saved")
     with pytest.raises(ValueError, match=r"dynamic_sampling_metric function saved in .* \(tests.test_dynamic_sampling:"
-                                         r"test_a_saved.*<lambda>\) cannot be found .*config.dynamic_sampling_metric"):
+                                         r"test_a_saved.*<lambda>\) cannot be found .*make it importable under that "
+                                         r"module and name"):
         GRPOSession.load(tmp_path / "saved", reward_funcs=[parity_reward])
     with pytest.raises(ConfigError, match="reads like a function stored by a save: pass the function itself"):
         make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric="mod:keep")
     with pytest.raises(ConfigError, match="dynamic_sampling_metric must be 'reward', a reward function's name or a"):
-        make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric=3)
+        make_session(reward_funcs=[parity_reward], **SPREAD, dynamic_sampling_metric=functools.partial(parity_reward))
 
 
 def test_an_exported_session_script_imports_the_metric_function_its_config_names(make_session, tmp_path):

@@ -213,8 +213,6 @@ def stored_value(value):
         return stored_value(value.value)
     if callable(getattr(value, "to_dict", None)):
         return stored_value(value.to_dict())
-    if callable(value):
-        return function_reference(value)
     if not isinstance(value, _YAML_TYPES):
         notices.warn(f"A config value of type {type(value).__name__} is stored in config.yaml as its text, "
                      f"{str(value)!r}: a config loaded from that file gets the text.")

@@ -13,6 +13,7 @@ import functools
 import math
 import numbers
 import os
+import types
 import warnings
 from typing import Any
 
@@ -113,10 +114,12 @@ def _check_choices(config) -> None:
             "async_generation and dynamic_sampling cannot be combined yet: dynamic sampling scores each round "
             "before its batch is complete. Turn one of them off."
         )
-    if not isinstance(config.dynamic_sampling_metric, str) and not callable(config.dynamic_sampling_metric):
+    metric = config.dynamic_sampling_metric
+    if not isinstance(metric, str | types.FunctionType):  # a function: saves name it by module and name
         raise ConfigError(
-            f"dynamic_sampling_metric must be 'reward', a reward function's name or a function that takes a group's "
-            f"rewards and returns whether to keep it, got {config.dynamic_sampling_metric!r}."
+            f"dynamic_sampling_metric must be 'reward', a reward function's name or a function (def) that takes a "
+            f"group's rewards and returns whether to keep it, got {metric!r}. Wrap a callable object or a "
+            "functools.partial in a def."
         )
     if config.report_to is None or (not isinstance(config.report_to, str) and len(config.report_to) == 1):
         _set(config, "report_to", config.report_to[0] if config.report_to else "none")  # --report_to NAME: a list

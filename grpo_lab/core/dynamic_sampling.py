@@ -215,12 +215,16 @@ def _record(engine, rounds: list[_Round], dropped: list, chosen: list, filler: l
     finite = drawn_values[~torch.isnan(drawn_values)]
     highest, lowest = (float(finite.max()), float(finite.min())) if len(finite) else (0.0, 0.0)
     columns = {"round": [], "group": [], "prompt": [], "completion": [], "value": [], "why": []}
-    too_easy = 0
+    too_easy = by_metric = 0
     for r, group in dropped:
         round_ = rounds[r]
-        value = float(torch.nanmean(round_.values_B[group * G:(group + 1) * G]))
+        values = round_.values_B[group * G:(group + 1) * G]
+        value = float(torch.nanmean(values))
         why = dropped_kind(value, highest, lowest, engine.config.eval_pass_threshold)
+        if callable(engine.config.dynamic_sampling_metric) and bool(ops.groups_with_signal(values, G)):
+            why = "by the metric"  # the function dropped it despite a spread: neither too easy nor too hard
         too_easy += why == "too easy"
+        by_metric += why == "by the metric"
         for row in range(group * G, (group + 1) * G):
             columns["round"].append(r)
             columns["group"].append(group)
@@ -229,7 +233,8 @@ def _record(engine, rounds: list[_Round], dropped: list, chosen: list, filler: l
             columns["value"].append(float(round_.values_B[row]))
             columns["why"].append(why)
     counts = torch.tensor([
-        float(sum(len(round_.signal_N) for round_ in rounds)), float(too_easy), float(len(dropped) - too_easy),
+        float(sum(len(round_.signal_N) for round_ in rounds)), float(too_easy),
+        float(len(dropped) - too_easy - by_metric),
         float(len(chosen)), float(len(filler)),
         float(sum(int(round_.rollout.completion_lengths_B.sum()) for round_ in rounds)),
     ], device=engine.accelerator.device)

@@ -131,16 +131,15 @@ def _saved_metric(config: GRPOConfig, directory: Path) -> None:
     again as reward functions are (never from beside the checkpoint); a ValueError saying how to pass
     it where it cannot be found (a lambda, a notebook's function in a new kernel)."""
     metric = config.dynamic_sampling_metric
-    if not isinstance(metric, str) or ":" not in metric:
-        return
+    if not config.dynamic_sampling or not isinstance(metric, str) or ":" not in metric:
+        return  # off: the text stays, and turning it on asks for the function
     try:
         config.dynamic_sampling_metric = _import_reference(metric, directory)
     except (AttributeError, ImportError, ValueError) as error:
         raise ValueError(
             f"The dynamic_sampling_metric function saved in {directory} ({metric}) cannot be found in this process "
-            f"({error}; e.g. a lambda, or a function defined in a notebook); pass it again: config = "
-            f"GRPOConfig.from_yaml({str(directory / 'config.yaml')!r}); config.dynamic_sampling_metric = "
-            "your_function; GRPOSession.load(path, args=config)."
+            f"({error}; e.g. a lambda, or a function defined in a notebook): make it importable under that module "
+            "and name (a module-level def) and load again, or build the session anew with the function."
         ) from None
 
 
@@ -152,7 +151,7 @@ def _checkpoint_records(session) -> dict:
         "history": plain_values(record.history),
         "evaluations": plain_values(record.evaluations),
         "completion_log": plain_values(record.completion_log),
-        "config_changes": plain_values(record.config_changes),
+        "config_changes": plain_values(record.config_changes, unknown=_stored_text),
         "applied_config": plain_values(shareable(record.applied_config), unknown=_stored_text),
         "batch_step": session.batch_step,
         "last_stage": record.last_stage,

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from grpo_lab import notices
+from grpo_lab.config.args import function_reference
 from grpo_lab.views.compare_data import Run, run_names
 
 ACCEPTED = (
@@ -53,7 +54,9 @@ def _read(run, position: int) -> Run:
 def _session_parts(session) -> dict:
     return {
         "rows": list(session.record.history),  # a copy: a training thread appends to the session's list
-        "config": session.config.to_dict(),
+        # a function (dynamic_sampling_metric) by its name, as a save of the session holds it
+        "config": {name: function_reference(value) if callable(value) else value
+                   for name, value in session.config.to_dict().items()},
         "fork_point": getattr(session, "fork_point", None),
     }
 

@@ -297,9 +297,10 @@ _DROPPED_COLUMNS = [
     Column("prompt", "prompt", "the group's prompt", text=True),
     Column("completion", "completion", "the completion's text", text=True),
     Column("value", "value", "the value dynamic_sampling_metric decides on (the same for every completion of a "
-           "dropped group)"),
+           "dropped group; the weighted reward where a function decides)"),
     Column("why", "why", "too easy: nearer the highest value drawn for the batch than the lowest (where all are "
-           "equal: at or above eval_pass_threshold); too hard: the others", text=True),
+           "equal: at or above eval_pass_threshold); too hard: the others; by the metric: a function given as "
+           "dynamic_sampling_metric dropped a group whose values differ", text=True),
 ]
 
 
