@@ -131,7 +131,8 @@ class GRPOFields:
         ``filter_groups.metric``). From Python it may also be a function that decides for itself: called once
         per group with ``{"reward": (G,) weighted sums, NAME: (G,) rewards of each reward function}`` (float
         tensors), it returns True to keep the group. A save stores such a function as ``module:name``, which
-        ``GRPOSession.load`` imports again.""")
+        ``GRPOSession.load`` imports again (a lambda, or a notebook's function in a new kernel, it cannot find:
+        it says so).""")
     dynamic_sampling_max_rounds: int = setting(10, "live", """Most generation rounds per generation batch, the first
         included (verl's ``filter_groups.max_num_gen_batches``; its 0, no limit, has no equivalent here).""")
     dynamic_sampling_fill: str = setting("zero_signal", "live", """When the rounds run out before the batch is
