@@ -5,10 +5,11 @@ A group whose completions all get the same reward has advantages of exactly 0 an
 With ``GRPOConfig.dynamic_sampling``, ``generate()`` draws a round (a whole generation batch of
 prompts, the sampler moving on as for an ordinary batch), scores it with the run's reward functions,
 keeps the groups with a signal (:func:`grpo_lab.ops.groups_with_signal` of
-``dynamic_sampling_metric``, or the groups a function given there keeps) and drops the others, until every process holds its batch's number of
-kept groups or ``dynamic_sampling_max_rounds`` rounds are drawn. A batch still short then is filled
-with dropped groups (``dynamic_sampling_fill``). Not with ``environment_factory`` (refused). Kept
-groups beyond the batch are discarded, as in verl (their prompts count as drawn).
+``dynamic_sampling_metric``, or the groups a function given there keeps) and drops the others, until
+every process holds its batch's number of kept groups or ``dynamic_sampling_max_rounds`` rounds are
+drawn. A batch still short then is filled with dropped groups (``dynamic_sampling_fill``). Not with
+``environment_factory`` (refused). Kept groups beyond the batch are discarded, as in verl (their
+prompts count as drawn).
 
 Each process fills its own share of the batch from its own share of each round's prompts, so that no
 completion moves between processes; the rounds are collective (every process draws the same number,
