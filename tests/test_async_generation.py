@@ -82,12 +82,79 @@ def test_a_failed_launch_puts_the_sampler_back_and_the_run_goes_on_as_if_it_had_
     pd.testing.assert_frame_equal(_comparable(session.history), _comparable(whole.history))
 
 
-def test_a_live_edit_cannot_combine_it_with_dynamic_sampling(make_session):
-    session = make_session(async_generation=True)
-    session.step()
-    session.config.dynamic_sampling = True
-    with pytest.raises(ConfigError, match="async_generation and dynamic_sampling cannot be combined"):
+def first_group_spread(completions, **kwargs):
+    """Rewards 0, 1, 2, ... for the first group of each call and 0 elsewhere: under dynamic sampling every
+    round keeps its first group and drops the others, so a batch of two groups takes two rounds."""
+    G = SMALL["num_generations"]
+    return [float(i) if i < G else 0.0 for i in range(len(completions))]
+
+
+def test_with_dynamic_sampling_each_round_is_a_batch_prepared_ahead_and_a_batch_is_as_stale_as_its_first(
+        make_session):
+    session = make_session(reward_funcs=[first_group_spread], async_generation=True)
+    backend, launched_at = session.engine.rollout_backend, []
+    generate = backend.generate
+
+    def recorded(texts, config):
+        launched_at.append(session.global_step)
+        return generate(texts, config)
+
+    backend.generate = recorded
+    session.step()  # without dynamic sampling: its batch and the next launched
+    session.config.dynamic_sampling = True  # a live edit: the batch prepared then is the next batch's first round
+    for _ in range(2):
+        rollout = session.generate()
+        assert rollout.dynamic_sampling.rounds == 2
+        assert rollout.policy_version == session.global_step - 1  # the first round's weights, the oldest
+        assert session.score().rewards_BF[:, 0].view(-1, 4)[:, 0].tolist() == [0.0, 0.0]  # each a kept first group
+        assert session.advantages().metrics["frac_reward_zero_std"] == 0.0
+        session.loss(), session.update()
+    # each round taken launches the next: the second of a batch with the current weights, the first of the
+    # next batch with them too, one step before it trains
+    assert launched_at == [0, 0, 1, 1, 2, 2]
+    assert session.history["async_generation/staleness"].tolist() == [0.0, 1.0, 1.0]
+    assert (session.history["async_generation/generator_idle"] > 0).all()
+
+
+@pytest.mark.parametrize("failing", ["the reference pass", "a later round's reward"])
+def test_a_failure_anywhere_in_generate_leaves_the_prepared_batch_and_the_sampler_as_they_were(make_session, failing):
+    calls, armed = [], []
+
+    def fails_in_round_two(completions, **kwargs):
+        calls.append(1)
+        if armed and len(calls) in (2, 3):  # round two's call and its retry
+            raise RuntimeError("the judge is down")
+        return first_group_spread(completions)
+
+    fails_in_round_two.__name__ = "first_group_spread"  # the same metric names as the uninterrupted run's
+    settings = dict(async_generation=True, beta=0.04, doctor="off")
+    if failing == "a later round's reward":
+        settings.update(dynamic_sampling=True, reward_funcs=[first_group_spread])
+    whole = make_session(**settings)
+    whole.run(3, progress=False)
+    if failing == "a later round's reward":
+        settings.update(reward_funcs=[fails_in_round_two])
+    session = make_session(**settings)
+    session.step()  # the second batch is prepared: the failure is in the generate() that takes it
+    calls.clear()
+    armed.append(True)
+    if failing == "the reference pass":
+        reference = session.engine.reference_logprobs
+
+        def interrupted_once(rollout):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt  # Ctrl-C
+            return reference(rollout)
+
+        session.engine.reference_logprobs = interrupted_once
+    position = session.engine.sampler.state_dict()
+    with pytest.raises((KeyboardInterrupt, RuntimeError)):
         session.generate()
+    assert session.engine.sampler.state_dict() == position and session.next_stage == "generate"
+    session.run(2, progress=False)
+    pd.testing.assert_frame_equal(_comparable(session.history), _comparable(whole.history))
+    _assert_same_weights(session.model, _weights(whole.model))
 
 
 def test_a_saved_run_resumes_with_its_prepared_batch_and_undo_and_the_doctor_leave_it_alone(make_session, tmp_path):
@@ -106,10 +173,7 @@ def test_a_saved_run_resumes_with_its_prepared_batch_and_undo_and_the_doctor_lea
     _assert_same_weights(loaded.model, _weights(whole.model))
 
 
-def test_settings_async_generation_cannot_run_under_are_refused(make_session, task, tmp_path):
-    with pytest.raises(ConfigError, match="async_generation and dynamic_sampling cannot be combined"):
-        make_session(async_generation=True, dynamic_sampling=True)
-
+def test_a_rollout_function_is_refused(task, tmp_path):
     def rollout(prompts, trainer):
         raise AssertionError("never called: the session is refused first")
 

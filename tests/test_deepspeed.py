@@ -33,14 +33,15 @@ def _weights(directory: Path) -> dict:
 @pytest.fixture(scope="module")
 def zero2_runs(tmp_path_factory):
     """The ZeRO-2 runs, in one launch with the shipped ZeRO-2 config: fp32 and bf16, each trained and
-    resumed from its checkpoint-2, and the same run as plain data parallel (accelerate's own choice for
-    a DeepSpeed launch on CPU). Returns the folder holding a folder per run."""
+    resumed from its checkpoint-2, a run with dynamic sampling, and the same run as plain data parallel
+    (accelerate's own choice for a DeepSpeed launch on CPU). Returns the folder holding a folder per run."""
     folder = tmp_path_factory.mktemp("zero2")
     plan = [{"mode": "train", "out": folder / "fp32" / "whole"},
             {"mode": "train", "out": folder / "fp32" / "resumed", "resume": folder / "fp32" / "whole" / "checkpoint-2"},
             {"mode": "train", "out": folder / "bf16" / "whole", "bf16": True},
             {"mode": "train", "out": folder / "bf16" / "resumed", "bf16": True,
              "resume": folder / "bf16" / "whole" / "checkpoint-2"},
+            {"mode": "train", "out": folder / "dynamic", "dynamic_sampling": True},
             {"mode": "train", "out": folder / "ddp", "ddp": True}]
     log = launch_plan("deepspeed_zero2.yaml", plan, folder, "--mixed_precision", "no")  # fp32 on CPU
     assert "asked for DeepSpeed, which shards the model over GPUs" in log  # said by the plain data parallel run
@@ -180,9 +181,11 @@ def test_a_one_process_checkpoint_opens_under_zero_3_with_its_optimizer_state_cu
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_under_zero3_fills_every_process_alike(zero3_runs):
-    out = zero3_runs["folder"] / "dynamic"
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dynamic_sampling_under_zero_fills_every_process_alike(request, stage):
+    runs = request.getfixturevalue("zero2_runs" if stage == 2 else "zero3_runs")
+    out = (runs if stage == 2 else runs["folder"]) / "dynamic"
     result = json.loads((out / "result.json").read_text())
-    assert (result["distributed_type"], result["zero_stage"]) == ("DistributedType.DEEPSPEED", 3)
+    assert (result["distributed_type"], result["zero_stage"]) == ("DistributedType.DEEPSPEED", stage)
     assert_sharded_processes_filled_alike(out)
 

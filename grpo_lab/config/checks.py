@@ -109,11 +109,6 @@ def _check_choices(config) -> None:
     _one_of("vllm_importance_sampling_mode", config.vllm_importance_sampling_mode, VLLM_IS_MODES)
     _one_of("doctor", config.doctor, DOCTOR_MODES)
     _one_of("dynamic_sampling_fill", config.dynamic_sampling_fill, DYNAMIC_SAMPLING_FILLS)
-    if config.async_generation and config.dynamic_sampling:
-        raise ConfigError(
-            "async_generation and dynamic_sampling cannot be combined yet: dynamic sampling scores each round "
-            "before its batch is complete. Turn one of them off."
-        )
     metric = config.dynamic_sampling_metric
     if not isinstance(metric, str | types.FunctionType):  # a function: saves name it by module and name
         raise ConfigError(

@@ -8,7 +8,8 @@ keeps the groups with a signal (:func:`grpo_lab.ops.groups_with_signal` of
 ``dynamic_sampling_metric``, or the groups a function given there keeps) and drops the others, until
 every process holds its batch's number of kept groups or ``dynamic_sampling_max_rounds`` rounds are
 drawn. A batch still short then is filled with dropped groups (``dynamic_sampling_fill``). Not with
-``environment_factory`` (refused). Kept groups beyond the batch are discarded, as in verl (their
+``environment_factory`` (refused). With ``async_generation`` each round is one prepared batch
+(:mod:`grpo_lab.core.generation_ahead`). Kept groups beyond the batch are discarded, as in verl (their
 prompts count as drawn).
 
 Each process fills its own share of the batch from its own share of each round's prompts, so that no
@@ -99,6 +100,10 @@ def fill_batch(engine, generate_round) -> Rollout:
     batch.group_index_B = torch.arange(needed).repeat_interleave(G) + first_group
     taken = set(chosen + filler)
     batch.dynamic_sampling = _record(engine, rounds, [pair for pair in dropped if pair not in taken], chosen, filler)
+    timings = [round_.rollout.async_timing for round_ in rounds if round_.rollout.async_timing is not None]
+    if timings:  # async_generation: as stale as its first round, the oldest; the waits over every round
+        batch.policy_version = rounds[0].rollout.policy_version
+        batch.async_timing = {name: sum(timing[name] for timing in timings) for name in timings[0]}
     return batch
 
 

@@ -37,25 +37,36 @@ class GenerationStage:
         self.ahead = GenerationAhead(self)  # with async_generation: the batch prepared one generate() ahead
 
     def generate(self) -> Rollout:
-        """Draw the next generation batch of prompts and sample ``num_generations`` completions each;
-        with ``dynamic_sampling``, rounds of them scored until the batch holds groups with a signal
+        """Draw the next generation batch of prompts and sample ``num_generations`` completions each
+        (with ``async_generation``, take the batch prepared at the last ``generate()`` instead); with
+        ``dynamic_sampling``, rounds of them scored until the batch holds groups with a signal
         (:func:`grpo_lab.core.dynamic_sampling.fill_batch`). Then the log-prob passes the loss needs."""
         engine = self.engine
         config = engine.config
         if engine.published_version != engine.global_step:
             engine.publish_weights()
-        check_async_generation(config, engine.custom_rollout)  # dynamic_sampling is live: it may be on since
-        if config.dynamic_sampling:
-            sampler_state = engine.sampler.state_dict()
-            try:
-                rollout = fill_batch(engine, self.generate_round)
-            except BaseException:
-                engine.sampler.load_state_dict(sampler_state)
-                raise
-        elif self.ahead.active(config):
-            rollout = self.prepared_rollout()
-        else:
-            rollout = self.generate_round()
+        if self.ahead.active(config):
+            with self.ahead.one_generate():
+                return self._finished(self._rollout(config, self.prepared_rollout))
+        return self._finished(self._rollout(config, self.generate_round))
+
+    def _rollout(self, config, next_round) -> Rollout:
+        """The generation batch of ``next_round()`` (a generated or a prepared batch); with
+        ``dynamic_sampling``, its kept groups filled from as many of them as it takes."""
+        if not config.dynamic_sampling:
+            return next_round()
+        engine = self.engine
+        sampler_state = engine.sampler.state_dict()
+        try:
+            return fill_batch(engine, next_round)
+        except BaseException:
+            engine.sampler.load_state_dict(sampler_state)
+            raise
+
+    def _finished(self, rollout: Rollout) -> Rollout:
+        """``rollout`` with the log-prob passes the loss needs, its tokens counted."""
+        engine = self.engine
+        config = engine.config
         with engine.accelerator.autocast():
             if engine.needs_old_logprobs():
                 rollout.old_logprobs_BT = engine.batch_logprobs(engine.model, rollout)
@@ -129,15 +140,11 @@ class GenerationStage:
 
     def prepared_rollout(self) -> Rollout:
         """With ``async_generation``: the batch prepared at the last ``generate()`` (generated with the
-        weights of then), the next one launched (:class:`~grpo_lab.core.generation_ahead.GenerationAhead`)."""
-        engine = self.engine
+        weights of then), the next one launched (:class:`~grpo_lab.core.generation_ahead.GenerationAhead`;
+        inside its ``one_generate()``, which undoes this after a failure)."""
         taken = self.ahead.take()
-        try:
-            rollout = self.finished_round(taken.drawn, CustomBatch(taken.batch, None, {}, None),
-                                          lag=engine.steps_per_batch)
-        except BaseException:
-            self.ahead.put_back(taken)
-            raise
+        rollout = self.finished_round(taken.drawn, CustomBatch(taken.batch, None, {}, None),
+                                      lag=self.engine.steps_per_batch)
         if rollout.policy_version is None:  # in-process: generated with the weights of its launch
             rollout.policy_version = taken.version
         rollout.async_timing = taken.timing

@@ -16,6 +16,11 @@ Where the batch is generated decides what overlaps:
   the launch generates at once, inside ``generate()``, so nothing overlaps; the batches are one step
   stale all the same, which is what a study of staleness needs on a machine without a server.
 
+With ``dynamic_sampling`` a prepared batch is one round: each round taken launches the next, so the
+round after this one is generated while this one is scored; the first round of a batch was launched
+by the last round of the batch before (weights one step older), the further rounds with the current
+weights. A batch's ``policy_version`` is its first round's, the oldest.
+
 Weights reach the server only with nothing in flight (``Engine.publish_weights`` waits for the batch
 first), so which weights a batch is generated with never depends on timing: runs are deterministic
 and a checkpoint holds the prepared batch itself (:meth:`GenerationAhead.state_dict` waits for it),
@@ -25,6 +30,7 @@ so that a resumed run trains on the very batch the uninterrupted one would have.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -39,18 +45,11 @@ _BATCH_TENSORS = ("prompt_ids_BP", "prompt_mask_BP", "completion_ids_BT", "compl
 def check_async_generation(config, custom_rollout) -> None:
     """Refuse ``async_generation`` where a batch is not the backend's completions of drawn prompts
     alone: with a rollout function, tools or environments (they run in the trainer's thread, between
-    turns), or with ``dynamic_sampling`` (whose rounds are scored before the batch is complete)."""
-    if not config.async_generation:
-        return
-    if custom_rollout is not None:
+    turns)."""
+    if config.async_generation and custom_rollout is not None:
         raise ConfigError(
             "async_generation is not supported with rollout_func, tools or environment_factory yet: their turns run "
             "in the trainer's process between generations. Turn async_generation off."
-        )
-    if config.dynamic_sampling:
-        raise ConfigError(
-            "async_generation and dynamic_sampling cannot be combined yet: dynamic sampling scores each round "
-            "before its batch is complete. Turn one of them off."
         )
 
 
@@ -73,7 +72,6 @@ class _Prepared:
 
     drawn: DrawnRound
     version: int
-    sampler_before: dict  # where the sampler stood before its prompts were drawn
     call: object | None = None  # the server request (re-sent after a failure), None in-process
     future: Future | None = None
     batch: GeneratedBatch | None = None
@@ -88,9 +86,7 @@ class Taken(NamedTuple):
     drawn: DrawnRound
     batch: GeneratedBatch
     version: int
-    sampler_before: dict
     timing: dict[str, float]
-    launched_now: bool  # by this take() (the first batch, or after a load without one)
 
 
 class GenerationAhead:
@@ -103,6 +99,7 @@ class GenerationAhead:
         self.paused = False
         self._prepared: _Prepared | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._taken: list | None = None  # inside one_generate(): [(the first batch taken, launched there too)]
 
     def active(self, config) -> bool:
         return bool(config.async_generation) and not self.paused
@@ -110,41 +107,43 @@ class GenerationAhead:
     # ------------------------------------------------------------------ the batch of a generate()
     def take(self) -> Taken:
         """The prepared batch (generated now where none is: the run's first, or after a load without
-        one) and the timing metrics, with the next batch launched with the current weights."""
+        one) and the timing metrics, with the next batch launched with the current weights. Only
+        inside :meth:`one_generate`, which undoes it after a failure."""
         launched_now = self._prepared is None
         if launched_now:
             self._prepared = self._launch()
         self.wait()
         prepared, self._prepared = self._prepared, None
-        try:
-            self._prepared = self._launch()
-        except BaseException:
-            self._undo_take(prepared, launched_now)
-            raise
+        if not self._taken:
+            self._taken.append((prepared, launched_now))
+        self._prepared = self._launch()
         timing = {
             "async_generation/trainer_wait": prepared.waited,
             "async_generation/generator_idle": self._prepared.launched_at - prepared.finished_at,
         }
-        return Taken(prepared.drawn, prepared.batch, prepared.version, prepared.sampler_before, timing, launched_now)
+        return Taken(prepared.drawn, prepared.batch, prepared.version, timing)
 
-    def put_back(self, taken: Taken) -> None:
-        """Undo :meth:`take` after a failure further on (see :meth:`_undo_take`)."""
-        if self._prepared is not None:
-            self.stage.engine.sampler.load_state_dict(self._prepared.sampler_before)
-        self.discard()
-        prepared = _Prepared(taken.drawn, taken.version, taken.sampler_before, batch=taken.batch,
-                             finished_at=time.perf_counter())
-        self._undo_take(prepared, taken.launched_now)
-
-    def _undo_take(self, prepared: _Prepared, launched_now: bool) -> None:
-        """Leave things as before the failed ``generate()``, which puts the sampler and the random
-        state back as they were at its start: a batch prepared before it is prepared again; one it
-        launched itself is dropped too (its prompts and draws are undone), to be launched again."""
-        if launched_now:
-            self.stage.engine.sampler.load_state_dict(prepared.sampler_before)
-            self._prepared = None
-        else:
-            self._prepared = prepared
+    @contextmanager
+    def one_generate(self):
+        """Around one ``generate()``, whatever it takes (one batch, or with ``dynamic_sampling`` one
+        round after another): after a failure or interrupt anywhere inside, things are as before it:
+        the sampler where it stood, a batch launched inside dropped, and the batch taken first
+        prepared again (or dropped too where it was launched inside: the run's first), so that the
+        next ``generate()`` takes the same batches."""
+        sampler_state = self.stage.engine.sampler.state_dict()
+        before, self._taken = self._prepared, []
+        try:
+            yield
+        except BaseException:
+            if self._prepared is not before:
+                self.discard()
+            if self._taken:
+                first, launched_now = self._taken[0]
+                self._prepared = None if launched_now else first
+            self.stage.engine.sampler.load_state_dict(sampler_state)
+            raise
+        finally:
+            self._taken = None
 
     def _launch(self) -> _Prepared:
         """Draw the next batch's prompts and start its generation with the current weights; the
@@ -154,7 +153,7 @@ class GenerationAhead:
         before = engine.sampler.state_dict()
         try:
             drawn = stage.draw_round()
-            prepared = _Prepared(drawn, engine.global_step, before)
+            prepared = _Prepared(drawn, engine.global_step)
             request = getattr(engine.rollout_backend, "generate_later", None)
             if request is None:  # in-process: generated here and now
                 prepared.batch = stage.backend_generate(drawn.prompts, drawn.rows)
@@ -224,7 +223,6 @@ class GenerationAhead:
             "drawn": {"rows": prepared.drawn.rows, "prompts": prepared.drawn.prompts,
                       "indices": prepared.drawn.indices, "group_B": prepared.drawn.group_B},
             "version": prepared.version,
-            "sampler_before": prepared.sampler_before,
             "batch": {name: None if getattr(batch, name) is None else getattr(batch, name).detach().cpu().clone()
                       for name in _BATCH_TENSORS} | {"policy_version": batch.policy_version},
         }
@@ -237,5 +235,5 @@ class GenerationAhead:
         tensors = {name: None if state["batch"][name] is None else state["batch"][name].to(device)
                    for name in _BATCH_TENSORS}
         batch = GeneratedBatch(**tensors, policy_version=state["batch"]["policy_version"])
-        self._prepared = _Prepared(DrawnRound(**state["drawn"]), int(state["version"]), state["sampler_before"],
+        self._prepared = _Prepared(DrawnRound(**state["drawn"]), int(state["version"]),
                                    batch=batch, finished_at=time.perf_counter())

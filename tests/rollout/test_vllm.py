@@ -213,6 +213,29 @@ def test_one_step_off_generation_trains_each_batch_one_step_after_the_weights_th
     assert session.engine.rollout_backend.wait_until_ready()["version"] == 20
 
 
+def test_one_step_off_with_dynamic_sampling_trains_batches_as_old_as_their_first_round(task, server, tmp_path):
+    from tests.test_async_generation import first_group_spread  # every round keeps one of its two groups
+
+    config = task.config(
+        max_steps=4, learning_rate=5e-4, use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
+        vllm_server_port=server, output_dir=str(tmp_path), async_generation=True, dynamic_sampling=True,
+        num_generations=4, per_device_train_batch_size=8,
+    )
+    session = GRPOSession(task.model, [first_group_spread], args=config, train_dataset=task.train_dataset,
+                          peft_config=lora())
+    batches = []
+    session.on(lambda stage, result: batches.append((result.policy_version, result.dynamic_sampling.rounds))
+               if stage == "generate" else None)
+    session.run(4, progress=False)
+    # a batch is as old as its first round, launched by the last round of the batch before
+    assert batches == [(0, 2), (0, 2), (1, 2), (2, 2)]
+    history = session.history
+    assert history["async_generation/staleness"].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert (history["frac_reward_zero_std"] == 0).all()
+    check_sampling_metrics(history, tolerance=0.3)
+    assert session.engine.rollout_backend.wait_until_ready()["version"] == 4
+
+
 def test_an_adapter_update_changes_what_the_server_generates(task, server, tmp_path):
     """Same seeds, same prompts: the untrained adapter reproduces its completions, a changed one does
     not, even when it is pushed under a version number the server has seen."""
