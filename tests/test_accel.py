@@ -149,3 +149,23 @@ def test_one_function_picks_the_path(make_session, path):
     # the load-balancing loss is over whole rows: a pass that returns it is always plain
     assert pick_path(session.model, rollout.completion_mask_BT, session.engine.speed_paths, share_prompt_prefix=True,
                      compact_forward=True, router_aux_loss=True) == "plain"
+
+
+def test_a_model_loaded_with_hub_kernels_on_trains_on_a_cpu_with_them_off_and_the_same_outputs(make_session, task):
+    # transformers turns hub kernels on at load where the kernels package is installed, then walks every
+    # module at each train() / eval() that changes the mode; no hub kernel runs on a CPU
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("kernels", reason="without the kernels package transformers loads no model with hub kernels")
+    model = AutoModelForCausalLM.from_pretrained(task.model)
+    assert model.use_kernels
+    ids_BL = torch.arange(24).view(2, 12)
+    with torch.no_grad():
+        before = model(ids_BL).logits
+    session = make_session(model=model)
+    assert session.model is model and not model.use_kernels
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids_BL).logits, before)
+    session.step()

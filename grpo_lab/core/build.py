@@ -205,6 +205,16 @@ def load_policy(model, config: GRPOConfig, quantization_config=None):
     return load_causal_lm(model, with_quantization(model, config.model_kwargs(), quantization_config))
 
 
+def without_hub_kernels_on_cpu(policy, device: torch.device) -> None:
+    """Turn transformers' hub kernels off for a policy trained on a CPU. transformers loads a model
+    with ``use_kernels`` on wherever the ``kernels`` package is installed (bitsandbytes brings it), and
+    then re-kernelizes it at every ``train()`` / ``eval()`` that changes the mode, walking every module:
+    about 1.4 ms a flip on the shipped model, two flips a step (generation runs in eval mode). The
+    ``kernels`` package has no CPU kernels, so on a CPU every layer runs its own forward either way."""
+    if device.type == "cpu" and getattr(policy, "use_kernels", False):
+        policy.use_kernels = False
+
+
 def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dataset, *, custom_rollout: bool,
                   processor=None):
     """``(context, prompt_tokens, prompt_tokens_source)``: the model's context length, and the train

@@ -69,6 +69,7 @@ class Engine:
         set_seed(config.seed + self.accelerator.process_index)
         self.tokenizer, self.processor, name = build.tokenizer_for(model, processing_class, config)
         policy = build.load_policy(model, config, quantization_config)
+        build.without_hub_kernels_on_cpu(policy, self.accelerator.device)
         build.check_policy(policy, config, self.processing_class, (train_dataset, eval_dataset),
                            dict(rollout_func=rollout_func, tools=tools, environment_factory=environment_factory))
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
