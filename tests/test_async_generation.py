@@ -116,8 +116,12 @@ def test_with_dynamic_sampling_each_round_is_a_batch_prepared_ahead_and_a_batch_
     assert (session.history["async_generation/generator_idle"] > 0).all()
 
 
-@pytest.mark.parametrize("failing", ["the reference pass", "a later round's reward"])
-def test_a_failure_anywhere_in_generate_leaves_the_prepared_batch_and_the_sampler_as_they_were(make_session, failing):
+@pytest.mark.parametrize("failing, first", [
+    ("the reference pass", False), ("the reference pass", True),  # True: in the run's first generate()
+    ("a later round's reward", False), ("a Ctrl-C in a later round", False),
+])
+def test_a_failure_anywhere_in_generate_leaves_the_prepared_batch_and_the_sampler_as_they_were(make_session, failing,
+                                                                                              first):
     calls, armed = [], []
 
     def fails_in_round_two(completions, **kwargs):
@@ -128,18 +132,20 @@ def test_a_failure_anywhere_in_generate_leaves_the_prepared_batch_and_the_sample
 
     fails_in_round_two.__name__ = "first_group_spread"  # the same metric names as the uninterrupted run's
     settings = dict(async_generation=True, beta=0.04, doctor="off")
-    if failing == "a later round's reward":
+    if failing != "the reference pass":
         settings.update(dynamic_sampling=True, reward_funcs=[first_group_spread])
     whole = make_session(**settings)
     whole.run(3, progress=False)
     if failing == "a later round's reward":
         settings.update(reward_funcs=[fails_in_round_two])
     session = make_session(**settings)
-    session.step()  # the second batch is prepared: the failure is in the generate() that takes it
+    if not first:
+        session.step()  # the second batch is prepared: the failure is in the generate() that takes it
     calls.clear()
     armed.append(True)
+    engine = session.engine
     if failing == "the reference pass":
-        reference = session.engine.reference_logprobs
+        reference = engine.reference_logprobs
 
         def interrupted_once(rollout):
             calls.append(1)
@@ -147,12 +153,22 @@ def test_a_failure_anywhere_in_generate_leaves_the_prepared_batch_and_the_sample
                 raise KeyboardInterrupt  # Ctrl-C
             return reference(rollout)
 
-        session.engine.reference_logprobs = interrupted_once
-    position = session.engine.sampler.state_dict()
+        engine.reference_logprobs = interrupted_once
+    elif failing == "a Ctrl-C in a later round":
+        score = engine.score
+
+        def interrupted_in_round_two(rollout):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return score(rollout)
+
+        engine.score = interrupted_in_round_two
+    position = engine.sampler.state_dict()
     with pytest.raises((KeyboardInterrupt, RuntimeError)):
         session.generate()
-    assert session.engine.sampler.state_dict() == position and session.next_stage == "generate"
-    session.run(2, progress=False)
+    assert engine.sampler.state_dict() == position and session.next_stage == "generate"
+    session.run(3 - session.global_step, progress=False)
     pd.testing.assert_frame_equal(_comparable(session.history), _comparable(whole.history))
     _assert_same_weights(session.model, _weights(whole.model))
 

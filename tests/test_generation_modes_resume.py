@@ -141,6 +141,8 @@ def test_two_processes_train_alike_in_each_mode_and_both_and_resume_exactly(tmp_
         if name != "dynamic_sampling":  # with both, a batch is as stale as its first round
             assert history["async_generation/staleness"] == [0.0, 1.0, 1.0, 1.0]
             assert [first[2] for first, _ in batches] == [0, 0, 1, 2]
+        if name == "both":
+            assert any(first[4] > 1 for first, _ in batches)  # rounds taken one after another
         whole = [torch.load(tmp_path / "whole" / name / f"weights-{rank}.pt") for rank in (0, 1)]
         resumed = [torch.load(tmp_path / "resumed" / name / f"weights-{rank}.pt") for rank in (0, 1)]
         for key, value in whole[0].items():

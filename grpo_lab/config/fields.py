@@ -150,9 +150,10 @@ class GRPOFields:
         once (no overlap, the same staleness). With vLLM, vllm_importance_sampling_correction covers the lag (the
         old log-probs are the training weights', the sampling ones the generating weights'); an in-process
         transformers backend keeps no sampling log-probs, so there the lag is not corrected. A config edit reaches
-        the batch launched after it. With dynamic_sampling each round is a batch prepared ahead: a batch's first
-        round is one step stale, its further rounds are generated with the current weights while the round before is
-        scored. Not with rollout_func, tools or environment_factory.""")
+        the batch launched after it. With dynamic_sampling each round is a batch prepared ahead (with a server, the
+        next round is generated while this one is scored): a batch's first round is as stale as a batch without
+        dynamic sampling, its further rounds are generated with the current weights. Not with rollout_func, tools or
+        environment_factory.""")
 
     # ------------------------------------------------------------------ vLLM
     use_vllm: bool = built(False, "process", """Generate with vLLM instead of transformers (``pip install

@@ -16,10 +16,10 @@ Where the batch is generated decides what overlaps:
   the launch generates at once, inside ``generate()``, so nothing overlaps; the batches are one step
   stale all the same, which is what a study of staleness needs on a machine without a server.
 
-With ``dynamic_sampling`` a prepared batch is one round: each round taken launches the next, so the
-round after this one is generated while this one is scored; the first round of a batch was launched
-by the last round of the batch before (weights one step older), the further rounds with the current
-weights. A batch's ``policy_version`` is its first round's, the oldest.
+With ``dynamic_sampling`` a prepared batch is one round: each round taken launches the next (with a
+server, the round after this one is generated while this one is scored); the first round of a batch
+was launched by the last round of the batch before (``steps_per_batch`` optimizer steps older), the
+further rounds with the current weights. A batch's ``policy_version`` is its first round's, the oldest.
 
 Weights reach the server only with nothing in flight (``Engine.publish_weights`` waits for the batch
 first), so which weights a batch is generated with never depends on timing: runs are deterministic
@@ -99,7 +99,6 @@ class GenerationAhead:
         self.paused = False
         self._prepared: _Prepared | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._taken: list | None = None  # inside one_generate(): [(the first batch taken, launched there too)]
 
     def active(self, config) -> bool:
         return bool(config.async_generation) and not self.paused
@@ -107,15 +106,12 @@ class GenerationAhead:
     # ------------------------------------------------------------------ the batch of a generate()
     def take(self) -> Taken:
         """The prepared batch (generated now where none is: the run's first, or after a load without
-        one) and the timing metrics, with the next batch launched with the current weights. Only
-        inside :meth:`one_generate`, which undoes it after a failure."""
-        launched_now = self._prepared is None
-        if launched_now:
+        one) and the timing metrics, with the next batch launched with the current weights. Inside
+        :meth:`one_generate`, which undoes it after a failure."""
+        if self._prepared is None:
             self._prepared = self._launch()
         self.wait()
         prepared, self._prepared = self._prepared, None
-        if not self._taken:
-            self._taken.append((prepared, launched_now))
         self._prepared = self._launch()
         timing = {
             "async_generation/trainer_wait": prepared.waited,
@@ -126,44 +122,33 @@ class GenerationAhead:
     @contextmanager
     def one_generate(self):
         """Around one ``generate()``, whatever it takes (one batch, or with ``dynamic_sampling`` one
-        round after another): after a failure or interrupt anywhere inside, things are as before it:
-        the sampler where it stood, a batch launched inside dropped, and the batch taken first
-        prepared again (or dropped too where it was launched inside: the run's first), so that the
-        next ``generate()`` takes the same batches."""
+        round after another): after a failure or interrupt anywhere inside, things are as before it,
+        the batch prepared then prepared again (none on the run's first) and the sampler where it
+        stood, so that the next ``generate()`` takes the same batches; a batch launched inside is
+        dropped, its request (with a server) waited out once that is done."""
         sampler_state = self.stage.engine.sampler.state_dict()
-        before, self._taken = self._prepared, []
+        before = self._prepared
         try:
             yield
         except BaseException:
-            if self._prepared is not before:
-                self.discard()
-            if self._taken:
-                first, launched_now = self._taken[0]
-                self._prepared = None if launched_now else first
+            dropped, self._prepared = self._prepared, before
             self.stage.engine.sampler.load_state_dict(sampler_state)
+            if dropped is not None and dropped is not before:
+                _wait_out(dropped)
             raise
-        finally:
-            self._taken = None
 
     def _launch(self) -> _Prepared:
-        """Draw the next batch's prompts and start its generation with the current weights; the
-        sampler is put back if that fails."""
+        """Draw the next batch's prompts and start its generation with the current weights."""
         stage = self.stage
         engine = stage.engine
-        before = engine.sampler.state_dict()
-        try:
-            drawn = stage.draw_round()
-            prepared = _Prepared(drawn, engine.global_step)
-            request = getattr(engine.rollout_backend, "generate_later", None)
-            if request is None:  # in-process: generated here and now
-                prepared.batch = stage.backend_generate(drawn.prompts, drawn.rows)
-                prepared.finished_at = time.perf_counter()
-                return prepared
-            # tokens and seeds drawn here, in the trainer's thread
-            prepared.call = request(stage.rendered(drawn.prompts), engine.config)
-        except BaseException:
-            engine.sampler.load_state_dict(before)
-            raise
+        drawn = stage.draw_round()
+        prepared = _Prepared(drawn, engine.global_step)
+        request = getattr(engine.rollout_backend, "generate_later", None)
+        if request is None:  # in-process: generated here and now
+            prepared.batch = stage.backend_generate(drawn.prompts, drawn.rows)
+            prepared.finished_at = time.perf_counter()
+            return prepared
+        prepared.call = request(stage.rendered(drawn.prompts), engine.config)  # tokens and seeds drawn here
         self._submit(prepared)
         return prepared
 
@@ -199,11 +184,8 @@ class GenerationAhead:
     def discard(self) -> None:
         """Drop the prepared batch (waiting for a request in flight to end first)."""
         prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared.future is not None:
-            try:
-                prepared.future.result()
-            except Exception:  # noqa: BLE001 - its result is not wanted either way
-                pass
+        if prepared is not None:
+            _wait_out(prepared)
 
     def close(self) -> None:
         self.discard()
@@ -237,3 +219,12 @@ class GenerationAhead:
         batch = GeneratedBatch(**tensors, policy_version=state["batch"]["policy_version"])
         self._prepared = _Prepared(DrawnRound(**state["drawn"]), int(state["version"]),
                                    batch=batch, finished_at=time.perf_counter())
+
+
+def _wait_out(prepared: _Prepared) -> None:
+    """Wait for a dropped batch's request in flight, if any, to end (its result is not wanted)."""
+    if prepared.future is not None:
+        try:
+            prepared.future.result()
+        except Exception:  # noqa: BLE001 - its result is not wanted either way
+            pass
