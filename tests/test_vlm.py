@@ -383,7 +383,6 @@ class _Counter:
 
 
 @pytest.mark.parametrize("setting, given", [
-    ("use_vllm=True", {"args": {"use_vllm": True}}),
     ("use_transformers_continuous_batching=True", {"args": {"use_transformers_continuous_batching": True}}),
     ("async_generation=True", {"args": {"async_generation": True}}),
     ("rollout_func", {"rollout_func": lambda prompts, trainer: {}}),

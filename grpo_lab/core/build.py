@@ -199,10 +199,12 @@ def tokenizer_for(model, processing_class, config: GRPOConfig):
     return prepare_tokenizer(processing_class), None, name
 
 
-def load_policy(model, config: GRPOConfig, quantization_config=None):
-    """The model to train (loaded where ``model`` is a path, ``quantization_config`` merged in as TRL
-    does)."""
-    return load_causal_lm(model, with_quantization(model, config.model_kwargs(), quantization_config))
+def load_policy(model, config: GRPOConfig, device: torch.device, quantization_config=None):
+    """The model to train on ``device`` (loaded where ``model`` is a path, ``quantization_config`` merged
+    in as TRL does; on a CPU with hub kernels off: :func:`without_hub_kernels_on_cpu`)."""
+    policy = load_causal_lm(model, with_quantization(model, config.model_kwargs(), quantization_config))
+    without_hub_kernels_on_cpu(policy, device)
+    return policy
 
 
 def without_hub_kernels_on_cpu(policy, device: torch.device) -> None:
@@ -211,8 +213,11 @@ def without_hub_kernels_on_cpu(policy, device: torch.device) -> None:
     then re-kernelizes it at every ``train()`` / ``eval()`` that changes the mode, walking every module:
     about 1.4 ms a flip on the shipped model, two flips a step (generation runs in eval mode). The
     ``kernels`` package has no CPU kernels, so on a CPU every layer runs its own forward either way."""
-    if device.type == "cpu" and getattr(policy, "use_kernels", False):
-        policy.use_kernels = False
+    if device.type != "cpu":
+        return
+    for module in policy.modules():  # a PEFT model given as the policy: the transformers model inside it
+        if isinstance(module, PreTrainedModel) and module.use_kernels:
+            module.use_kernels = False
 
 
 def check_prompts(policy, tokenizer, config: GRPOConfig, train_dataset, eval_dataset, *, custom_rollout: bool,
@@ -304,11 +309,12 @@ def check_policy(policy, config: GRPOConfig, processing_class, datasets: tuple, 
     keep_4bit_layers_differentiable(policy)
 
 
-def vllm_model_source(owner, model, policy, tokenizer, config: GRPOConfig):
+def vllm_model_source(engine, model, policy, config: GRPOConfig):
     """``(source, remove_copy)``: what colocated vLLM loads (None without it), and a call that removes
     the copy made for it. The source is the model's path or hub id; the base model of a PEFT model
     (its adapter follows with every request); or a copy of a model object, saved to a temporary
-    directory that is removed with ``owner`` (the engine)."""
+    directory with the engine's ``processing_class`` (the tokenizer, or a vision-language model's
+    processor, which vLLM loads from there too), removed with ``engine``."""
     if not (config.use_vllm and config.vllm_mode == "colocate"):
         return None, lambda: None
     if isinstance(model, (str, os.PathLike)):
@@ -319,9 +325,9 @@ def vllm_model_source(owner, model, policy, tokenizer, config: GRPOConfig):
         name = getattr(policy.config, "_name_or_path", "")
     else:
         directory = tempfile.mkdtemp(prefix="grpo_lab_vllm_model_")
-        remove_copy = weakref.finalize(owner, shutil.rmtree, directory, True)
+        remove_copy = weakref.finalize(engine, shutil.rmtree, directory, True)
         policy.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
+        engine.processing_class.save_pretrained(directory)
         return directory, remove_copy
     if not name:
         raise ValueError(

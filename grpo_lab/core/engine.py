@@ -68,8 +68,7 @@ class Engine:
         # Prompt order is shared by all processes (the sampler's own generator); sampling differs.
         set_seed(config.seed + self.accelerator.process_index)
         self.tokenizer, self.processor, name = build.tokenizer_for(model, processing_class, config)
-        policy = build.load_policy(model, config, quantization_config)
-        build.without_hub_kernels_on_cpu(policy, self.accelerator.device)
+        policy = build.load_policy(model, config, self.accelerator.device, quantization_config)
         build.check_policy(policy, config, self.processing_class, (train_dataset, eval_dataset),
                            dict(rollout_func=rollout_func, tools=tools, environment_factory=environment_factory))
         plain = environment_factory is None  # else the prompts are complete only after reset(): checked then
@@ -80,7 +79,7 @@ class Engine:
                                                 counted_dataset=counted_dataset)
         self.loss_stage, self.evaluation_stage = LossStage(self), EvaluationStage(self)
         self.model_reference = build.model_reference(model, name)
-        vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, self.tokenizer, config)
+        vllm_model, self._remove_model_copy = build.vllm_model_source(self, model, policy, config)
         policy, self.is_peft = build.adapt_policy(policy, config, peft_config, self.accelerator)
         self.ref_model = build.reference_copy(policy, config, self.is_peft, self.accelerator.device)
         given_optimizer, scheduler = optimizers

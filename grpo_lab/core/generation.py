@@ -13,7 +13,7 @@ from grpo_lab.rewards.preparation import CALL_KEYWORDS
 from grpo_lab.rollout.batch import eos_token_ids, padded_to_multiple
 from grpo_lab.rollout.custom import CustomBatch, call_rollout_func
 from grpo_lab.rollout.prompts import check_prompt_room, prompt_token_counts, render_prompts, wrap_completions
-from grpo_lab.rollout.vision import image_column, processed_prompts, prompt_lengths, row_images
+from grpo_lab.rollout.vision import engine_prompts, image_column, processed_prompts, prompt_lengths, row_images
 from grpo_lab.core.stream_sampler import StreamSampler
 from grpo_lab.types import Rollout
 
@@ -239,13 +239,19 @@ class GenerationStage:
     def backend_generate(self, prompts: list, rows: dict[str, list]):
         """The backend's completions of ``prompts``: their texts (chat messages through the chat
         template), or for a vision-language model their token ids and image inputs, from the images
-        of ``rows`` (:func:`grpo_lab.rollout.vision.processed_prompts`)."""
+        of ``rows`` (:func:`grpo_lab.rollout.vision.processed_prompts`); a vLLM backend is also given
+        each prompt's text and images, which vLLM processes itself
+        (:func:`grpo_lab.rollout.vision.engine_prompts`)."""
         engine = self.engine
+        backend, config = engine.rollout_backend, engine.config
         if engine.processor is None:
-            return engine.rollout_backend.generate(self.rendered(prompts), engine.config)
+            return backend.generate(self.rendered(prompts), config)
         images = row_images(rows, image_column(rows), len(prompts))
-        ids, image_inputs = processed_prompts(engine.processor, prompts, images, engine.config.chat_template_kwargs)
-        return engine.rollout_backend.generate(ids, engine.config, image_inputs=image_inputs)
+        ids, image_inputs = processed_prompts(engine.processor, prompts, images, config.chat_template_kwargs)
+        if not getattr(backend, "sends_images", False):
+            return backend.generate(ids, config, image_inputs=image_inputs)
+        return backend.generate(ids, config, image_inputs=image_inputs, engine_prompts=engine_prompts(
+            engine.processor, prompts, images, config.chat_template_kwargs))
 
     def generate_batch(self, prompts: list, rows: dict[str, list]) -> CustomBatch:
         """The completions of ``prompts`` (one per completion, after any environment's ``reset()``):

@@ -155,8 +155,8 @@ def check_image_training(processing_class, policy, config, datasets: list[tuple[
     ``datasets`` (``(name, dataset, whether its rows are read now)``), an image column given with a
     tokenizer or a text-only ``policy`` (:func:`check_vision_parts`), a row whose images are not
     images or whose prompt is not chat messages (:func:`check_image_rows`); and, for a vision-language
-    model's processor, the settings that do not take images: vLLM, continuous batching, and the
-    rollout function, tools or environment factory given (``custom``, by name)."""
+    model's processor, the settings that do not take images: continuous batching, one-step-off
+    generation, and the rollout function, tools or environment factory given (``custom``, by name)."""
     for name, dataset, read_rows in datasets:
         column = image_column(None if dataset is None else getattr(dataset, "column_names", None))
         check_vision_parts(processing_class, policy, column, name)
@@ -165,7 +165,7 @@ def check_image_training(processing_class, policy, config, datasets: list[tuple[
     if not is_vision_processor(processing_class):
         return
     unsupported = [(f"{setting}=True", f"{setting}=False") for setting in
-                   ("use_vllm", "use_transformers_continuous_batching", "async_generation") if getattr(config, setting)]
+                   ("use_transformers_continuous_batching", "async_generation") if getattr(config, setting)]
     unsupported += [(setting, f"no {setting}") for setting, given in custom.items() if given]
     if unsupported:
         setting, fix = unsupported[0]
@@ -269,10 +269,7 @@ def processed_prompts(processor, prompts: list, images: list[list], chat_templat
             ids_B.append(ids_B[-1])
             inputs_B.append(inputs_B[-1])
             continue
-        text = prompt if isinstance(prompt, str) else processor.apply_chat_template(
-            multimodal_messages(prompt, prompt_images), tokenize=False, add_generation_prompt=True,
-            **(chat_template_kwargs or {}),
-        )
+        text = rendered_prompt(processor, prompt, prompt_images, chat_template_kwargs)
         output = processor(text=[text], images=[prompt_images] if prompt_images else None, return_tensors="pt",
                            add_special_tokens=False)
         ids = output["input_ids"][0]
@@ -287,6 +284,33 @@ def processed_prompts(processor, prompts: list, images: list[list], chat_templat
         ids_B.append(ids.tolist())
         inputs_B.append(inputs)
     return ids_B, inputs_B
+
+
+def rendered_prompt(processor, prompt, images: list, chat_template_kwargs: dict | None = None) -> str:
+    """A prompt's text before the processor expands it: chat messages through the processor's chat
+    template, with one placeholder per image; a plain-text prompt (a row without images) as it is."""
+    if isinstance(prompt, str):
+        return prompt
+    return processor.apply_chat_template(multimodal_messages(prompt, images), tokenize=False,
+                                         add_generation_prompt=True, **(chat_template_kwargs or {}))
+
+
+def engine_prompts(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None
+                   ) -> list[dict]:
+    """The prompts as vLLM takes a vision-language model's (its ``TextPrompt``):
+    ``{"prompt": text, "multi_modal_data": {"image": [images]}}``, the text with the placeholders
+    unexpanded (vLLM's own processor expands them, as :func:`processed_prompts` does for training),
+    ``{"prompt": text}`` for a row without images. The copies of a group are one object."""
+    requests: list[dict] = []
+    for position, (prompt, prompt_images) in enumerate(zip(prompts, images, strict=True)):
+        if position > 0 and prompt == prompts[position - 1] and prompt_images == images[position - 1]:
+            requests.append(requests[-1])
+            continue
+        request = {"prompt": rendered_prompt(processor, prompt, prompt_images, chat_template_kwargs)}
+        if prompt_images:
+            request["multi_modal_data"] = {"image": list(prompt_images)}
+        requests.append(request)
+    return requests
 
 
 def model_inputs(rows: list[ImageInputs], prompt_mask_BP: torch.Tensor, completion_width: int = 0, *,

@@ -9,6 +9,7 @@ vLLM itself is not needed in the training environment.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import tempfile
 import time
@@ -24,7 +25,34 @@ from grpo_lab.parallel import dist
 from grpo_lab.parallel.layout import layout_for
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
-from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype
+from grpo_lab.rollout.vision import image_token_id
+from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype, without_image_token
+
+
+def generate_payload(token_lists: list[list[int]], engine_prompts: list[dict] | None, settings: dict,
+                     seeds: list[int]) -> dict:
+    """The body of ``POST /generate``: the prompts' token ids, or for a vision-language model each
+    distinct prompt's text with its images as base64 PNG (``prompts``) and which of them each
+    completion's is (``prompt_of``), so that a group's image travels once."""
+    payload = {"settings": settings, "seeds": seeds}
+    if engine_prompts is None:
+        return {"prompt_token_ids": token_lists, **payload}
+    distinct: dict[int, int] = {}  # id of a prompt object -> its index (the copies of a group are one object)
+    wire, prompt_of = [], []
+    for prompt in engine_prompts:
+        if id(prompt) not in distinct:
+            distinct[id(prompt)] = len(wire)
+            images = prompt.get("multi_modal_data", {}).get("image", [])
+            wire.append({"text": prompt["prompt"], "images": [png_base64(image) for image in images]})
+        prompt_of.append(distinct[id(prompt)])
+    return {"prompts": wire, "prompt_of": prompt_of, **payload}
+
+
+def png_base64(image) -> str:
+    """A PIL image as base64 PNG text (lossless: the server decodes the very pixels)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 class ServerError(RuntimeError):
@@ -39,6 +67,7 @@ def server_url(config) -> str:
 
 class VLLMServerBackend:
     name = "vllm-server"
+    sends_images = True  # a vision-language model's prompts go to vLLM as texts and images
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, lora_rank: int):
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
@@ -48,7 +77,7 @@ class VLLMServerBackend:
         health = self.wait_until_ready()
         if not isinstance(health, dict) or health.get("server") != "grpo-lab":
             raise ValueError(self._not_ours(f"its /health answer is {str(health)[:200]}"))
-        vocab_size = model_fn().config.vocab_size
+        vocab_size = model_fn().config.get_text_config().vocab_size  # a vision-language model's: its text model's
         if health["vocab_size"] != vocab_size:
             raise ValueError(
                 f"The vLLM server at {self.url} serves {health['model']!r} with {health['vocab_size']} tokens, but the "
@@ -138,18 +167,22 @@ class VLLMServerBackend:
                 time.sleep(0.5)
 
     # ------------------------------------------------------------------ backend
-    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
-        return self.generate_later(prompts, config)()
+    def generate(self, prompts: list[str] | list[list[int]], config, *, image_inputs=None,
+                 engine_prompts: list[dict] | None = None) -> GeneratedBatch:
+        return self.generate_later(prompts, config, image_inputs=image_inputs, engine_prompts=engine_prompts)()
 
-    def generate_later(self, prompts: list[str] | list[list[int]], config) -> Callable[[], GeneratedBatch]:
+    def generate_later(self, prompts: list[str] | list[list[int]], config, *, image_inputs=None,
+                       engine_prompts: list[dict] | None = None) -> Callable[[], GeneratedBatch]:
         """The request for ``prompts``' completions, prepared now (tokens, the context check, the seeds
         drawn from torch's generator) and sent when called: ``async_generation`` calls it from a
-        worker thread, where nothing may draw from the trainer's generators."""
+        worker thread, where nothing may draw from the trainer's generators. For a vision-language
+        model, as in colocate mode, ``engine_prompts`` (each prompt's text and images) are sent
+        (:func:`generate_payload`) and ``image_inputs`` kept on the batch."""
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
-        payload = {"prompt_token_ids": token_lists, "settings": sampling_settings(config),
-                   "seeds": draw_seeds(len(token_lists))}
+        settings = without_image_token(sampling_settings(config), image_token_id(model))
+        payload = generate_payload(token_lists, engine_prompts, settings, draw_seeds(len(token_lists)))
         eos, device = eos_token_ids(self.tokenizer, model), self.accelerator.device
 
         def send() -> GeneratedBatch:
@@ -159,10 +192,12 @@ class VLLMServerBackend:
                     f"The vLLM server at {self.url} generated with a policy pushed by another training run. Give "
                     "each run its own server (--port)."
                 )
-            return batch_from_token_lists(
+            batch = batch_from_token_lists(
                 prompt_ids_BP.to(device), prompt_mask_BP.to(device), answer["completion_ids"], answer["logprobs"],
                 pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos, policy_version=answer["version"],
             )
+            batch.image_inputs_B = image_inputs
+            return batch
 
         return send
 

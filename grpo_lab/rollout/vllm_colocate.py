@@ -13,11 +13,14 @@ import tempfile
 
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
-from grpo_lab.rollout.vllm_engine import VLLMEngine, import_vllm, on_gpu, sampling_settings, training_dtype
+from grpo_lab.rollout.vision import image_token_id
+from grpo_lab.rollout.vllm_engine import (VLLMEngine, import_vllm, on_gpu, sampling_settings, training_dtype,
+                                          without_image_token)
 
 
 class VLLMColocateBackend:
     name = "vllm-colocate"
+    sends_images = True  # a vision-language model's prompts go to vLLM as texts and images
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, vllm_model: str, lora_rank: int):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a notebook cell, not a server log (read at import)
@@ -51,19 +54,26 @@ class VLLMColocateBackend:
         self.engine.sampling_params(sampling_settings(config), seed=0)  # bad generation_kwargs fail here, not later
         self.sync_weights(model_fn(), 0)
 
-    def generate(self, prompts: list[str] | list[list[int]], config) -> GeneratedBatch:
+    def generate(self, prompts: list[str] | list[list[int]], config, *, image_inputs=None,
+                 engine_prompts: list[dict] | None = None) -> GeneratedBatch:
+        """Completions of ``prompts``; for a vision-language model, ``prompts`` are the processor's token
+        ids (the batch's, for training) and ``engine_prompts`` what vLLM is sent, each prompt's text and
+        images (:func:`grpo_lab.rollout.vision.engine_prompts`), ``image_inputs`` kept on the batch."""
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
-        ids, logprobs, version = self.engine.generate(token_lists, sampling_settings(config),
+        settings = without_image_token(sampling_settings(config), image_token_id(model))
+        ids, logprobs, version = self.engine.generate(engine_prompts or token_lists, settings,
                                                       draw_seeds(len(token_lists)))
         if self.enable_sleep_mode:
             self.engine.sleep()
-        return batch_from_token_lists(
+        batch = batch_from_token_lists(
             prompt_ids_BP.to(self.accelerator.device), prompt_mask_BP.to(self.accelerator.device), ids, logprobs,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_token_ids(self.tokenizer, model),
             policy_version=version,
         )
+        batch.image_inputs_B = image_inputs
+        return batch
 
     def sync_weights(self, model, version: int) -> None:
         if self.engine.uses_lora:

@@ -149,6 +149,8 @@ class VLLMEngine:
     def sampling_params(self, settings: dict, seed: int, n: int = 1):
         """vLLM ``SamplingParams`` for ``n`` samples from the settings of :func:`sampling_settings`."""
         kwargs = sampling_kwargs(settings)
+        if kwargs.get("logit_bias"):  # token ids as JSON keeps them (text) in server mode
+            kwargs["logit_bias"] = {int(token): float(bias) for token, bias in kwargs["logit_bias"].items()}
         regex = kwargs.pop("regex", None)
         if regex is not None:
             kwargs["structured_outputs"] = self._Structured(regex=regex)
@@ -162,24 +164,17 @@ class VLLMEngine:
                 + (f" ({', '.join(hints)})." if hints else ".")
             ) from error
 
-    def generate(self, prompt_token_ids: list[list[int]], settings: dict, seeds: list[int]):
+    def generate(self, prompts: list, settings: dict, seeds: list[int]):
         """One completion per prompt (one seed per prompt): (completion token ids, their sampling
-        log-probs, version), in the order of the prompts."""
+        log-probs, version), in the order of the prompts. A prompt is its token ids, or a prompt vLLM
+        takes as it is (a vision-language model's text and images: :func:`grouped_requests`)."""
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
-        # A run of identical prompts (a GRPO group) is one request for n samples: the prompt is
-        # processed once (benchmarks/README.md has the measurement).
-        runs: list[tuple[list[int], int, int]] = []  # (prompt, count, seed of its first copy)
-        for ids, seed in zip(prompt_token_ids, seeds, strict=True):
-            if runs and runs[-1][0] == ids:
-                runs[-1] = (ids, runs[-1][1] + 1, runs[-1][2])
-            else:
-                runs.append((ids, 1, seed))
+        runs = grouped_requests(prompts, seeds)
         params = [self.sampling_params(settings, seed, n=count) for _, count, seed in runs]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids, _, _ in runs], params, use_tqdm=False, lora_request=self._lora_request,
-        )
+        outputs = self.llm.generate([request for request, _, _ in runs], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
         ids, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:
@@ -210,6 +205,39 @@ class VLLMEngine:
     def dtype(self) -> str:
         """The weights' dtype in vLLM, e.g. "float32" (``auto`` picks bfloat16 for float32 weights on CPU)."""
         return str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+
+def grouped_requests(prompts: list, seeds: list[int]) -> list[tuple[dict, int, int]]:
+    """The vLLM requests of ``prompts``, one per run of equal prompts (a GRPO group is one request for
+    n samples, so that its prompt is processed once; benchmarks/README.md has the measurement):
+    ``(input, samples, the seed of the run's first copy)``. A prompt is a list of token ids
+    (``{"prompt_token_ids": ids}``) or a dict vLLM takes as it is: a vision-language model's
+    ``{"prompt": text, "multi_modal_data": {"image": [...]}}``
+    (:func:`grpo_lab.rollout.vision.engine_prompts`)."""
+    runs: list[tuple[object, int, int]] = []  # (prompt, count, seed of its first copy)
+    for prompt, seed in zip(prompts, seeds, strict=True):
+        if runs and (runs[-1][0] is prompt or runs[-1][0] == prompt):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((prompt, 1, seed))
+    return [(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}, count, seed)
+            for prompt, count, seed in runs]
+
+
+IMAGE_TOKEN_BIAS = -100.0
+"""The logit bias that keeps a vision-language model's image token from being sampled (the lowest
+vLLM takes: a probability of about e^-100 against the others), as ``suppress_tokens`` does in
+transformers' generation: a completion holding one would ask the model for an image it was not given."""
+
+
+def without_image_token(settings: dict, image_token: int | None) -> dict:
+    """``settings`` (of :func:`sampling_settings`) with ``image_token`` kept from being sampled, merged
+    with a ``logit_bias`` the user gave in ``generation_kwargs``; as they are for a text model (None)."""
+    if image_token is None:
+        return settings
+    extra = dict(settings.get("generation_kwargs") or {})
+    extra["logit_bias"] = {**(extra.get("logit_bias") or {}), image_token: IMAGE_TOKEN_BIAS}
+    return {**settings, "generation_kwargs": extra}
 
 
 def training_dtype(config) -> str:

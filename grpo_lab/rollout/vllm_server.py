@@ -5,7 +5,9 @@ Endpoints (JSON unless noted):
 - ``GET /health``: ``{"status": "ok", "server": "grpo-lab", "model", "vocab_size", "dtype", "version", "run",
   "max_lora_rank", "accepts_full_weights"}``;
 - ``POST /generate``: ``{"prompt_token_ids": [[int]], "settings": {...}, "seeds": [int]}`` ->
-  ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int, "run": str}``;
+  ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int, "run": str}``; for a
+  vision-language model ``"prompts": [{"text": str, "images": [base64 PNG]}], "prompt_of": [int]``
+  (each completion's prompt) in place of ``prompt_token_ids``;
 - ``POST /adapter``: ``{"version": int, "run": str, "files": {name: base64}}``: a PEFT adapter
   directory (``adapter_config.json``, ``adapter_model.safetensors``) used for every later request;
 - ``POST /weights?version=N&run=ID``: body = full weights in safetensors format (GPU engines only).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import re
 import shutil
@@ -57,13 +60,9 @@ class GenerationService:
         }
 
     def generate(self, request) -> dict:
-        _check_fields(request, "/generate", {"prompt_token_ids": list, "settings": dict, "seeds": list})
-        prompts, settings, seeds = request["prompt_token_ids"], request["settings"], request["seeds"]
-        vocab = self.engine.vocab_size()
-        for index, ids in enumerate(prompts):
-            if not isinstance(ids, list) or not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
-                raise BadRequest(f"/generate: prompt_token_ids[{index}] must be a non-empty list of token ids in "
-                                 f"[0, {vocab}), got {_shown(ids)}.")
+        _check_fields(request, "/generate", {"settings": dict, "seeds": list})
+        prompts = requested_prompts(request, self.engine.vocab_size())
+        settings, seeds = request["settings"], request["seeds"]
         if not all(_is_int(seed) for seed in seeds):
             raise BadRequest(f"/generate: seeds must be whole numbers, got {_shown(seeds)}.")
         if len(seeds) != len(prompts):
@@ -108,6 +107,57 @@ class GenerationService:
             self.engine.load_weights(load(body).items(), version)
             self.run = run
         return {"version": self.engine.version}
+
+
+def requested_prompts(request: dict, vocab: int) -> list:
+    """The prompts of a ``/generate`` request as :meth:`VLLMEngine.generate` takes them: token id
+    lists (``prompt_token_ids``), or a vision-language model's ``prompts`` (text and base64 PNG
+    images) decoded into vLLM's ``{"prompt": text, "multi_modal_data": {"image": [PIL images]}}``, one
+    entry per completion (``prompt_of``), the copies of a prompt one object. Refuses anything else,
+    naming the field."""
+    if ("prompts" in request) == ("prompt_token_ids" in request):
+        raise BadRequest("/generate needs either 'prompt_token_ids' (token ids) or 'prompts' with 'prompt_of' (a "
+                         "vision-language model's texts and images), not both or neither.")
+    if "prompt_token_ids" in request:
+        _check_fields(request, "/generate", {"prompt_token_ids": list})
+        prompts = request["prompt_token_ids"]
+        for index, ids in enumerate(prompts):
+            if not isinstance(ids, list) or not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+                raise BadRequest(f"/generate: prompt_token_ids[{index}] must be a non-empty list of token ids in "
+                                 f"[0, {vocab}), got {_shown(ids)}.")
+        return prompts
+    _check_fields(request, "/generate", {"prompts": list, "prompt_of": list})
+    decoded = []
+    for index, prompt in enumerate(request["prompts"]):
+        if (not isinstance(prompt, dict) or not isinstance(prompt.get("text"), str) or not prompt["text"]
+                or not isinstance(prompt.get("images"), list)):
+            raise BadRequest(f"/generate: prompts[{index}] must be {{'text': non-empty text, 'images': [base64 PNG]}}, "
+                             f"got {_shown(prompt)}.")
+        entry = {"prompt": prompt["text"]}
+        if prompt["images"]:
+            entry["multi_modal_data"] = {"image": [_decoded_image(data, f"prompts[{index}].images[{position}]")
+                                                   for position, data in enumerate(prompt["images"])]}
+        decoded.append(entry)
+    prompt_of = request["prompt_of"]
+    bad = next((i for i, value in enumerate(prompt_of) if not _is_int(value) or not 0 <= value < len(decoded)), None)
+    if bad is not None or not prompt_of:
+        raise BadRequest(f"/generate: prompt_of must list, per completion, an index into prompts (0 to "
+                         f"{len(decoded) - 1}), got {_shown(prompt_of)}.")
+    return [decoded[i] for i in prompt_of]
+
+
+def _decoded_image(data, field: str):
+    """A PIL image from base64 PNG (or any format PIL reads) text, or a BadRequest naming ``field``."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(data, str):
+        raise BadRequest(f"/generate: {field} must be base64 text, got {_shown(data)}.")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        image.load()
+    except (ValueError, UnidentifiedImageError, OSError):
+        raise BadRequest(f"/generate: {field} is not a base64-encoded image.") from None
+    return image
 
 
 def _is_int(value) -> bool:

