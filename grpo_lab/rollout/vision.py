@@ -297,16 +297,18 @@ def rendered_prompt(processor, prompt, images: list, chat_template_kwargs: dict 
 
 def engine_prompts(processor, prompts: list, images: list[list], chat_template_kwargs: dict | None = None
                    ) -> list[dict]:
-    """The prompts as vLLM takes a vision-language model's (its ``TextPrompt``):
-    ``{"prompt": text, "multi_modal_data": {"image": [images]}}``, the text with the placeholders
-    unexpanded (vLLM's own processor expands them, as :func:`processed_prompts` does for training),
-    ``{"prompt": text}`` for a row without images. The copies of a group are one object."""
+    """The prompts as vLLM takes a vision-language model's (its ``TokensPrompt``):
+    ``{"prompt_token_ids": ids, "multi_modal_data": {"image": [images]}}``, the ids those of the text
+    the processor renders, tokenized without special tokens (as :func:`processed_prompts` does), with
+    one placeholder per image unexpanded (vLLM's own processor expands them); ``{"prompt_token_ids":
+    ids}`` for a row without images. The copies of a group are one object."""
     requests: list[dict] = []
     for position, (prompt, prompt_images) in enumerate(zip(prompts, images, strict=True)):
         if position > 0 and prompt == prompts[position - 1] and prompt_images == images[position - 1]:
             requests.append(requests[-1])
             continue
-        request = {"prompt": rendered_prompt(processor, prompt, prompt_images, chat_template_kwargs)}
+        text = rendered_prompt(processor, prompt, prompt_images, chat_template_kwargs)
+        request = {"prompt_token_ids": processor.tokenizer(text, add_special_tokens=False)["input_ids"]}
         if prompt_images:
             request["multi_modal_data"] = {"image": list(prompt_images)}
         requests.append(request)

@@ -32,8 +32,9 @@ from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype, with
 def generate_payload(token_lists: list[list[int]], engine_prompts: list[dict] | None, settings: dict,
                      seeds: list[int]) -> dict:
     """The body of ``POST /generate``: the prompts' token ids, or for a vision-language model each
-    distinct prompt's text with its images as base64 PNG (``prompts``) and which of them each
-    completion's is (``prompt_of``), so that a group's image travels once."""
+    prompt object's token ids with its images as base64 PNG (``prompts``) and which of them each
+    completion's is (``prompt_of``), so that a group's images travel once (the copies of a group are
+    one object: :func:`grpo_lab.rollout.vision.engine_prompts`)."""
     payload = {"settings": settings, "seeds": seeds}
     if engine_prompts is None:
         return {"prompt_token_ids": token_lists, **payload}
@@ -43,15 +44,21 @@ def generate_payload(token_lists: list[list[int]], engine_prompts: list[dict] | 
         if id(prompt) not in distinct:
             distinct[id(prompt)] = len(wire)
             images = prompt.get("multi_modal_data", {}).get("image", [])
-            wire.append({"text": prompt["prompt"], "images": [png_base64(image) for image in images]})
+            wire.append({"prompt_token_ids": prompt["prompt_token_ids"],
+                         "images": [png_base64(image) for image in images]})
         prompt_of.append(distinct[id(prompt)])
     return {"prompts": wire, "prompt_of": prompt_of, **payload}
 
 
+PNG_MODES = ("1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA")
+"""The PIL image modes PNG stores as they are."""
+
+
 def png_base64(image) -> str:
-    """A PIL image as base64 PNG text (lossless: the server decodes the very pixels)."""
+    """A PIL image as base64 PNG text: lossless, the server decodes the very pixels; an image in a mode
+    PNG cannot store (a CMYK JPEG, YCbCr) is sent as RGB, which the processor converts it to anyway."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    (image if image.mode in PNG_MODES else image.convert("RGB")).save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode()
 
 

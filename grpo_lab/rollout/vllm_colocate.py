@@ -57,14 +57,15 @@ class VLLMColocateBackend:
     def generate(self, prompts: list[str] | list[list[int]], config, *, image_inputs=None,
                  engine_prompts: list[dict] | None = None) -> GeneratedBatch:
         """Completions of ``prompts``; for a vision-language model, ``prompts`` are the processor's token
-        ids (the batch's, for training) and ``engine_prompts`` what vLLM is sent, each prompt's text and
-        images (:func:`grpo_lab.rollout.vision.engine_prompts`), ``image_inputs`` kept on the batch."""
+        ids (the batch's, for training) and ``engine_prompts`` what vLLM is sent, each prompt's tokens
+        before the images are expanded and its images (:func:`grpo_lab.rollout.vision.engine_prompts`),
+        ``image_inputs`` kept on the batch."""
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
         settings = without_image_token(sampling_settings(config), image_token_id(model))
-        ids, logprobs, version = self.engine.generate(engine_prompts or token_lists, settings,
-                                                      draw_seeds(len(token_lists)))
+        ids, logprobs, version = self.engine.generate(token_lists if engine_prompts is None else engine_prompts,
+                                                      settings, draw_seeds(len(token_lists)))
         if self.enable_sleep_mode:
             self.engine.sleep()
         batch = batch_from_token_lists(

@@ -150,7 +150,13 @@ class VLLMEngine:
         """vLLM ``SamplingParams`` for ``n`` samples from the settings of :func:`sampling_settings`."""
         kwargs = sampling_kwargs(settings)
         if kwargs.get("logit_bias"):  # token ids as JSON keeps them (text) in server mode
-            kwargs["logit_bias"] = {int(token): float(bias) for token, bias in kwargs["logit_bias"].items()}
+            try:
+                kwargs["logit_bias"] = {int(token): float(bias) for token, bias in kwargs["logit_bias"].items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(
+                    f"generation_kwargs['logit_bias'] must map token ids to biases, e.g. {{42: -100.0}}; got "
+                    f"{kwargs['logit_bias']!r}."
+                ) from None
         regex = kwargs.pop("regex", None)
         if regex is not None:
             kwargs["structured_outputs"] = self._Structured(regex=regex)
@@ -212,7 +218,7 @@ def grouped_requests(prompts: list, seeds: list[int]) -> list[tuple[dict, int, i
     n samples, so that its prompt is processed once; benchmarks/README.md has the measurement):
     ``(input, samples, the seed of the run's first copy)``. A prompt is a list of token ids
     (``{"prompt_token_ids": ids}``) or a dict vLLM takes as it is: a vision-language model's
-    ``{"prompt": text, "multi_modal_data": {"image": [...]}}``
+    ``{"prompt_token_ids": ids, "multi_modal_data": {"image": [...]}}``
     (:func:`grpo_lab.rollout.vision.engine_prompts`)."""
     runs: list[tuple[object, int, int]] = []  # (prompt, count, seed of its first copy)
     for prompt, seed in zip(prompts, seeds, strict=True):
@@ -225,9 +231,10 @@ def grouped_requests(prompts: list, seeds: list[int]) -> list[tuple[dict, int, i
 
 
 IMAGE_TOKEN_BIAS = -100.0
-"""The logit bias that keeps a vision-language model's image token from being sampled (the lowest
-vLLM takes: a probability of about e^-100 against the others), as ``suppress_tokens`` does in
-transformers' generation: a completion holding one would ask the model for an image it was not given."""
+"""The logit bias that keeps a vision-language model's image token from being sampled (a probability
+of about e^-100 against the others; OpenAI's interface, which vLLM follows, clamps biases to -100),
+as ``suppress_tokens`` does in transformers' generation: a completion holding one would ask the
+model for an image it was not given."""
 
 
 def without_image_token(settings: dict, image_token: int | None) -> dict:

@@ -6,7 +6,8 @@ Endpoints (JSON unless noted):
   "max_lora_rank", "accepts_full_weights"}``;
 - ``POST /generate``: ``{"prompt_token_ids": [[int]], "settings": {...}, "seeds": [int]}`` ->
   ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int, "run": str}``; for a
-  vision-language model ``"prompts": [{"text": str, "images": [base64 PNG]}], "prompt_of": [int]``
+  vision-language model ``"prompts": [{"prompt_token_ids": [int], "images": [base64 PNG]}],
+  "prompt_of": [int]``
   (each completion's prompt) in place of ``prompt_token_ids``;
 - ``POST /adapter``: ``{"version": int, "run": str, "files": {name: base64}}``: a PEFT adapter
   directory (``adapter_config.json``, ``adapter_model.safetensors``) used for every later request;
@@ -111,29 +112,28 @@ class GenerationService:
 
 def requested_prompts(request: dict, vocab: int) -> list:
     """The prompts of a ``/generate`` request as :meth:`VLLMEngine.generate` takes them: token id
-    lists (``prompt_token_ids``), or a vision-language model's ``prompts`` (text and base64 PNG
-    images) decoded into vLLM's ``{"prompt": text, "multi_modal_data": {"image": [PIL images]}}``, one
-    entry per completion (``prompt_of``), the copies of a prompt one object. Refuses anything else,
-    naming the field."""
+    lists (``prompt_token_ids``), or a vision-language model's ``prompts`` (token ids and base64 PNG
+    images) decoded into vLLM's ``{"prompt_token_ids": ids, "multi_modal_data": {"image": [PIL
+    images]}}``, one entry per completion (``prompt_of``), the copies of a prompt one object. Refuses
+    anything else, naming the field."""
     if ("prompts" in request) == ("prompt_token_ids" in request):
         raise BadRequest("/generate needs either 'prompt_token_ids' (token ids) or 'prompts' with 'prompt_of' (a "
-                         "vision-language model's texts and images), not both or neither.")
+                         "vision-language model's token ids and images), not both or neither.")
     if "prompt_token_ids" in request:
         _check_fields(request, "/generate", {"prompt_token_ids": list})
         prompts = request["prompt_token_ids"]
         for index, ids in enumerate(prompts):
-            if not isinstance(ids, list) or not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
-                raise BadRequest(f"/generate: prompt_token_ids[{index}] must be a non-empty list of token ids in "
-                                 f"[0, {vocab}), got {_shown(ids)}.")
+            _check_ids(ids, f"prompt_token_ids[{index}]", vocab)
         return prompts
     _check_fields(request, "/generate", {"prompts": list, "prompt_of": list})
     decoded = []
     for index, prompt in enumerate(request["prompts"]):
-        if (not isinstance(prompt, dict) or not isinstance(prompt.get("text"), str) or not prompt["text"]
-                or not isinstance(prompt.get("images"), list)):
-            raise BadRequest(f"/generate: prompts[{index}] must be {{'text': non-empty text, 'images': [base64 PNG]}}, "
-                             f"got {_shown(prompt)}.")
-        entry = {"prompt": prompt["text"]}
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt or not isinstance(prompt.get("images"),
+                                                                                                list):
+            raise BadRequest(f"/generate: prompts[{index}] must be {{'prompt_token_ids': [int], 'images': [base64 "
+                             f"PNG]}}, got {_shown(prompt)}.")
+        _check_ids(prompt["prompt_token_ids"], f"prompts[{index}].prompt_token_ids", vocab)
+        entry = {"prompt_token_ids": prompt["prompt_token_ids"]}
         if prompt["images"]:
             entry["multi_modal_data"] = {"image": [_decoded_image(data, f"prompts[{index}].images[{position}]")
                                                    for position, data in enumerate(prompt["images"])]}
@@ -146,6 +146,12 @@ def requested_prompts(request: dict, vocab: int) -> list:
     return [decoded[i] for i in prompt_of]
 
 
+def _check_ids(ids, field: str, vocab: int) -> None:
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+        raise BadRequest(f"/generate: {field} must be a non-empty list of token ids in [0, {vocab}), got "
+                         f"{_shown(ids)}.")
+
+
 def _decoded_image(data, field: str):
     """A PIL image from base64 PNG (or any format PIL reads) text, or a BadRequest naming ``field``."""
     from PIL import Image, UnidentifiedImageError
@@ -155,6 +161,9 @@ def _decoded_image(data, field: str):
     try:
         image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
         image.load()
+    except Image.DecompressionBombError:
+        raise BadRequest(f"/generate: {field} holds more pixels than PIL opens ({Image.MAX_IMAGE_PIXELS}); "
+                         "resize the dataset's images.") from None
     except (ValueError, UnidentifiedImageError, OSError):
         raise BadRequest(f"/generate: {field} is not a base64-encoded image.") from None
     return image

@@ -350,8 +350,8 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, str]:
     ("/generate", b'{"prompt_token_ids": [[5]], "settings": [], "seeds": [1]}', "'settings' must be an object"),
     ("/generate", b'{"prompt_token_ids": [[5]], "settings": {}, "seeds": [1.5]}', "seeds must be whole numbers"),
     ("/generate", b'{"prompt_token_ids": [[5]], "prompts": [], "settings": {}, "seeds": [1]}', "not both or neither"),
-    ("/generate", b'{"prompts": [{"text": "hi", "images": ["aGVsbG8="]}], "prompt_of": [0], "settings": {}, '
-                  b'"seeds": [1]}', "prompts[0].images[0] is not a base64-encoded image."),
+    ("/generate", b'{"prompts": [{"prompt_token_ids": [5], "images": ["aGVsbG8="]}], "prompt_of": [0], '
+                  b'"settings": {}, "seeds": [1]}', "prompts[0].images[0] is not a base64-encoded image."),
     ("/adapter", b'{"version": 1, "files": ["adapter_config.json"]}', "'files' must be an object"),
     ("/adapter", b'{"version": "2", "files": {}}', "'version' must be a whole number, got \"2\"."),
     ("/adapter", b'{"version": 1, "files": {"..": "e30="}}', "file names must be plain names"),

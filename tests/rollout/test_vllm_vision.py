@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from grpo_lab import GRPOConfig, GRPOSession
-from grpo_lab.rollout.vision import engine_prompts, image_token_id, row_images
-from grpo_lab.rollout.vllm_client import generate_payload
+from grpo_lab.rollout.vision import engine_prompts, image_token_id, rendered_prompt, row_images
+from grpo_lab.rollout.vllm_client import generate_payload, png_base64
 from grpo_lab.rollout.vllm_colocate import VLLMColocateBackend
 from grpo_lab.rollout.vllm_engine import IMAGE_TOKEN_BIAS, grouped_requests, sampling_settings, without_image_token
 from grpo_lab.rollout.vllm_server import BadRequest, requested_prompts
@@ -18,7 +18,7 @@ from grpo_lab.tasks.colour_square import colour_reward, make_dataset
 from grpo_lab.tasks.tiny_vlm import FAMILIES, tiny_vlm
 
 PLACEHOLDERS = {"llava": "<image>", "gemma3": "<start_of_image>"}
-"""The text each family's chat template writes for an image before its processor expands it."""
+"""The token each family's chat template writes for an image before its processor expands it."""
 
 
 def _prompts(rows: int = 2, copies: int = 4):
@@ -29,21 +29,26 @@ def _prompts(rows: int = 2, copies: int = 4):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_prompt_goes_to_vllm_as_its_text_with_one_placeholder_per_image_and_the_images(family):
+def test_each_prompt_goes_to_vllm_as_its_tokens_with_one_placeholder_per_image_and_the_images(family):
     _, processor = tiny_vlm(family)
     prompts, images = _prompts()
     sent = engine_prompts(processor, prompts, images)
     assert len(sent) == 8 and sent[0] is sent[3] and sent[3] is not sent[4]  # a group's copies: one request
+    placeholder = processor.tokenizer.convert_tokens_to_ids(PLACEHOLDERS[family])
     for request, prompt_images in zip(sent, images, strict=True):
-        assert request["prompt"].count(PLACEHOLDERS[family]) == 1  # unexpanded: vLLM's processor expands it
+        assert request["prompt_token_ids"].count(placeholder) == 1  # unexpanded: vLLM's processor expands it
         assert request["multi_modal_data"]["image"] == prompt_images
-    expanded = processor(text=[sent[0]["prompt"]], images=[images[0]], return_tensors="pt")["input_ids"][0]
-    assert len(expanded) > len(processor.tokenizer(sent[0]["prompt"], add_special_tokens=False)["input_ids"])
+    # the same text as the trainer's prompt, tokenized alike (no special tokens added), before the expansion
+    text = rendered_prompt(processor, prompts[0], images[0])  # the chat template, a placeholder per image
+    assert processor.tokenizer.decode(sent[0]["prompt_token_ids"]) == text
+    trained = processor(text=[text], images=[images[0]], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    assert len(trained[0]) > len(sent[0]["prompt_token_ids"])
     # a group is one request for n samples, with its first copy's seed
     runs = grouped_requests(sent, seeds=list(range(10, 18)))
     assert [(request is sent[0], samples, seed) for request, samples, seed in runs] == [(True, 4, 10), (False, 4, 14)]
-    # a row without images: its text alone
-    assert engine_prompts(processor, ["plain text"], [[]]) == [{"prompt": "plain text"}]
+    # a row without images: its tokens alone
+    assert engine_prompts(processor, ["plain text"], [[]]) == [
+        {"prompt_token_ids": processor.tokenizer("plain text", add_special_tokens=False)["input_ids"]}]
 
 
 def test_the_server_is_sent_each_distinct_prompt_once_and_decodes_the_very_pixels():
@@ -55,8 +60,8 @@ def test_the_server_is_sent_each_distinct_prompt_once_and_decodes_the_very_pixel
     assert "prompt_token_ids" not in payload
     received = requested_prompts(payload, vocab=1000)
     assert received[0] is received[3]  # grouped on the server as in colocate mode
-    assert [(r["prompt"], n, seed) for r, n, seed in grouped_requests(received, payload["seeds"])] == [
-        (r["prompt"], n, seed) for r, n, seed in grouped_requests(sent, payload["seeds"])]
+    assert [(r["prompt_token_ids"], n, seed) for r, n, seed in grouped_requests(received, payload["seeds"])] == [
+        (r["prompt_token_ids"], n, seed) for r, n, seed in grouped_requests(sent, payload["seeds"])]
     for request, original in zip(received, sent, strict=True):
         (image,), (expected,) = request["multi_modal_data"]["image"], original["multi_modal_data"]["image"]
         assert image.size == expected.size and image.convert("RGB").tobytes() == expected.convert("RGB").tobytes()
@@ -67,19 +72,35 @@ def test_the_server_is_sent_each_distinct_prompt_once_and_decodes_the_very_pixel
 @pytest.mark.parametrize("request_, message", [
     ({"prompt_token_ids": [[5]], "prompts": [], "prompt_of": []}, "not both or neither"),
     ({}, "not both or neither"),
-    ({"prompts": [{"text": "hi", "images": []}]}, "'prompt_of' missing"),
-    ({"prompts": ["hi"], "prompt_of": [0]}, "prompts[0] must be {'text': non-empty text, 'images': [base64 PNG]}"),
-    ({"prompts": [{"text": "hi", "images": ["not base64!"]}], "prompt_of": [0]},
+    ({"prompts": [{"prompt_token_ids": [5], "images": []}]}, "'prompt_of' missing"),
+    ({"prompts": ["hi"], "prompt_of": [0]}, "prompts[0] must be {'prompt_token_ids': [int], 'images': [base64 PNG]}"),
+    ({"prompts": [{"prompt_token_ids": [5, 5000], "images": []}], "prompt_of": [0]},
+     "prompts[0].prompt_token_ids must be a non-empty list of token ids in [0, 1000)"),
+    ({"prompts": [{"prompt_token_ids": [5], "images": ["not base64!"]}], "prompt_of": [0]},
      "prompts[0].images[0] is not a base64-encoded image."),
-    ({"prompts": [{"text": "hi", "images": ["aGVsbG8="]}], "prompt_of": [0]},  # "hello": base64, not an image
+    ({"prompts": [{"prompt_token_ids": [5], "images": ["aGVsbG8="]}], "prompt_of": [0]},  # base64 of "hello"
      "prompts[0].images[0] is not a base64-encoded image."),
-    ({"prompts": [{"text": "hi", "images": [7]}], "prompt_of": [0]}, "prompts[0].images[0] must be base64 text"),
-    ({"prompts": [{"text": "hi", "images": []}], "prompt_of": [0, 1]}, "an index into prompts (0 to 0), got [0, 1]"),
+    ({"prompts": [{"prompt_token_ids": [5], "images": [7]}], "prompt_of": [0]},
+     "prompts[0].images[0] must be base64 text"),
+    ({"prompts": [{"prompt_token_ids": [5], "images": []}], "prompt_of": [0, 1]},
+     "an index into prompts (0 to 0), got [0, 1]"),
 ])
 def test_a_bad_vision_request_is_refused_naming_the_field(request_, message):
     with pytest.raises(BadRequest) as refused:
         requested_prompts(request_, vocab=1000)
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", ["P", "RGBA", "L", "CMYK"])
+def test_an_image_travels_to_the_server_with_its_pixels_and_a_mode_png_cannot_store_as_rgb(mode):
+    from PIL import Image
+
+    image = Image.new("RGB", (5, 3), (200, 30, 90)).convert(mode)
+    (request,) = requested_prompts({"prompts": [{"prompt_token_ids": [5], "images": [png_base64(image)]}],
+                                    "prompt_of": [0]}, vocab=10)
+    (received,) = request["multi_modal_data"]["image"]
+    expected = image if mode != "CMYK" else image.convert("RGB")
+    assert received.mode == expected.mode and received.tobytes() == expected.tobytes()
 
 
 def test_the_image_token_is_kept_from_being_sampled_beside_a_users_logit_bias():
@@ -131,7 +152,8 @@ def test_a_session_generates_through_the_colocated_backend_with_the_images_and_t
     rows = rollout.columns["image"]
     assert len(prompts) == len(seeds) == 8 and all("multi_modal_data" in prompt for prompt in prompts)
     for prompt, image in zip(prompts, rows, strict=True):
-        assert prompt["multi_modal_data"]["image"] == [image] and prompt["prompt"].count(PLACEHOLDERS[family]) == 1
+        assert prompt["multi_modal_data"]["image"] == [image]
+        assert prompt["prompt_token_ids"].count(tokenizer.convert_tokens_to_ids(PLACEHOLDERS[family])) == 1
     assert {image.tobytes() for image in rows} <= {dataset[i]["image"].tobytes() for i in range(8)}
     token = image_token_id(session.engine.unwrapped_model)
     assert settings["generation_kwargs"]["logit_bias"] == {token: IMAGE_TOKEN_BIAS}
