@@ -26,7 +26,7 @@ from grpo_lab.parallel.layout import layout_for
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
 from grpo_lab.rollout.vision import image_token_id
-from grpo_lab.rollout.vllm_engine import sampling_settings, training_dtype, without_image_token
+from grpo_lab.rollout.vllm_engine import check_expanded_alike, sampling_settings, training_dtype, without_image_token
 
 
 def generate_payload(token_lists: list[list[int]], engine_prompts: list[dict] | None, settings: dict,
@@ -199,6 +199,8 @@ class VLLMServerBackend:
                     f"The vLLM server at {self.url} generated with a policy pushed by another training run. Give "
                     "each run its own server (--port)."
                 )
+            if engine_prompts is not None:
+                check_expanded_alike(token_lists, answer["prompt_token_ids"])
             batch = batch_from_token_lists(
                 prompt_ids_BP.to(device), prompt_mask_BP.to(device), answer["completion_ids"], answer["logprobs"],
                 pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos, policy_version=answer["version"],

@@ -14,8 +14,8 @@ import tempfile
 from grpo_lab.rollout.batch import GeneratedBatch, batch_from_token_lists, draw_seeds, eos_token_ids, prompt_token_lists
 from grpo_lab.rollout.hf import check_context_fits
 from grpo_lab.rollout.vision import image_token_id
-from grpo_lab.rollout.vllm_engine import (VLLMEngine, import_vllm, on_gpu, sampling_settings, training_dtype,
-                                          without_image_token)
+from grpo_lab.rollout.vllm_engine import (VLLMEngine, check_expanded_alike, import_vllm, on_gpu, sampling_settings,
+                                          training_dtype, without_image_token)
 
 
 class VLLMColocateBackend:
@@ -64,8 +64,10 @@ class VLLMColocateBackend:
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)
         check_context_fits(model, prompt_ids_BP.shape[1], config.max_completion_length)
         settings = without_image_token(sampling_settings(config), image_token_id(model))
-        ids, logprobs, version = self.engine.generate(token_lists if engine_prompts is None else engine_prompts,
-                                                      settings, draw_seeds(len(token_lists)))
+        ids, logprobs, version, generated_after = self.engine.generate(
+            token_lists if engine_prompts is None else engine_prompts, settings, draw_seeds(len(token_lists)))
+        if engine_prompts is not None:
+            check_expanded_alike(token_lists, generated_after)
         if self.enable_sleep_mode:
             self.engine.sleep()
         batch = batch_from_token_lists(

@@ -172,8 +172,9 @@ class VLLMEngine:
 
     def generate(self, prompts: list, settings: dict, seeds: list[int]):
         """One completion per prompt (one seed per prompt): (completion token ids, their sampling
-        log-probs, version), in the order of the prompts. A prompt is its token ids, or a prompt vLLM
-        takes as it is (a vision-language model's text and images: :func:`grouped_requests`)."""
+        log-probs, version, the prompt token ids vLLM generated after), in the order of the prompts. A
+        prompt is its token ids, or a prompt vLLM takes as it is (a vision-language model's tokens and
+        images, whose placeholders vLLM expands: :func:`grouped_requests`)."""
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
@@ -181,13 +182,14 @@ class VLLMEngine:
         params = [self.sampling_params(settings, seed, n=count) for _, count, seed in runs]
         outputs = self.llm.generate([request for request, _, _ in runs], params, use_tqdm=False,
                                     lora_request=self._lora_request)
-        ids, logprobs = [], []
+        ids, logprobs, prompt_ids = [], [], []
         for output in outputs:
             for sample in output.outputs:
                 ids.append(list(sample.token_ids))
                 logprobs.append([step[token].logprob
                                  for step, token in zip(sample.logprobs, sample.token_ids, strict=True)])
-        return ids, logprobs, self.version
+                prompt_ids.append(list(output.prompt_token_ids))
+        return ids, logprobs, self.version, prompt_ids
 
     def sleep(self) -> None:
         """Free vLLM's GPU memory until the next generation (sleep mode)."""
@@ -228,6 +230,22 @@ def grouped_requests(prompts: list, seeds: list[int]) -> list[tuple[dict, int, i
             runs.append((prompt, 1, seed))
     return [(prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}, count, seed)
             for prompt, count, seed in runs]
+
+
+def check_expanded_alike(trained: list[list[int]], generated_after: list[list[int]]) -> None:
+    """Refuse a vision-language batch whose prompts vLLM expanded into other tokens than the model's
+    processor did for training (``trained``, per completion): its completions would have been sampled
+    after other tokens than the ones they are trained after."""
+    for index, (ours, theirs) in enumerate(zip(trained, generated_after, strict=True)):
+        if ours != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise ValueError(
+                f"vLLM expanded prompt {index}'s images into other tokens than the model's processor ({len(theirs)} "
+                f"prompt tokens against {len(ours)}, the first difference at token {at}), so its completions were "
+                "sampled after other tokens than the ones they would be trained after. vLLM and transformers "
+                "process this model family's images differently here: set use_vllm=False to generate with "
+                "transformers."
+            )
 
 
 IMAGE_TOKEN_BIAS = -100.0

@@ -7,8 +7,8 @@ Endpoints (JSON unless noted):
 - ``POST /generate``: ``{"prompt_token_ids": [[int]], "settings": {...}, "seeds": [int]}`` ->
   ``{"completion_ids": [[int]], "logprobs": [[float]], "version": int, "run": str}``; for a
   vision-language model ``"prompts": [{"prompt_token_ids": [int], "images": [base64 PNG]}],
-  "prompt_of": [int]``
-  (each completion's prompt) in place of ``prompt_token_ids``;
+  "prompt_of": [int]`` (each completion's prompt) in place of ``prompt_token_ids``, answered with
+  the ``prompt_token_ids`` vLLM expanded the images into, per completion, too;
 - ``POST /adapter``: ``{"version": int, "run": str, "files": {name: base64}}``: a PEFT adapter
   directory (``adapter_config.json``, ``adapter_model.safetensors``) used for every later request;
 - ``POST /weights?version=N&run=ID``: body = full weights in safetensors format (GPU engines only).
@@ -69,9 +69,12 @@ class GenerationService:
         if len(seeds) != len(prompts):
             raise BadRequest(f"{len(prompts)} prompts but {len(seeds)} seeds: give one seed per prompt.")
         with self.lock:
-            ids, logprobs, version = self.engine.generate(prompts, settings, seeds)
+            ids, logprobs, version, generated_after = self.engine.generate(prompts, settings, seeds)
             run = self.run
-        return {"completion_ids": ids, "logprobs": logprobs, "version": version, "run": run}
+        answer = {"completion_ids": ids, "logprobs": logprobs, "version": version, "run": run}
+        if "prompts" in request:  # a vision-language model's: the prompt tokens its images were expanded into
+            answer["prompt_token_ids"] = generated_after
+        return answer
 
     def load_adapter(self, request: dict) -> dict:
         if not self.max_lora_rank:

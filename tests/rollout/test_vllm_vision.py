@@ -113,13 +113,15 @@ def test_the_image_token_is_kept_from_being_sampled_beside_a_users_logit_bias():
 
 class RecordingEngine:
     """Stands in for :class:`VLLMEngine` (a ``vllm.LLM``): records each request and each weight push,
-    and answers every prompt with ``answer`` and log-probs of -1."""
+    answers every prompt with ``answer`` and log-probs of -1, and reports the prompt tokens it generated
+    after as vLLM's processor would expand them, by the model's processor (``expand`` changes them)."""
 
     version = 0
     uses_lora = False
 
-    def __init__(self, answer: list[int]):
-        self.answer, self.calls, self.pushed = answer, [], []
+    def __init__(self, answer: list[int], processor, expand=lambda ids: ids):
+        self.answer, self.processor, self.expand = answer, processor, expand
+        self.calls, self.pushed = [], []
 
     def load_weights(self, named_tensors, version: int) -> None:
         self.pushed.append((version, dict(named_tensors)))
@@ -127,11 +129,17 @@ class RecordingEngine:
 
     def generate(self, prompts, settings, seeds):
         self.calls.append((prompts, settings, seeds))
-        return [list(self.answer) for _ in prompts], [[-1.0] * len(self.answer) for _ in prompts], self.version
+        generated_after = [self.expand(self.processor(
+            text=[self.processor.tokenizer.decode(prompt["prompt_token_ids"])],
+            images=[prompt["multi_modal_data"]["image"]], add_special_tokens=False)["input_ids"][0])
+            for prompt in prompts]
+        return ([list(self.answer) for _ in prompts], [[-1.0] * len(self.answer) for _ in prompts], self.version,
+                generated_after)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_session_generates_through_the_colocated_backend_with_the_images_and_trains_on_its_batch(family, tmp_path):
+def _colocated_session(family, tmp_path, expand=lambda ids: ids):
+    """A session on a tiny VLM whose generation goes through the colocated vLLM backend, its engine a
+    :class:`RecordingEngine`; returns the session, the engine and the completion it answers with."""
     model, processor = tiny_vlm(family)
     config = GRPOConfig(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8,
                         max_completion_length=16, max_steps=2, report_to="none", seed=0)
@@ -140,12 +148,19 @@ def test_a_session_generates_through_the_colocated_backend_with_the_images_and_t
     tokenizer = session.tokenizer
     answer = tokenizer("<answer>red</answer>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert len(answer) <= 16
-    recording = RecordingEngine(answer)
+    recording = RecordingEngine(answer, processor, expand)
     backend = object.__new__(VLLMColocateBackend)  # its vllm.LLM cannot start here: the recording engine instead
     backend._model_fn, backend.tokenizer, backend.accelerator = (lambda: session.engine.unwrapped_model, tokenizer,
                                                                   session.engine.accelerator)
     backend.engine, backend.enable_sleep_mode = recording, False
     session.engine.rollout_backend = backend
+    return session, recording, answer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_session_generates_through_the_colocated_backend_with_the_images_and_trains_on_its_batch(family, tmp_path):
+    session, recording, answer = _colocated_session(family, tmp_path)
+    tokenizer = session.tokenizer
     rollout = session.generate()
     (prompts, settings, seeds), = recording.calls
     dataset = make_dataset(8)
@@ -169,3 +184,13 @@ def test_a_session_generates_through_the_colocated_backend_with_the_images_and_t
     (version, weights), = recording.pushed
     assert version == 1 and all(torch.equal(weights[name], value)
                                 for name, value in session.engine.unwrapped_model.state_dict().items())
+
+
+def test_a_batch_whose_images_vllm_expanded_otherwise_than_the_processor_is_refused(tmp_path):
+    session, _, _ = _colocated_session("llava", tmp_path, expand=lambda ids: ids[1:])
+    position = session.engine.sampler.state_dict()
+    with pytest.raises(ValueError, match=r"vLLM expanded prompt 0's images into other tokens than the model's "
+                                         r"processor \(\d+ prompt tokens against \d+, the first difference at token 0\)"
+                                         r".*set use_vllm=False"):
+        session.generate()
+    assert session.engine.sampler.state_dict() == position and session.global_step == 0
