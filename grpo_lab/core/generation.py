@@ -240,7 +240,7 @@ class GenerationStage:
         """The backend's completions of ``prompts``: their texts (chat messages through the chat
         template), or for a vision-language model their token ids and image inputs, from the images
         of ``rows`` (:func:`grpo_lab.rollout.vision.processed_prompts`); a vLLM backend is also given
-        each prompt's text and images, which vLLM processes itself
+        each prompt's tokens before the images are expanded, and its images, which vLLM processes itself
         (:func:`grpo_lab.rollout.vision.engine_prompts`)."""
         engine = self.engine
         backend, config = engine.rollout_backend, engine.config

@@ -74,7 +74,7 @@ def server_url(config) -> str:
 
 class VLLMServerBackend:
     name = "vllm-server"
-    sends_images = True  # a vision-language model's prompts go to vLLM as texts and images
+    sends_images = True  # a vision-language model's prompts go to vLLM as tokens and images
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, lora_rank: int):
         self._model_fn, self.tokenizer, self.accelerator = model_fn, tokenizer, accelerator
@@ -183,7 +183,7 @@ class VLLMServerBackend:
         """The request for ``prompts``' completions, prepared now (tokens, the context check, the seeds
         drawn from torch's generator) and sent when called: ``async_generation`` calls it from a
         worker thread, where nothing may draw from the trainer's generators. For a vision-language
-        model, as in colocate mode, ``engine_prompts`` (each prompt's text and images) are sent
+        model, as in colocate mode, ``engine_prompts`` (each prompt's tokens and images) are sent
         (:func:`generate_payload`) and ``image_inputs`` kept on the batch."""
         model = self._model_fn()
         prompt_ids_BP, prompt_mask_BP, token_lists = prompt_token_lists(self.tokenizer, prompts)

@@ -20,7 +20,7 @@ from grpo_lab.rollout.vllm_engine import (VLLMEngine, check_expanded_alike, impo
 
 class VLLMColocateBackend:
     name = "vllm-colocate"
-    sends_images = True  # a vision-language model's prompts go to vLLM as texts and images
+    sends_images = True  # a vision-language model's prompts go to vLLM as tokens and images
 
     def __init__(self, config, *, model_fn, tokenizer, accelerator, vllm_model: str, lora_rank: int):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # a notebook cell, not a server log (read at import)
